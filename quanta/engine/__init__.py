@@ -1,0 +1,1 @@
+"""Sequences, scheduling policies, executors, sampling, the engine loop and its trace."""

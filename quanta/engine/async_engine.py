@@ -1,0 +1,164 @@
+"""Runs the synchronous :class:`Engine` on its own thread for asyncio callers.
+
+The engine thread owns the engine: requests and aborts reach it through a
+command queue, and outputs return to each caller's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``. A caller that stops iterating (a client that
+disconnected) aborts its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from quanta.engine.engine import Engine
+from quanta.engine.output import RequestOutput
+from quanta.engine.sampling import SamplingParams
+
+log = logging.getLogger("quanta.engine")
+
+
+class QueueFullError(RuntimeError):
+    """More than ``max_queue`` requests are waiting."""
+
+
+@dataclass
+class _Submit:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    arrived: asyncio.Future
+    seq_id: int | None = None
+    error: Exception | None = None
+
+
+class AsyncEngine:
+    """Thread-hosted engine with an async streaming API.
+
+    Args:
+        engine: the engine to drive (used only from the engine thread after
+            :meth:`start`).
+        max_queue: waiting requests allowed before :class:`QueueFullError`;
+            None for unbounded.
+        on_output: called on the engine thread with each output (metrics).
+    """
+
+    def __init__(self, engine: Engine, max_queue: int | None = None, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.on_output = on_output
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[int, _Submit] = {}
+        self._thread = threading.Thread(target=self._run, name="quanta-engine", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes.
+
+        Raises:
+            QueueFullError: the waiting queue is full.
+            ValueError: the engine rejected the request (length limits).
+            RuntimeError: the engine thread has died.
+        """
+        if not self.alive:
+            raise RuntimeError("the engine is not running")
+        if self.max_queue is not None and self.num_waiting >= self.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue})")
+        loop = asyncio.get_running_loop()
+        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future())
+        self._commands.put(("add", sub))
+        finished = False
+        try:
+            await sub.arrived
+            if sub.error is not None:
+                raise sub.error
+            while not finished:
+                out = await sub.outputs.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"engine failed: {out}") from out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished and sub.error is None:
+                self._commands.put(("abort", sub))
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.engine.has_work())
+                if self.engine.has_work():
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as exc:  # the engine thread must report, not vanish
+            log.exception("engine loop failed")
+            self.error = exc
+            for sub in list(self._routes.values()):
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, exc)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, verb: str, arg) -> None:
+        if verb == "add":
+            try:
+                seq = self.engine.add_request(arg.prompt_token_ids, arg.params)
+                arg.seq_id = seq.seq_id
+                self._routes[seq.seq_id] = arg
+            except Exception as exc:  # reported to the caller, engine keeps going
+                arg.error = exc
+            arg.loop.call_soon_threadsafe(_resolve, arg.arrived)
+        elif verb == "abort" and arg.seq_id is not None:
+            out = self.engine.abort(arg.seq_id)
+            self._routes.pop(arg.seq_id, None)
+            if out is not None and self.on_output is not None:
+                self.on_output(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if self.on_output is not None:
+            self.on_output(out)
+        sub = self._routes.get(out.seq_id)
+        if sub is None:
+            return
+        if out.finished:
+            del self._routes[out.seq_id]
+        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

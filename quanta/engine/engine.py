@@ -1,0 +1,146 @@
+"""The engine loop: schedule, execute, post-process, record.
+
+:class:`Engine` is synchronous and single-threaded; :mod:`quanta.engine.async_engine`
+runs it on a thread for the HTTP server, ``quanta generate`` calls it
+directly, and the simulator drives it with a cost-model executor and a
+virtual clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+from quanta.engine.executor import Executor
+from quanta.engine.output import RequestOutput, TextState
+from quanta.engine.sampling import SamplingParams
+from quanta.engine.scheduler import Scheduler
+from quanta.engine.sequence import Sequence, SequenceStatus
+from quanta.engine.trace import Trace
+from quanta.model.tokenizer import Tokenizer
+
+
+class Engine:
+    """Continuous-batching engine around one scheduler and one executor.
+
+    Args:
+        scheduler: the policy deciding each step.
+        executor: runs steps (real model or cost model).
+        max_model_len: prompt plus generated tokens allowed per sequence.
+        tokenizer: needed for text output and stop strings; None yields tokens only.
+        eos_token_ids: tokens that end generation (unless ``ignore_eos``).
+        clock: seconds; ``time.monotonic`` by default, a virtual clock in simulation.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        max_model_len: int,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.clock = clock
+        self.trace = Trace()
+        self.sequences: dict[int, Sequence] = {}
+        self._text: dict[int, TextState] = {}
+        self._ids = itertools.count()
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``ValueError`` naming both numbers if they exceed ``max_model_len``."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})"
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; returns its sequence (``seq_id`` identifies it).
+
+        Raises:
+            ValueError: empty prompt, or prompt plus ``max_tokens`` beyond ``max_model_len``.
+        """
+        self.check_length(len(prompt_token_ids), params.max_tokens)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_time=self.clock())
+        self.sequences[seq.seq_id] = seq
+        if self.tokenizer is not None:
+            self._text[seq.seq_id] = TextState.create(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> RequestOutput | None:
+        """Cancel a request and free its slot; None if it already ended."""
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        self._release(seq)
+        return self._output(seq, [], "", self.clock())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns an output per sequence that emitted or finished."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        start = self.clock()
+        sampled = self.executor.execute(plan)
+        end = self.clock()
+        outputs = []
+        for chunk, token in zip(plan.chunks, sampled):
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+            if token is not None:
+                outputs.append(self._append_token(chunk.seq, token, end))
+        self.trace.record(
+            plan.kind, start, end,
+            [c.seq.seq_id for c in plan.chunks],
+            [c.num_new_tokens for c in plan.chunks],
+            [int(t is not None) for t in sampled],
+        )
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        seq.token_times.append(now)
+        reason = self._finish_reason(seq, token)
+        text_state = self._text.get(seq.seq_id)
+        text = ""
+        if text_state is not None:
+            text = text_state.add(token, final=reason is not None)
+            if text_state.stopped and reason is None:
+                reason = "stop"
+        if reason is not None:
+            seq.finish_reason = reason
+            self._release(seq)
+        return self._output(seq, [token], text, now)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.sequences.pop(seq.seq_id, None)
+        self._text.pop(seq.seq_id, None)
+        self.executor.release(seq.seq_id)
+
+    def _output(self, seq: Sequence, tokens: list[int], text: str, now: float) -> RequestOutput:
+        return RequestOutput(
+            seq.seq_id, tokens, text, seq.status is SequenceStatus.FINISHED, seq.finish_reason,
+            seq.num_prompt_tokens, len(seq.output_token_ids), now,
+        )

@@ -1,0 +1,68 @@
+"""Executors run a :class:`StepPlan`; :class:`ModelExecutor` runs the real model.
+
+An executor returns, for each chunk of the plan, the sampled next token, or
+None for a prefill chunk that leaves prompt tokens to compute. The simulator's
+cost-model executor returns the same shape.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from quanta.engine.sampling import Sampler
+from quanta.engine.scheduler import StepPlan
+from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.llama import LlamaModel
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> list[int | None]:
+        """Run ``plan``; one entry per chunk: the sampled token or None."""
+
+    def release(self, seq_id: int) -> None:
+        """Forget per-sequence state of a finished sequence (default: none kept)."""
+
+
+class ModelExecutor(Executor):
+    """Runs plans through a :class:`LlamaModel` over a slot KV cache.
+
+    Args:
+        model: the loaded model (its parameters' dtype is the compute dtype).
+        num_slots: KV cache slots (= the scheduler's ``max_num_seqs``).
+        max_model_len: positions per slot (tokens).
+    """
+
+    def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int) -> None:
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        self.model = model
+        self.kv = KVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len, cfg.head_dim, dtype)
+        self.sampler = Sampler()
+
+    def execute(self, plan: StepPlan) -> list[int | None]:
+        ids: list[int] = []
+        slices, sample_rows, samplers = [], [], []
+        for chunk in plan.chunks:
+            seq, n = chunk.seq, chunk.num_new_tokens
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids(start, n))
+            slices.append(SeqSlice(seq.slot, start, n))
+            if start + n >= seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                samplers.append(seq)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long), AttentionBatch(slices, self.kv))
+        tokens: list[int] = []
+        if samplers:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens = self.sampler.sample(
+                logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]
+            )
+        by_seq = dict(zip((s.seq_id for s in samplers), tokens))
+        return [by_seq.get(c.seq.seq_id) for c in plan.chunks]
+
+    def release(self, seq_id: int) -> None:
+        """Forget per-sequence sampler state."""
+        self.sampler.forget(seq_id)

@@ -1,0 +1,84 @@
+"""Per-request output text: incremental detokenization and stop strings.
+
+Streaming must never show text that a stop string will later cut, so the
+tail that could still start a stop string is held back until it either
+completes the stop string (then it is dropped and the request finishes) or
+can no longer match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        seq_id: the sequence.
+        token_ids: tokens generated this step (0 or 1 of them).
+        text: newly releasable text (may be empty while held back).
+        finished: the request ended in this step.
+        finish_reason: ``stop``, ``length`` or ``abort`` when finished.
+        num_prompt_tokens / num_output_tokens: usage counts so far.
+        time: engine-clock seconds when the step ended.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    time: float
+
+
+@dataclass
+class TextState:
+    """Accumulated text of one request and how much of it was released."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    text: str = ""
+    released: int = 0
+    stopped: bool = field(default=False)
+
+    @classmethod
+    def create(cls, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> "TextState":
+        return cls(IncrementalDetokenizer(tokenizer, prompt_ids), [s for s in stop if s])
+
+    def add(self, token_id: int, final: bool) -> str:
+        """Append a token; returns text now safe to release.
+
+        Sets ``stopped`` when a stop string appeared (the text is cut before it).
+        ``final`` releases everything still held back.
+        """
+        self.text += self.detokenizer.add(token_id)
+        if self.stop:
+            cut = self._find_stop()
+            if cut is not None:
+                self.text, self.stopped = self.text[:cut], True
+                final = True
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        delta = self.text[self.released:end]
+        self.released = max(self.released, end)
+        return delta
+
+    def _find_stop(self) -> int | None:
+        window_start = max(0, self.released - max(map(len, self.stop)))
+        hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,131 @@
+"""Sampling parameters and the sampler that turns logits into next tokens.
+
+Order of logit processing follows vLLM: penalties, temperature, then top-k,
+top-p and min-p filters; greedy (argmax) when ``temperature == 0``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI names and ranges).
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it (0-2).
+        top_p: nucleus mass kept, (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens below ``min_p * p_max``, [0, 1].
+        seed: makes sampling reproducible per request.
+        stop: strings that end generation; the stop string is not returned.
+        stop_token_ids: token ids that end generation, besides EOS.
+        ignore_eos: keep generating past EOS (benchmarks use it for fixed lengths).
+        presence_penalty / frequency_penalty: OpenAI penalties on generated
+            tokens, each in [-2, 2].
+
+    Raises:
+        ValueError: a value out of its range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be between 0 and 1"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Samples one token per row of logits, each row with its own parameters."""
+
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]], keys: list[int]) -> list[int]:
+        """Pick next tokens.
+
+        Args:
+            logits: ``[N, vocab]`` float32.
+            params: N sampling settings.
+            histories: N lists of already generated token ids (for penalties).
+            keys: N sequence ids; a seeded request keeps its generator under its key.
+
+        Returns:
+            N token ids.
+        """
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, p in enumerate(params):
+            if p.greedy and not (p.presence_penalty or p.frequency_penalty):
+                out.append(greedy[i])
+                continue
+            row = _penalize(logits[i].clone(), histories[i], p)
+            out.append(int(row.argmax()) if p.greedy else self._draw(row, p, keys[i]))
+        return out
+
+    def forget(self, key: int) -> None:
+        """Drop the generator of a finished sequence."""
+        self._generators.pop(key, None)
+
+    def _draw(self, row: torch.Tensor, p: SamplingParams, key: int) -> int:
+        probs = _filtered_probs(row / p.temperature, p)
+        gen = None
+        if p.seed is not None:
+            gen = self._generators.get(key)
+            if gen is None:
+                gen = self._generators[key] = torch.Generator().manual_seed(p.seed)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _penalize(row: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
+    if not history or not (p.presence_penalty or p.frequency_penalty):
+        return row
+    counts = Counter(history)
+    ids = torch.tensor(list(counts.keys()), dtype=torch.long)
+    freq = torch.tensor(list(counts.values()), dtype=row.dtype)
+    row[ids] -= p.frequency_penalty * freq + p.presence_penalty
+    return row
+
+
+def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    if p.top_k > 0 and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        drop_sorted = cumulative - sorted_probs > p.top_p
+        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

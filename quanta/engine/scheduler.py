@@ -1,0 +1,119 @@
+"""The scheduler interface: which sequences run next, and how many new tokens each gets.
+
+A scheduler knows nothing about torch, HTTP or wall clocks. The engine calls
+:meth:`Scheduler.schedule` for a :class:`StepPlan`, has an executor run it,
+advances the sequences, then reports finished ones with :meth:`Scheduler.finish`.
+The same classes drive the real model and the simulator.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import ClassVar
+
+from quanta.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of ``seq`` starting at ``seq.num_computed_tokens``."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return not self.seq.is_prefilling
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One forward pass: the chunks it carries, in token order."""
+
+    chunks: list[ScheduledChunk]
+
+    @property
+    def kind(self) -> str:
+        """``decode`` (all chunks decode), ``prefill`` (none) or ``mixed`` (fused)."""
+        decodes = sum(c.is_decode for c in self.chunks)
+        if decodes == len(self.chunks):
+            return "decode"
+        return "prefill" if decodes == 0 else "mixed"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler(ABC):
+    """Waiting queue, resident sequences and KV slots; policies add :meth:`schedule`.
+
+    Args:
+        max_num_seqs: resident sequences at most (= KV cache slots).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs))
+
+    @abstractmethod
+    def schedule(self) -> StepPlan | None:
+        """The next step, or None when there is nothing to run."""
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FIFO)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its slot."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = None
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def admit(self, count: int) -> list[Sequence]:
+        """Move up to ``count`` waiting sequences into free slots (lowest slot first)."""
+        admitted = []
+        while self.waiting and self._free_slots and len(admitted) < count:
+            seq = self.waiting.popleft()
+            seq.slot = heapq.heappop(self._free_slots)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def decoding(self) -> list[Sequence]:
+        """Resident sequences past their prompt."""
+        return [s for s in self.running if not s.is_prefilling]
+
+    def prefilling(self) -> list[Sequence]:
+        """Resident sequences with prompt tokens left."""
+        return [s for s in self.running if s.is_prefilling]
+
+
+def decode_plan(seqs: list[Sequence]) -> StepPlan:
+    """One decode step: a token for each of ``seqs``."""
+    return StepPlan([ScheduledChunk(s, 1) for s in seqs])
+
+
+def tokens_to_boundary(position: int, cap: int) -> int:
+    """Positions from ``position`` up to the next multiple of ``cap`` (1..cap)."""
+    return cap - position % cap

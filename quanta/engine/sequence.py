@@ -1,0 +1,72 @@
+"""State of one request inside the engine.
+
+Following vLLM's v1 scheduler there is no separate prefill or decode phase:
+a sequence has ``num_computed_tokens`` (already in its KV cache) and
+``num_tokens`` (prompt plus generated), and each step hands it some of the
+difference. It is *prefilling* while prompt tokens remain uncomputed and
+*decoding* afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from quanta.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and progress.
+
+    Attributes:
+        seq_id: engine-unique id.
+        prompt_token_ids: the prompt, in tokens.
+        params: sampling settings.
+        arrival_time: when the engine received it (seconds, engine clock).
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose keys/values are in the cache.
+        slot: KV cache slot while resident, else None.
+        finish_reason: ``stop``, ``length`` or ``abort`` once finished.
+        token_times: engine-clock time each output token was produced.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens_left(self) -> int:
+        return max(0, len(self.prompt_token_ids) - self.num_computed_tokens)
+
+    def token_ids(self, start: int, count: int) -> list[int]:
+        """Tokens ``[start, start + count)`` of prompt followed by output."""
+        prompt = self.prompt_token_ids
+        if start + count <= len(prompt):
+            return prompt[start:start + count]
+        return (prompt + self.output_token_ids)[start:start + count]

@@ -1,0 +1,81 @@
+"""The step trace: one record per executed step, the source of every latency figure.
+
+Recording costs one small object per step (not per token), appended to a
+bounded deque, so tracing stays on in production.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One executed forward pass.
+
+    Attributes:
+        step: index of the step since the engine started (0-based).
+        kind: ``prefill``, ``decode`` or ``mixed`` (a fused forward carrying both).
+        start / end: engine-clock seconds (``time.monotonic`` on the real engine).
+        seq_ids: sequences served, in token order.
+        num_new_tokens: new tokens per sequence (same order).
+        num_emitted: output tokens each sequence emitted (0 for a prefill chunk
+            that leaves prompt tokens to compute, else 1).
+    """
+
+    step: int
+    kind: str
+    start: float
+    end: float
+    seq_ids: list[int]
+    num_new_tokens: list[int]
+    num_emitted: list[int]
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Trace:
+    """The last ``max_records`` step records plus running counters.
+
+    Attributes:
+        num_prefill_steps / num_decode_steps / num_mixed_steps: steps of each
+            kind since the engine started (not bounded by ``max_records``).
+    """
+
+    def __init__(self, max_records: int = 100_000) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=max_records)
+        self.counts = {"prefill": 0, "decode": 0, "mixed": 0}
+        self._next_step = 0
+
+    def record(self, kind: str, start: float, end: float, seq_ids: list[int], num_new_tokens: list[int], num_emitted: list[int]) -> StepRecord:
+        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted)
+        self._next_step += 1
+        self.counts[kind] += 1
+        self.records.append(rec)
+        return rec
+
+    @property
+    def num_prefill_steps(self) -> int:
+        return self.counts["prefill"]
+
+    @property
+    def num_decode_steps(self) -> int:
+        return self.counts["decode"]
+
+    @property
+    def num_mixed_steps(self) -> int:
+        return self.counts["mixed"]
+
+    def to_dicts(self, since_step: int = 0) -> list[dict]:
+        """Records with ``step >= since_step`` as plain dicts (JSON-ready)."""
+        return [asdict(r) for r in list(self.records) if r.step >= since_step]
+
+    def dump_jsonl(self, path: str) -> None:
+        """Write every kept record as one JSON object per line."""
+        with open(path, "w", encoding="utf-8") as f:
+            for rec in self.to_dicts():
+                f.write(json.dumps(rec) + "\n")

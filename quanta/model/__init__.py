@@ -1,0 +1,1 @@
+"""Model architectures, weight loading (GGUF, safetensors) and tokenizers."""

@@ -1,0 +1,153 @@
+"""Slot KV cache and the attention of one step over it.
+
+Each resident sequence owns one *slot*: a row of the cache with room for
+``max_model_len`` positions. A step's sequences are described by
+:class:`SeqSlice` (slot, cached positions, new tokens); :class:`AttentionBatch`
+turns them into the index tensors every layer shares, once per step, so the
+layers' signatures stay ``forward(x, batch)``.
+
+Sequences with one new token (decode) are attended together in one padded
+call over a contiguous range of slots (a view of the cache, no copy);
+sequences with several (prefill chunks) are attended one by one with a causal
+mask offset by their cached length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of every layer: ``[num_slots, num_kv_heads, max_len, head_dim]`` each.
+
+    Memory is ``2 * layers * slots * max_len * kv_heads * head_dim * itemsize``
+    bytes, reserved with ``torch.empty`` (pages are touched only when written).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's part of a step.
+
+    Attributes:
+        slot: KV cache row of the sequence.
+        start: positions already in the cache (tokens), i.e. the position of the
+            first new token.
+        num_new: new tokens this step (1 for a decode step).
+    """
+
+    slot: int
+    start: int
+    num_new: int
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step attention context shared by all layers.
+
+    Attributes:
+        seqs: sequences in token order of the flattened ``[T]`` input.
+        kv: the cache new keys/values are written into.
+        positions: ``[T]`` int64 absolute positions.
+        max_position: largest entry of ``positions``.
+        rope_tables: cos/sin for ``positions``, filled in by the model.
+    """
+
+    seqs: list[SeqSlice]
+    kv: KVCache
+    positions: torch.Tensor = field(init=False)
+    max_position: int = field(init=False)
+    rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    _write_slots: torch.Tensor = field(init=False)
+    _prefills: list[tuple[int, SeqSlice]] = field(init=False)
+    _decode: "_DecodeGroup | None" = field(init=False)
+
+    def __post_init__(self) -> None:
+        positions, slots, self._prefills = [], [], []
+        decode_rows: list[tuple[int, SeqSlice]] = []
+        offset = 0
+        for s in self.seqs:
+            if s.start + s.num_new > self.kv.max_len:
+                raise ValueError(f"sequence in slot {s.slot} needs {s.start + s.num_new} positions, cache holds {self.kv.max_len}")
+            positions.extend(range(s.start, s.start + s.num_new))
+            slots.extend([s.slot] * s.num_new)
+            (decode_rows if s.num_new == 1 else self._prefills).append((offset, s))
+            offset += s.num_new
+        self.positions = torch.tensor(positions, dtype=torch.long)
+        self.max_position = max(positions)
+        self._write_slots = torch.tensor(slots, dtype=torch.long)
+        self._decode = _DecodeGroup(decode_rows) if decode_rows else None
+
+
+class _DecodeGroup:
+    """Decode rows padded to a contiguous slot range ``[lo, hi)`` of the cache."""
+
+    def __init__(self, rows: list[tuple[int, SeqSlice]]) -> None:
+        slots = [s.slot for _, s in rows]
+        self.lo, hi = min(slots), max(slots) + 1
+        self.kv_len = max(s.start + 1 for _, s in rows)
+        lengths = torch.ones(hi - self.lo, dtype=torch.long)  # idle rows attend to one dummy position
+        for _, s in rows:
+            lengths[s.slot - self.lo] = s.start + 1
+        self.hi = hi
+        self.mask = (torch.arange(self.kv_len)[None, :] < lengths[:, None])[:, None, None, :]
+        self.token_index = torch.tensor([off for off, _ in rows], dtype=torch.long)
+        self.row_index = torch.tensor([s.slot - self.lo for _, s in rows], dtype=torch.long)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
+    """Write ``k``/``v`` into the cache and attend.
+
+    Args:
+        q: ``[T, H, D]`` rotated queries.
+        k, v: ``[T, KVH, D]`` rotated keys and values of the new tokens.
+        layer: layer index into the cache.
+        batch: the step's context.
+
+    Returns:
+        ``[T, H, D]`` attention output, in ``q``'s dtype.
+    """
+    kc, vc = batch.kv.k[layer], batch.kv.v[layer]
+    kc[batch._write_slots, :, batch.positions] = k
+    vc[batch._write_slots, :, batch.positions] = v
+    out = torch.empty_like(q)
+    for offset, s in batch._prefills:
+        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, s)
+    if batch._decode is not None:
+        g = batch._decode
+        out[g.token_index] = _attend_decode(q, kc, vc, g)
+    return out
+
+
+def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: SeqSlice) -> torch.Tensor:
+    end = s.start + s.num_new
+    keys = kc[s.slot, :, :end].unsqueeze(0)
+    values = vc[s.slot, :, :end].unsqueeze(0)
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if s.start == 0:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+    else:
+        rows = torch.arange(s.start, end)[:, None]
+        mask = torch.arange(end)[None, :] <= rows
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
+    rows = g.hi - g.lo
+    query = q.new_zeros(rows, q.shape[1], 1, q.shape[2])
+    query[g.row_index, :, 0] = q[g.token_index]
+    keys = kc[g.lo:g.hi, :, :g.kv_len]
+    values = vc[g.lo:g.hi, :, :g.kv_len]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, enable_gqa=True)
+    return out[g.row_index, :, 0]

@@ -1,0 +1,164 @@
+"""Dense Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a slot KV cache.
+
+The forward pass takes every scheduled token of a step flattened into one
+``[T]`` vector, so a step may mix sequences with many new tokens (prefill
+chunks) and sequences with one (decode). Linear layers run on ``[T, d]`` in one
+matmul each; attention is the only per-sequence part and reads its context from
+:class:`~quanta.model.attention.AttentionBatch`.
+
+Reference: the Hugging Face ``transformers`` Llama/Qwen2/Qwen3 modeling code,
+which ``tests/test_model.py`` checks these logits against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quanta.model.attention import AttentionBatch, attend
+from quanta.model.config import ModelConfig
+from quanta.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as in the HF reference."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused q/k/v projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = batch.rope_tables
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v, self.layer_idx, batch)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP with fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head.
+
+    Use :meth:`forward` for hidden states of all scheduled tokens and
+    :meth:`compute_logits` on the rows that need a next-token distribution
+    (one per sampling sequence), so prefill never pays for a ``[T, vocab]``
+    projection.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Run the decoder on flattened tokens.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of every scheduled token, grouped
+                by sequence in ``batch.seqs`` order.
+            batch: per-sequence context (slot, cached length, new tokens) and the
+                KV cache the new keys/values are written to.
+
+        Returns:
+            ``[T, hidden_size]`` final-normed hidden states.
+        """
+        batch.rope_tables = self.rope.tables(batch.positions, batch.max_position)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up.
+
+        Raises:
+            KeyError: a tensor the architecture needs is missing.
+            RuntimeError: a tensor has the wrong shape.
+        """
+        own = {}
+        for name, tensor in state.items():
+            own[name.removeprefix("model.")] = tensor
+        fused = {}
+        for i in range(self.config.num_hidden_layers):
+            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            fused[attn + "qkv_proj.weight"] = torch.cat([own.pop(attn + f"{p}_proj.weight") for p in "qkv"])
+            if self.config.attention_bias:
+                fused[attn + "qkv_proj.bias"] = torch.cat([own.pop(attn + f"{p}_proj.bias") for p in "qkv"])
+            fused[mlp + "gate_up_proj.weight"] = torch.cat([own.pop(mlp + "gate_proj.weight"), own.pop(mlp + "up_proj.weight")])
+        own.update(fused)
+        if self.lm_head is None:
+            own.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        if missing:
+            raise KeyError(f"checkpoint lacks tensors: {', '.join(missing[:5])}")
+        if unexpected:
+            raise KeyError(f"checkpoint has unexpected tensors: {', '.join(unexpected[:5])}")
