@@ -17,6 +17,9 @@ KNOB_DEFAULTS: dict[str, int] = {
     "prefill_quantum": 2048,
     "mixed_prefill_quantum": 2048,
     "prefill_cap": 4096,
+    "admit_k": 1,
+    "chunk": 512,
+    "max_num_batched_tokens": 512,
 }
 
 
@@ -32,7 +35,9 @@ class SchedulerConfig:
 
     Raises:
         ValueError: unknown policy, a knob the policy does not take, a size
-            that is not a positive integer, or a quantum larger than the cap.
+            that is not a positive integer, a quantum or chunk larger than the
+            cap, ``admit_k`` above ``max_num_seqs``, or ``max_num_batched_tokens``
+            below ``max_num_seqs``.
     """
 
     name: str = "batched"
@@ -55,6 +60,13 @@ class SchedulerConfig:
         for k in ("prefill_quantum", "mixed_prefill_quantum", "chunk"):
             if cap is not None and self.knobs.get(k, 0) > cap:
                 raise ValueError(f"--{k.replace('_', '-')} ({self.knobs[k]}) is larger than --prefill-cap ({cap})")
+        if self.knobs.get("admit_k", 0) > self.max_num_seqs:
+            raise ValueError(f"--admit-k ({self.knobs['admit_k']}) is larger than --max-num-seqs ({self.max_num_seqs}); nothing would ever be admitted")
+        if self.knobs.get("max_num_batched_tokens", self.max_num_seqs) < self.max_num_seqs:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.knobs['max_num_batched_tokens']}) is smaller than --max-num-seqs "
+                f"({self.max_num_seqs}); a step must fit one decode token per resident sequence"
+            )
 
     def build(self) -> Scheduler:
         """A fresh scheduler instance of this configuration."""

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from quanta.engine.engine import Engine
@@ -78,8 +78,8 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes.
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
+        """Hand a request to the engine; returns once the engine has accepted it.
 
         Raises:
             QueueFullError: the waiting queue is full.
@@ -93,20 +93,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future())
         self._commands.put(("add", sub))
-        finished = False
         try:
             await sub.arrived
-            if sub.error is not None:
-                raise sub.error
-            while not finished:
-                out = await sub.outputs.get()
-                if isinstance(out, BaseException):
-                    raise RuntimeError(f"engine failed: {out}") from out
-                finished = out.finished
-                yield out
-        finally:
-            if not finished and sub.error is None:
-                self._commands.put(("abort", sub))
+        except BaseException:
+            self._commands.put(("abort", sub))
+            raise
+        if sub.error is not None:
+            raise sub.error
+        return RequestStream(self, sub)
 
     def _run(self) -> None:
         try:
@@ -162,3 +156,34 @@ class AsyncEngine:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+class RequestStream:
+    """The outputs of one accepted request; closing it early aborts the request."""
+
+    def __init__(self, owner: AsyncEngine, sub: _Submit) -> None:
+        self._owner, self._sub = owner, sub
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._sub.outputs.get()
+        except BaseException:
+            self.abort()
+            raise
+        if isinstance(out, BaseException):
+            self.finished = True
+            raise RuntimeError(f"engine failed: {out}") from out
+        self.finished = out.finished
+        return out
+
+    def abort(self) -> None:
+        """Cancel the request (frees its slot); a no-op once it finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._commands.put(("abort", self._sub))

@@ -17,7 +17,7 @@ from quanta.engine.output import RequestOutput, TextState
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.scheduler import Scheduler
 from quanta.engine.sequence import Sequence, SequenceStatus
-from quanta.engine.trace import Trace
+from quanta.engine.trace import StepRecord, Trace
 from quanta.model.tokenizer import Tokenizer
 
 
@@ -49,6 +49,8 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.clock = clock
         self.trace = Trace()
+        #: called with each new :class:`StepRecord` (metrics, live trace consumers)
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.sequences: dict[int, Sequence] = {}
         self._text: dict[int, TextState] = {}
         self._ids = itertools.count()
@@ -73,7 +75,7 @@ class Engine:
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_time=self.clock())
         self.sequences[seq.seq_id] = seq
         if self.tokenizer is not None:
-            self._text[seq.seq_id] = TextState.create(self.tokenizer, seq.prompt_token_ids, params.stop)
+            self._text[seq.seq_id] = TextState.create(self.tokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
 
@@ -94,6 +96,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        kind = plan.kind  # before the chunks advance their sequences
         start = self.clock()
         sampled = self.executor.execute(plan)
         end = self.clock()
@@ -102,12 +105,14 @@ class Engine:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             if token is not None:
                 outputs.append(self._append_token(chunk.seq, token, end))
-        self.trace.record(
-            plan.kind, start, end,
+        rec = self.trace.record(
+            kind, start, end,
             [c.seq.seq_id for c in plan.chunks],
             [c.num_new_tokens for c in plan.chunks],
             [int(t is not None) for t in sampled],
         )
+        for listener in self.step_listeners:
+            listener(rec)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
@@ -142,5 +147,5 @@ class Engine:
     def _output(self, seq: Sequence, tokens: list[int], text: str, now: float) -> RequestOutput:
         return RequestOutput(
             seq.seq_id, tokens, text, seq.status is SequenceStatus.FINISHED, seq.finish_reason,
-            seq.num_prompt_tokens, len(seq.output_token_ids), now,
+            seq.num_prompt_tokens, len(seq.output_token_ids), now, seq.arrival_time,
         )

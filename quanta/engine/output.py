@@ -25,6 +25,7 @@ class RequestOutput:
         finish_reason: ``stop``, ``length`` or ``abort`` when finished.
         num_prompt_tokens / num_output_tokens: usage counts so far.
         time: engine-clock seconds when the step ended.
+        arrival_time: engine-clock seconds when the request arrived.
     """
 
     seq_id: int
@@ -35,6 +36,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     time: float
+    arrival_time: float
 
 
 @dataclass
@@ -48,8 +50,8 @@ class TextState:
     stopped: bool = field(default=False)
 
     @classmethod
-    def create(cls, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> "TextState":
-        return cls(IncrementalDetokenizer(tokenizer, prompt_ids), [s for s in stop if s])
+    def create(cls, tokenizer: Tokenizer, stop: list[str]) -> "TextState":
+        return cls(IncrementalDetokenizer(tokenizer), [s for s in stop if s])
 
     def add(self, token_id: int, final: bool) -> str:
         """Append a token; returns text now safe to release.
@@ -58,6 +60,8 @@ class TextState:
         ``final`` releases everything still held back.
         """
         self.text += self.detokenizer.add(token_id)
+        if final:
+            self.text += self.detokenizer.flush()
         if self.stop:
             cut = self._find_stop()
             if cut is not None:

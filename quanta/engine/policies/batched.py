@@ -12,6 +12,8 @@ boundary, back to back (from position 1539 with quantum 2048 and cap 4096:
 
 from __future__ import annotations
 
+import itertools
+
 from quanta.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, decode_plan, tokens_to_boundary
 from quanta.engine.sequence import Sequence, SequenceStatus
 
@@ -36,7 +38,19 @@ class BatchedScheduler(Scheduler):
         self.prefill_cap = prefill_cap
         self._decode_due = True  # a cycle opens with its decode step
         self._split_rest: tuple[Sequence, int] | None = None
-        self._last_prefilled: Sequence | None = None
+        self._admitted_at: dict[Sequence, int] = {}  # admission ordinal of each resident sequence
+        self._ordinals = itertools.count()
+        self._last_prefilled = -1  # admission ordinal of the sequence prefilled last
+
+    def admit(self, count: int) -> list[Sequence]:
+        admitted = super().admit(count)
+        for seq in admitted:
+            self._admitted_at[seq] = next(self._ordinals)
+        return admitted
+
+    def finish(self, seq: Sequence) -> None:
+        super().finish(seq)
+        self._admitted_at.pop(seq, None)
 
     def schedule(self) -> StepPlan | None:
         self.admit(self.num_free_slots)
@@ -56,17 +70,14 @@ class BatchedScheduler(Scheduler):
         return decode_plan(decoding) if decoding else None
 
     def _next_round_robin(self, prefilling: list[Sequence]) -> Sequence:
-        """The prefilling sequence after the one served last, in admission order."""
-        last = self._last_prefilled
-        if last is None or last not in self.running:
-            return prefilling[0]
-        after = self.running.index(last)
-        later = [s for s in prefilling if self.running.index(s) > after]
+        """The prefilling sequence admitted after the one served last (even if
+        that one has left since), wrapping around to the first."""
+        later = [s for s in prefilling if self._admitted_at[s] > self._last_prefilled]
         return later[0] if later else prefilling[0]
 
     def _prefill_quantum(self, prefilling: list[Sequence], mixed: bool) -> StepPlan:
         seq = self._next_round_robin(prefilling)
-        self._last_prefilled = seq
+        self._last_prefilled = self._admitted_at[seq]
         quantum = self.mixed_prefill_quantum if mixed else self.prefill_quantum
         size = min(quantum, seq.num_prompt_tokens_left)
         first = min(size, tokens_to_boundary(seq.num_computed_tokens, self.prefill_cap))

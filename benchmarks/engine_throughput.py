@@ -1,0 +1,151 @@
+"""Engine throughput on the embedded model, with transformers as the in-run baseline.
+
+Measures, on one machine in one run:
+- prefill tok/s of a 2,000-token prompt (one chunk, nothing decoding);
+- aggregate decode tok/s with 1, 8 and 32 concurrent sequences (tokens
+  emitted by decode steps / busy time of decode steps, both from the engine
+  trace);
+- the same two figures for ``transformers`` (forward on the prompt; batched
+  ``generate`` of N sequences, decode time = generate(64 new) - generate(1 new)).
+
+Each figure is the median of ``--repeats`` runs with the min-max range.
+Usage: ``python benchmarks/engine_throughput.py [--dtype bf16|fp32] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from quanta.config import EngineConfig, SchedulerConfig
+from quanta.engine.sampling import SamplingParams
+from quanta.launch import build_engine, load_model, resolve_dtype
+from quanta.model.loader import embedded_model_path
+
+PROMPT_LEN = 2000
+DECODE_PROMPT_LEN = 32
+NEW_TOKENS = 64
+BATCHES = (1, 8, 32)
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def quanta_prefill(loaded, dtype_name: str) -> float:
+    sched = SchedulerConfig("batched", 1, {"prefill_quantum": 2048, "mixed_prefill_quantum": 2048, "prefill_cap": 4096})
+    engine = build_engine(loaded, EngineConfig(dtype=dtype_name, max_model_len=PROMPT_LEN + 8), sched)
+    engine.add_request(_prompt(PROMPT_LEN, 0), SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_work():
+        engine.step()
+    rec = [r for r in engine.trace.records if r.kind == "prefill"]
+    return PROMPT_LEN / sum(r.duration for r in rec)
+
+
+def quanta_decode(loaded, dtype_name: str, batch: int) -> float:
+    sched = SchedulerConfig("batched", batch, {})
+    engine = build_engine(loaded, EngineConfig(dtype=dtype_name, max_model_len=DECODE_PROMPT_LEN + NEW_TOKENS + 8), sched)
+    for i in range(batch):
+        engine.add_request(_prompt(DECODE_PROMPT_LEN, i), SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    decodes = [r for r in engine.trace.records if r.kind == "decode"]
+    return sum(sum(r.num_emitted) for r in decodes) / sum(r.duration for r in decodes)
+
+
+def hf_prefill(ref) -> float:
+    ids = torch.tensor([_prompt(PROMPT_LEN, 0)])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        ref(ids, logits_to_keep=1)
+        return PROMPT_LEN / (time.perf_counter() - t0)
+
+
+def hf_decode(ref, batch: int) -> float:
+    ids = torch.tensor([_prompt(DECODE_PROMPT_LEN, i) for i in range(batch)])
+    mask = torch.ones_like(ids)
+
+    def timed(new: int) -> float:
+        t0 = time.perf_counter()
+        ref.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        decode_time = timed(NEW_TOKENS) - timed(1)
+    return batch * (NEW_TOKENS - 1) / decode_time
+
+
+def summarize(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": samples}
+
+
+def fmt(s: dict) -> str:
+    return f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json")
+    args = ap.parse_args()
+    dtype_name = {"bf16": "bfloat16", "fp32": "float32", None: None}[args.dtype]
+    dtype = resolve_dtype(dtype_name)
+    dtype_name = str(dtype).removeprefix("torch.")
+    loaded = load_model(None, dtype)
+    path = embedded_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+    rows = {"prefill 2000-token prompt": ("prefill", None)}
+    rows.update({f"decode, {b} concurrent": ("decode", b) for b in BATCHES})
+    results = {}
+    for label, (kind, b) in rows.items():
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(quanta_prefill(loaded, dtype_name) if kind == "prefill" else quanta_decode(loaded, dtype_name, b))
+            theirs.append(hf_prefill(ref) if kind == "prefill" else hf_decode(ref, b))
+        results[label] = {"quanta": summarize(ours), "transformers": summarize(theirs),
+                          "ratio": summarize([a / c for a, c in zip(ours, theirs)])}
+        print(f"  measured {label}", file=sys.stderr)
+
+    info = machine()
+    print(f"\nmachine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; dtype {dtype_name}; "
+          f"median (min-max) of {args.repeats} runs, tok/s\n")
+    print("| measurement | quanta tok/s | transformers tok/s | ratio (same run) |")
+    print("|---|---|---|---|")
+    for label, r in results.items():
+        ratio = r["ratio"]
+        print(f"| {label} | {fmt(r['quanta'])} | {fmt(r['transformers'])} | "
+              f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"date": datetime.now(timezone.utc).isoformat(), "machine": info, "dtype": dtype_name, "repeats": args.repeats,
+              "results": results}
+    args.out.write_text(json.dumps(record, indent=2))
+    print(f"\nraw samples: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""``quanta`` command line: ``serve`` and ``generate``.
+
+Every flag may be given once: in the seed study a duplicated flag silently
+overrode the intended value and spoiled a whole measurement, so a repeat is
+an error (exit code 2) naming the flag. Configuration is validated before
+the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from quanta.config import EngineConfig, SchedulerConfig
+from quanta.engine.policies import POLICIES
+
+log = logging.getLogger("quanta")
+
+#: scheduler knob flags; each maps to a SchedulerConfig knob of the same name.
+KNOB_FLAGS = {
+    "--prefill-quantum": "tokens per prefill cycle while no sequence decodes (default 2048)",
+    "--mixed-prefill-quantum": "tokens per prefill cycle while a sequence decodes (default 2048)",
+    "--prefill-cap": "graph boundary in positions; chunks never cross its multiples (default 4096)",
+}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
+
+class _Once(argparse.Action):
+    """``store`` that refuses a second occurrence of the same option."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_seen_flags", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} was given more than once; give each flag once")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=sorted(_DTYPE_ALIASES), help="compute dtype (default: bf16 where the CPU has native bf16, else fp32)")
+    p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
+    p.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
+    for flag, text in KNOB_FLAGS.items():
+        p.add_argument(flag, type=int, help=text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="quanta", description="LLM serving engine with a tunable prefill quantum")
+    sub = root.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _register_once(serve)
+    _add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429 (default: unbounded)")
+    serve.add_argument("--served-model-name", help="model id clients send (default: the model file's name)")
+    gen = sub.add_parser("generate", help="generate a completion offline")
+    _register_once(gen)
+    _add_engine_flags(gen)
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    return root
+
+
+def _register_once(p: argparse.ArgumentParser) -> None:
+    """Make every plain ``store`` option of ``p`` refuse repeats."""
+    p.register("action", None, _Once)
+    p.register("action", "store", _Once)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SchedulerConfig]:
+    """Validated configs; raises ``ValueError`` with a flag-level message."""
+    knobs = {}
+    for flag in KNOB_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            knobs[flag[2:].replace("-", "_")] = value
+    sched = SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
+    engine = EngineConfig(
+        model=args.model, dtype=_DTYPE_ALIASES.get(args.dtype) if args.dtype else None,
+        max_model_len=args.max_model_len, max_queue=getattr(args, "max_queue", None),
+        served_model_name=getattr(args, "served_model_name", None),
+    )
+    return engine, sched
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine_cfg, sched_cfg = configs_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from quanta.server.run import serve
+
+        return serve(engine_cfg, sched_cfg, args.host, args.port)
+    from quanta.generate import generate_cli
+
+    return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""``continuous``: refill free slots in whole-prompt prefill calls, gated by ``admit_k``.
+
+Waiting requests are admitted when ``free_slots >= admit_k``, or when fewer
+than ``admit_k`` requests wait (``0 < waiting < admit_k``) and there are free
+slots for all of them. Admission fills every free slot it can (FIFO) and the
+step prefills all admitted prompts whole, in one call; running sequences do
+not decode in that step. Every other step decodes every running sequence.
+
+``admit_k = 1`` refills as soon as one slot frees (Orca-style iteration-level
+batching without fusion). ``admit_k = max_num_seqs`` with all requests
+arriving at once reproduces ``static``: the batch drains completely before
+the next one is admitted.
+"""
+
+from __future__ import annotations
+
+from quanta.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, decode_plan
+
+
+class ContinuousScheduler(Scheduler):
+    """Whole-prompt prefill calls between decode steps, admission gated by free slots.
+
+    Args:
+        max_num_seqs: resident sequences (KV slots).
+        admit_k: free slots (sequences) needed before admitting, 1..max_num_seqs.
+
+    Raises:
+        ValueError: ``admit_k`` outside 1..max_num_seqs (admission could never happen).
+    """
+
+    name = "continuous"
+
+    def __init__(self, max_num_seqs: int, admit_k: int) -> None:
+        super().__init__(max_num_seqs)
+        if not 1 <= admit_k <= max_num_seqs:
+            raise ValueError(f"admit_k ({admit_k}) must be between 1 and max_num_seqs ({max_num_seqs})")
+        self.admit_k = admit_k
+
+    def should_admit(self) -> bool:
+        """True when waiting requests may be admitted now (see the module docstring)."""
+        waiting, free = len(self.waiting), self.num_free_slots
+        if waiting == 0:
+            return False
+        return free >= self.admit_k or (waiting < self.admit_k and free >= waiting)
+
+    def schedule(self) -> StepPlan | None:
+        if self.should_admit():
+            self.admit(self.num_free_slots)
+        prefilling = self.prefilling()
+        if prefilling:
+            return StepPlan([ScheduledChunk(s, s.num_prompt_tokens_left) for s in prefilling])
+        decoding = self.decoding()
+        return decode_plan(decoding) if decoding else None

@@ -1,0 +1,31 @@
+"""``quanta generate``: one prompt through the engine, streamed to stdout."""
+
+from __future__ import annotations
+
+import sys
+
+from quanta.config import EngineConfig, SchedulerConfig
+from quanta.engine.sampling import SamplingParams
+from quanta.launch import build_engine, load_model, resolve_dtype
+
+
+def generate_cli(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, prompt: str, max_tokens: int, temperature: float, chat: bool) -> int:
+    """Print the completion of ``prompt``; returns the exit code (2 for a bad request)."""
+    loaded = load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype))
+    engine = build_engine(loaded, engine_cfg, sched_cfg)
+    tok = loaded.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        engine.add_request(ids, params)
+    except ValueError as exc:
+        print(f"quanta generate: error: {exc}", file=sys.stderr)
+        return 2
+    while engine.has_work():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    t = engine.trace
+    print(f"[{t.num_prefill_steps} prefill / {t.num_decode_steps} decode / {t.num_mixed_steps} mixed steps]", file=sys.stderr)
+    return 0

@@ -1,0 +1,192 @@
+"""Tokenizers (GGUF-embedded or Hugging Face directory) and streaming detokenization."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+#: What a byte-level decoder yields for an incomplete UTF-8 sequence.
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where tokenizers converted from GGUF are kept: ``$XDG_CACHE_HOME/quanta/tokenizers``
+    (``~/.cache/quanta/tokenizers`` when the variable is unset)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "quanta" / "tokenizers"
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and stop ids.
+
+    Decoding never applies ``clean_up_tokenization_spaces``: the text is
+    exactly what the model produced, and streamed deltas
+    (:class:`IncrementalDetokenizer`) add up to :meth:`decode` of all ids.
+
+    Attributes:
+        eos_token_ids: ids that end generation: the tokenizer's EOS plus the
+            ids given at construction (e.g. ``ModelConfig.eos_token_ids``).
+    """
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int] = ()) -> None:
+        self._hf = hf_tokenizer
+        self.eos_token_ids: set[int] = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(hf_tokenizer.eos_token_id)
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path, eos_token_ids: Iterable[int] = (), cache_dir: Path | None = None
+    ) -> Tokenizer:
+        """Load the tokenizer of a ``.gguf`` file or a Hugging Face directory, offline.
+
+        A GGUF tokenizer is converted by transformers (seconds) and the result
+        saved under ``cache_dir`` (default :func:`tokenizer_cache_dir`), keyed
+        by the file's path, size, mtime and the transformers version; later
+        loads read the cached copy. Any cache failure falls back to converting.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ValueError: ``path`` is neither a ``.gguf`` file nor a directory.
+        """
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer at {path}")
+        if path.is_dir():
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        elif path.suffix == ".gguf":
+            hf = _load_gguf_tokenizer(path, cache_dir or tokenizer_cache_dir())
+        else:
+            raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face directory")
+        return cls(hf, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added/special tokens included.
+
+        May be smaller than the model's embedding rows (padded vocabularies).
+        """
+        return len(self._hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. as the tokenizer is configured to."""
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; incomplete UTF-8 at the end decodes to U+FFFD."""
+        return self._hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Prompt ids for a chat: ``messages`` rendered with the model's own Jinja
+        template, ending with the assistant generation prompt.
+
+        Args:
+            messages: ``[{"role": "user", "content": "..."}, ...]``.
+
+        Raises:
+            ValueError: the model ships no chat template.
+        """
+        if not self._hf.chat_template:
+            raise ValueError(
+                "this model has no chat template; use plain completions instead of chat"
+            )
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template writes BOS and other specials itself.
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated ids into text deltas.
+
+    Each :meth:`add` decodes only a short window: the ids from
+    ``prefix_offset`` (start of the last emitted chunk, kept as context so
+    leading-space and byte-merging rules see the previous token) to the end,
+    and returns what that text adds beyond the already emitted part of the
+    window. Text ending in U+FFFD (half a UTF-8 character) is held back until
+    the following ids complete it. The concatenation of all deltas plus
+    :meth:`flush` equals ``tokenizer.decode(all_ids, skip_special_tokens)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start: first id of the last emitted chunk
+        self._read_offset = 0  # ids before this are emitted
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All ids added so far (do not mutate)."""
+        return self._ids
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Append one or several ids; return the newly completed text ('' if none yet)."""
+        if isinstance(token_ids, int):
+            self._ids.append(token_ids)
+        else:
+            self._ids.extend(token_ids)
+        emitted, text = self._window_texts()
+        if len(text) <= len(emitted) or text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(emitted):]
+
+    def flush(self) -> str:
+        """Return whatever is still held back (possibly ending in U+FFFD); call once at the end."""
+        emitted, text = self._window_texts()
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(emitted):]
+
+    def _window_texts(self) -> tuple[str, str]:
+        """``(emitted, full)``: decoded ids[prefix:read] and ids[prefix:]."""
+        decode = self._tokenizer.decode
+        window = self._ids[self._prefix_offset:]
+        emitted = decode(window[: self._read_offset - self._prefix_offset], self._skip_special_tokens)
+        return emitted, decode(window, self._skip_special_tokens)
+
+
+def _load_gguf_tokenizer(path: Path, cache_root: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer embedded in GGUF ``path``, from the cache when possible."""
+    cached = cache_root / _cache_key(path)
+    if cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable cache means: convert again
+            logger.warning("ignoring tokenizer cache %s: %s", cached, e)
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    _save_to_cache(hf, cached)
+    return hf
+
+
+def _cache_key(path: Path) -> str:
+    """Hex digest identifying this file version and converter version."""
+    stat = path.stat()
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def _save_to_cache(hf: PreTrainedTokenizerBase, target: Path) -> None:
+    """Save ``hf`` to ``target`` atomically (temp dir + rename); log and go on on failure."""
+    tmp: str | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=target.parent)
+        hf.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except Exception as e:  # noqa: BLE001 - caching is an optimisation only
+        logger.warning("could not cache tokenizer in %s: %s", target, e)
+    finally:
+        if tmp is not None and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,68 @@
+"""Prometheus metrics, named after vLLM's (``vllm:`` -> ``quanta:``).
+
+Latencies are observed on the engine thread from each request's outputs: TTFT
+from arrival to the first token, ITL between consecutive tokens of the same
+request (never from the previous step of any kind), E2E from arrival to the
+last token. Histogram buckets start at 1 ms so millisecond ITLs resolve.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from quanta.engine.output import RequestOutput
+from quanta.engine.trace import StepRecord
+
+LATENCY_BUCKETS = (
+    0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
+)
+
+
+class EngineMetrics:
+    """All of quanta's metrics in their own registry (one per server).
+
+    Args:
+        num_running / num_waiting: callables read at scrape time.
+    """
+
+    def __init__(self, num_running, num_waiting) -> None:
+        self.registry = r = CollectorRegistry()
+        Gauge("quanta:num_requests_running", "Requests resident in a KV slot.", registry=r).set_function(num_running)
+        Gauge("quanta:num_requests_waiting", "Requests queued for a slot.", registry=r).set_function(num_waiting)
+        self.prompt_tokens = Counter("quanta:prompt_tokens", "Prefilled prompt tokens.", registry=r)
+        self.generation_tokens = Counter("quanta:generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(
+            "quanta:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram("quanta:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "quanta:inter_token_latency_seconds", "Gap between consecutive tokens of one request.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram("quanta:e2e_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("quanta:engine_steps", "Executed steps by kind.", ["kind"], registry=r)
+        self.step_seconds = Counter("quanta:engine_step_seconds", "Busy time of executed steps by kind.", ["kind"], registry=r)
+        self._last_token_time: dict[int, float] = {}
+
+    def observe_output(self, out: RequestOutput) -> None:
+        """Record one request output (called on the engine thread)."""
+        if out.token_ids:
+            self.generation_tokens.inc(len(out.token_ids))
+            last = self._last_token_time.get(out.seq_id)
+            if last is None:
+                self.ttft.observe(out.time - out.arrival_time)
+                self.prompt_tokens.inc(out.num_prompt_tokens)
+            else:
+                self.itl.observe(out.time - last)
+            self._last_token_time[out.seq_id] = out.time
+        if out.finished:
+            self._last_token_time.pop(out.seq_id, None)
+            self.request_success.labels(out.finish_reason).inc()
+            if out.finish_reason != "abort":
+                self.e2e.observe(out.time - out.arrival_time)
+
+    def observe_step(self, rec: StepRecord) -> None:
+        """Count one executed step and its busy time."""
+        self.steps.labels(rec.kind).inc()
+        self.step_seconds.labels(rec.kind).inc(rec.duration)

@@ -1,0 +1,40 @@
+"""``quanta serve``: load the model, start the engine thread, run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from quanta.config import EngineConfig, SchedulerConfig
+from quanta.engine.async_engine import AsyncEngine
+from quanta.launch import build_engine, load_model, resolve_dtype
+from quanta.server.app import ServerState, build_app
+from quanta.server.metrics import EngineMetrics
+
+log = logging.getLogger("quanta")
+
+
+def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port: int) -> int:
+    """Serve until interrupted; returns the process exit code."""
+    dtype = resolve_dtype(engine_cfg.dtype)
+    loaded = load_model(engine_cfg.model, dtype)
+    engine = build_engine(loaded, engine_cfg, sched_cfg)
+    name = engine_cfg.served_model_name or loaded.name
+    config = {
+        "model": name, "dtype": str(dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
+        "scheduler": sched_cfg.name, "max_num_seqs": sched_cfg.max_num_seqs, **sched_cfg.knobs,
+        "max_queue": engine_cfg.max_queue,
+    }
+    log.info("%s max_model_len=%d dtype=%s", sched_cfg.describe(), engine.max_model_len, config["dtype"])
+    async_engine = AsyncEngine(engine, engine_cfg.max_queue)
+    metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting)
+    async_engine.on_output = metrics.observe_output
+    engine.step_listeners.append(metrics.observe_step)
+    async_engine.start()
+    app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        async_engine.stop()
+    return 0
