@@ -22,6 +22,9 @@ KNOB_FLAGS = {
     "--prefill-quantum": "tokens per prefill cycle while no sequence decodes (default 2048)",
     "--mixed-prefill-quantum": "tokens per prefill cycle while a sequence decodes (default 2048)",
     "--prefill-cap": "graph boundary in positions; chunks never cross its multiples (default 4096)",
+    "--admit-k": "continuous/chunked: admit only when at least K slots are free (default 1)",
+    "--chunk": "chunked: prompt tokens per sequence per prefill call (default 512)",
+    "--max-num-batched-tokens": "budget: tokens per fused step, decodes first (default 512)",
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 

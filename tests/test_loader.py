@@ -16,6 +16,8 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -121,7 +123,9 @@ def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _write_gguf(model: PreTrainedModel, arch: gguf.MODEL_ARCH, path: Path) -> None:
+def _write_gguf(
+    model: PreTrainedModel, arch: gguf.MODEL_ARCH, path: Path, linear_rope_factor: float | None = None
+) -> None:
     """Write ``model`` as an F32 GGUF, naming tensors with gguf-py's own HF->GGUF map."""
     cfg = model.config
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
@@ -140,6 +144,9 @@ def _write_gguf(model: PreTrainedModel, arch: gguf.MODEL_ARCH, path: Path) -> No
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    if linear_rope_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(linear_rope_factor)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -177,6 +184,13 @@ def test_synthetic_gguf_round_trips(arch: str, tmp_path: Path) -> None:
     _assert_config_matches(config, model.config)
     assert config.name == f"tiny-{arch}"
     _assert_state_matches(state, model)
+
+
+def test_synthetic_gguf_linear_rope_scaling(tmp_path: Path) -> None:
+    model, gguf_arch = _tiny_model("llama")
+    _write_gguf(model, gguf_arch, tmp_path / "m.gguf", linear_rope_factor=4.0)
+    config, _ = load_checkpoint(tmp_path / "m.gguf")
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
 # ------------------------------------------------------------ HF directory
@@ -240,6 +254,16 @@ def test_hf_sharded_bf16_with_rope_scaling_and_generation_eos(tmp_path: Path) ->
     assert config.rope_theta == rope["rope_theta"]
     assert config.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
     assert config.eos_token_ids == [2, 7]
+    _assert_state_matches(state, model)
+
+
+def test_hf_mistral_sliding_window_caps_context(tmp_path: Path) -> None:
+    cfg = MistralConfig(**TINY, sliding_window=64)
+    model = MistralForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    config, state = load_checkpoint(tmp_path)
+    assert config.architecture == "mistral"
+    assert config.max_position_embeddings == cfg.sliding_window < cfg.max_position_embeddings
     _assert_state_matches(state, model)
 
 

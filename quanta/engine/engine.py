@@ -101,7 +101,7 @@ class Engine:
         sampled = self.executor.execute(plan)
         end = self.clock()
         outputs = []
-        for chunk, token in zip(plan.chunks, sampled):
+        for chunk, token in zip(plan.chunks, sampled, strict=True):
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             if token is not None:
                 outputs.append(self._append_token(chunk.seq, token, end))

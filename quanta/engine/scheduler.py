@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from quanta.engine.sequence import Sequence, SequenceStatus
@@ -19,14 +19,18 @@ from quanta.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``seq`` starting at ``seq.num_computed_tokens``."""
+    """``num_new_tokens`` tokens of ``seq`` starting at ``seq.num_computed_tokens``.
+
+    ``is_decode`` is fixed when the chunk is planned (the sequence was past its
+    prompt), so it stays true to what ran after the engine advances the sequence.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    is_decode: bool = field(init=False)
 
-    @property
-    def is_decode(self) -> bool:
-        return not self.seq.is_prefilling
+    def __post_init__(self) -> None:
+        self.is_decode = not self.seq.is_prefilling
 
 
 @dataclass(slots=True)

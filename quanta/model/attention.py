@@ -24,13 +24,14 @@ class KVCache:
     """Keys and values of every layer: ``[num_slots, num_kv_heads, max_len, head_dim]`` each.
 
     Memory is ``2 * layers * slots * max_len * kv_heads * head_dim * itemsize``
-    bytes, reserved with ``torch.empty`` (pages are touched only when written).
+    bytes. It starts zeroed: padded attention multiplies masked positions by a
+    zero weight, and uninitialized memory may hold NaN (0 * NaN = NaN).
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
 

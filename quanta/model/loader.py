@@ -215,7 +215,7 @@ def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     if field is None:
         return default
     value = field.contents()
-    if field.types and field.types[-1] == gguf.GGUFValueType.FLOAT32:
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
         # Shortest decimal that is the same float32: 1e-05, not 9.9999997e-06.
         value = float(str(np.float32(value)))
     return value

@@ -1,0 +1,209 @@
+"""Tokenizer loading (GGUF + cache, HF directory), chat template, streaming detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import transformers
+
+from quanta.model import tokenizer as tokenizer_module
+from quanta.model.loader import embedded_model_path
+from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_cache_dir
+
+MULTIBYTE = "Hello 世界! 🎉🇯🇵 naïve café — 東京タワー 👩‍👩‍👧 ok.\n  Ω≈ç√ 🤖"
+CHAT = [{"role": "user", "content": "What is 2+2? 🤔"}]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tokenizer-cache")
+
+
+@pytest.fixture(scope="module")
+def cold(cache_dir: Path) -> Tokenizer:
+    """Converted from the GGUF (fills ``cache_dir``)."""
+    return Tokenizer.from_path(embedded_model_path(), cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(cold: Tokenizer, cache_dir: Path) -> Tokenizer:
+    """Loaded from the cache that ``cold`` wrote."""
+    return Tokenizer.from_path(embedded_model_path(), cache_dir=cache_dir)
+
+
+def _convert_spy(monkeypatch: pytest.MonkeyPatch, result: Tokenizer | None = None) -> list[dict]:
+    """Record AutoTokenizer.from_pretrained calls; with ``result``, answer GGUF conversions with it."""
+    calls: list[dict] = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        if result is not None and "gguf_file" in kwargs:
+            return result._hf
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", spy)
+    return calls
+
+
+# ------------------------------------------------------------------ loading
+
+
+def test_cache_is_written_once_and_used(cold: Tokenizer, tok: Tokenizer, cache_dir: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    entries = [p for p in cache_dir.iterdir()]
+    assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
+    calls = _convert_spy(monkeypatch)
+    Tokenizer.from_path(embedded_model_path(), cache_dir=cache_dir)
+    assert calls and not any("gguf_file" in c for c in calls)
+
+
+def test_cached_tokenizer_behaves_like_converted(cold: Tokenizer, tok: Tokenizer) -> None:
+    assert tok.encode(MULTIBYTE) == cold.encode(MULTIBYTE)
+    assert tok.apply_chat_template(CHAT) == cold.apply_chat_template(CHAT)
+    assert tok.eos_token_ids == cold.eos_token_ids
+    assert tok.vocab_size == cold.vocab_size
+
+
+def test_corrupt_cache_falls_back_to_conversion(cold: Tokenizer, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = embedded_model_path()
+    entry = tmp_path / tokenizer_module._cache_key(path)
+    entry.mkdir()
+    (entry / "tokenizer.json").write_text("not json")
+    calls = _convert_spy(monkeypatch, result=cold)
+    fallback = Tokenizer.from_path(path, cache_dir=tmp_path)
+    assert any("gguf_file" in c for c in calls)
+    assert fallback.encode(MULTIBYTE) == cold.encode(MULTIBYTE)
+
+
+def test_unwritable_cache_is_ignored(cold: Tokenizer, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _convert_spy(monkeypatch, result=cold)
+    loaded = Tokenizer.from_path(embedded_model_path(), cache_dir=blocker / "cache")
+    assert loaded.encode(MULTIBYTE) == cold.encode(MULTIBYTE)
+
+
+def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tokenizer_cache_dir() == tmp_path / "quanta" / "tokenizers"
+
+
+def test_hf_directory(tok: Tokenizer, tmp_path: Path) -> None:
+    tok._hf.save_pretrained(tmp_path)
+    loaded = Tokenizer.from_path(tmp_path, eos_token_ids=[7])
+    assert loaded.encode(MULTIBYTE) == tok.encode(MULTIBYTE)
+    assert loaded.eos_token_ids == tok.eos_token_ids | {7}
+
+
+def test_bad_paths_raise(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_path(tmp_path / "missing.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="neither"):
+        Tokenizer.from_path(tmp_path / "weights.bin")
+
+
+# ----------------------------------------------------------------- behaviour
+
+
+@pytest.mark.parametrize("text", ["Hello, world!", MULTIBYTE, "  leading and trailing  ", ""])
+def test_encode_decode_round_trip(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_vocab_size_matches_embedding_rows(tok: Tokenizer) -> None:
+    from quanta.model.loader import _ArrayGGUFReader
+
+    reader = _ArrayGGUFReader(embedded_model_path())
+    assert tok.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def test_eos_includes_tokenizer_eos_and_caller_ids(cache_dir: Path, tok: Tokenizer) -> None:
+    (im_end,) = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert im_end in tok.eos_token_ids
+    extra = Tokenizer.from_path(embedded_model_path(), eos_token_ids=[5, 6], cache_dir=cache_dir)
+    assert extra.eos_token_ids == tok.eos_token_ids | {5, 6}
+
+
+def test_chat_template(tok: Tokenizer) -> None:
+    ids = tok.apply_chat_template(CHAT)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>user\nWhat is 2+2? 🤔<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    reference = tok._hf.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)
+    assert ids == reference["input_ids"]
+
+
+def test_missing_chat_template_raises(tok: Tokenizer, tmp_path: Path) -> None:
+    tok._hf.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    bare = Tokenizer.from_path(tmp_path)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template(CHAT)
+
+
+# ------------------------------------------------------- incremental decoding
+
+
+def _stream(tok: Tokenizer, ids: list[int], step: int = 1, **kwargs) -> list[str]:
+    detok = IncrementalDetokenizer(tok, **kwargs)
+    deltas = [detok.add(ids[i:i + step] if step > 1 else ids[i]) for i in range(0, len(ids), step)]
+    return deltas + [detok.flush()]
+
+
+def test_streamed_deltas_add_up_one_token_at_a_time(tok: Tokenizer) -> None:
+    ids = tok.encode(MULTIBYTE)
+    # The text really splits characters across tokens, so holding back is exercised.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    deltas = _stream(tok, ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert deltas[-1] == ""  # nothing left over after complete text
+    assert "".join(deltas) == tok.decode(ids) == MULTIBYTE
+
+
+@pytest.mark.parametrize("step", [2, 3, 7])
+def test_streamed_deltas_add_up_several_tokens_at_a_time(tok: Tokenizer, step: int) -> None:
+    ids = tok.encode(MULTIBYTE)
+    deltas = _stream(tok, ids, step=step)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == MULTIBYTE
+
+
+def test_truncated_character_is_held_until_flush(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 🎉")[:-1]  # cut inside the emoji's bytes
+    full = tok.decode(ids)
+    assert full.endswith("\ufffd")
+    deltas = _stream(tok, ids)
+    assert not any("\ufffd" in d for d in deltas[:-1])
+    assert "".join(deltas) == full
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_special_tokens_in_stream(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    ids = tok.apply_chat_template(CHAT) + tok.encode("4 🎉") + sorted(tok.eos_token_ids)
+    deltas = _stream(tok, ids, skip_special_tokens=skip_special_tokens)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_window_stays_small(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tok.encode(MULTIBYTE * 8)
+    assert len(ids) > 200
+    windows: list[int] = []
+    real_decode = tok.decode
+
+    def spy(window, skip_special_tokens=True):
+        windows.append(len(window))
+        return real_decode(window, skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", spy)
+    deltas = _stream(tok, ids)
+    monkeypatch.undo()
+    assert "".join(deltas) == tok.decode(ids)
+    # A character spans at most 4 byte-level tokens: prefix chunk + pending <= 8.
+    assert max(windows) <= 8
