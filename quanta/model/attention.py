@@ -121,6 +121,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     kc, vc = batch.kv.k[layer], batch.kv.v[layer]
     kc[batch._write_slots, :, batch.positions] = k
     vc[batch._write_slots, :, batch.positions] = v
+    if batch._decode is None and len(batch._prefills) == 1:
+        return _attend_chunk(q, kc, vc, batch._prefills[0][1])
     out = torch.empty_like(q)
     for offset, s in batch._prefills:
         out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, s)

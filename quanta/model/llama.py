@@ -125,8 +125,8 @@ class LlamaModel(nn.Module):
         Returns:
             ``[T, hidden_size]`` final-normed hidden states.
         """
-        batch.rope_tables = self.rope.tables(batch.positions, batch.max_position)
         x = self.embed_tokens(input_ids)
+        batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)

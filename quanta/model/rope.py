@@ -62,20 +62,20 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
 
-    def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim]`` float32 for ``positions`` ``[T]``.
+    def tables(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, computed in
+        float32 and cast to ``dtype`` (as the HF reference does).
 
         ``max_position`` is the largest entry of ``positions`` (known to the
         caller without a tensor reduction).
         """
         if max_position >= self._cos.shape[0]:
             self._build(2 * (max_position + 1))
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        return self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, D]`` by tables from :meth:`RotaryEmbedding.tables`."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
