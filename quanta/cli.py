@@ -89,7 +89,19 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         max_model_len=args.max_model_len, max_queue=getattr(args, "max_queue", None),
         served_model_name=getattr(args, "served_model_name", None),
     )
+    _check_command_args(args)
     return engine, sched
+
+
+def _check_command_args(args: argparse.Namespace) -> None:
+    """The command's own flags that need no model to validate (else they fail after the load)."""
+    if args.command == "serve" and not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.command == "generate":
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
+        if not 0.0 <= args.temperature <= 2.0:
+            raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
 
 
 def main(argv: list[str] | None = None) -> int:

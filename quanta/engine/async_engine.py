@@ -88,8 +88,6 @@ class AsyncEngine:
         """
         if not self.alive:
             raise RuntimeError("the engine is not running")
-        if self.max_queue is not None and self.num_waiting >= self.max_queue:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting (--max-queue {self.max_queue})")
         loop = asyncio.get_running_loop()
         sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future())
         self._commands.put(("add", sub))
@@ -130,6 +128,7 @@ class AsyncEngine:
     def _apply(self, verb: str, arg) -> None:
         if verb == "add":
             try:
+                self._check_queue()
                 seq = self.engine.add_request(arg.prompt_token_ids, arg.params)
                 arg.seq_id = seq.seq_id
                 self._routes[seq.seq_id] = arg
@@ -141,6 +140,15 @@ class AsyncEngine:
             self._routes.pop(arg.seq_id, None)
             if out is not None and self.on_output is not None:
                 self.on_output(out)
+
+    def _check_queue(self) -> None:
+        """Refuse a request that would wait beyond ``max_queue``. Checked here,
+        on the engine thread, so simultaneous submissions cannot all see room."""
+        if self.max_queue is None:
+            return
+        sched = self.engine.scheduler
+        if len(sched.waiting) - sched.num_free_slots >= self.max_queue:  # a free slot takes one waiting request
+            raise QueueFullError(f"{len(sched.waiting)} requests are waiting (--max-queue {self.max_queue})")
 
     def _deliver(self, out: RequestOutput) -> None:
         if self.on_output is not None:

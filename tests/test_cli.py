@@ -1,0 +1,172 @@
+"""The ``quanta`` command line: flags given once, configuration checked before
+the model loads, and ``quanta generate`` end to end.
+
+Bad command lines are checked two ways: in-process with every model loader
+replaced by one that fails the test (so "before the model loads" is exact),
+and a few as real subprocesses (exit code 2, stderr, and fast).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from quanta import cli
+
+FAST_EXIT_S = 8.0  # importing quanta takes ~2 s here; loading the model 10-15 s more
+
+
+def run_cli(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "quanta.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make any attempt to load a model fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the command line was validated")
+
+    import quanta.generate
+    import quanta.launch
+    import quanta.server.run
+
+    for module in (quanta.launch, quanta.generate, quanta.server.run):
+        monkeypatch.setattr(module, "load_model", refuse)
+
+
+def main_exit(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    return info.value.code, capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- flags given twice
+
+
+REPEATS = [
+    (["serve", "--prefill-cap", "4096", "--prefill-cap", "2048"], "--prefill-cap"),
+    (["serve", "--port", "1", "--port", "2"], "--port"),
+    (["serve", "--port=1", "--port=2"], "--port"),
+    (["serve", "--port=1", "--port", "1"], "--port"),
+    (["serve", "--max-num-seqs", "4", "--max-num-seqs=4"], "--max-num-seqs"),
+    (["serve", "--scheduler", "batched", "--scheduler", "batched"], "--scheduler"),
+    (["serve", "--dtype", "bf16", "--dtype", "fp32"], "--dtype"),
+    (["serve", "--max-queue", "3", "--max-queue", "4"], "--max-queue"),
+    (["serve", "--served-model-name", "a", "--served-model-name", "b"], "--served-model-name"),
+    (["generate", "hi", "--max-tokens", "1", "--max-tokens", "2"], "--max-tokens"),
+    (["generate", "hi", "--temperature=0", "--temperature=1"], "--temperature"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", REPEATS, ids=[" ".join(a) for a, _ in REPEATS])
+def test_flag_given_twice_is_an_error(argv, flag, capsys, no_model_load):
+    code, err = main_exit(argv, capsys)
+    assert code == 2
+    assert flag in err and "more than once" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["serve", "--prefill-cap", "4096", "--prefill-cap", "2048"], "--prefill-cap"),
+        (["serve", "--port", "1", "--port", "2"], "--port"),
+        (["serve", "--port=1", "--port=2"], "--port"),
+    ],
+    ids=["prefill-cap", "port", "port-equals"],
+)
+def test_flag_given_twice_exits_2_before_loading(argv, flag):
+    proc, elapsed = run_cli(*argv)
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr and "more than once" in proc.stderr
+    assert "loaded" not in proc.stderr, "the model loaded before the flags were checked"
+    assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f} s: the model probably loaded first"
+
+
+# --------------------------------------------------------------------------- invalid configuration
+
+
+INVALID = [
+    (["serve", "--scheduler", "nope"], ["--scheduler", "nope"]),
+    (["serve", "--max-num-seqs", "0"], ["--max-num-seqs", "0"]),
+    (["serve", "--max-num-seqs", "-3"], ["--max-num-seqs"]),
+    (["serve", "--prefill-quantum", "-5"], ["--prefill-quantum", "-5"]),
+    (["serve", "--mixed-prefill-quantum", "0"], ["--mixed-prefill-quantum"]),
+    (["serve", "--prefill-cap", "0"], ["--prefill-cap"]),
+    (["serve", "--prefill-quantum", "8192"], ["--prefill-quantum", "8192", "--prefill-cap", "4096"]),
+    (["serve", "--prefill-quantum", "256", "--mixed-prefill-quantum", "600", "--prefill-cap", "512"], ["--mixed-prefill-quantum", "600", "--prefill-cap", "512"]),
+    (["serve", "--scheduler", "static", "--prefill-cap", "1024"], ["--prefill-cap", "static"]),
+    (["serve", "--scheduler", "static", "--prefill-quantum", "64"], ["--prefill-quantum", "static"]),
+    (["serve", "--max-model-len", "0"], ["--max-model-len"]),
+    (["serve", "--max-queue", "0"], ["--max-queue"]),
+    (["serve", "--max-queue", "-1"], ["--max-queue"]),
+    (["serve", "--dtype", "fp16"], ["--dtype"]),
+    (["serve", "--max-num-seqs", "many"], ["--max-num-seqs"]),
+    (["serve", "--port", "-1"], ["--port"]),
+    (["serve", "--port", "70000"], ["--port"]),
+    (["generate", "hi", "--max-tokens", "0"], ["--max-tokens"]),
+    (["generate", "hi", "--temperature", "3"], ["--temperature"]),
+    (["generate", "hi", "--temperature", "-0.5"], ["--temperature"]),
+    (["generate", "hi", "--prefill-quantum", "-1"], ["--prefill-quantum"]),
+]
+
+
+@pytest.mark.parametrize("argv,fragments", INVALID, ids=[" ".join(a) for a, _ in INVALID])
+def test_invalid_configuration_exits_2_before_loading(argv, fragments, capsys, no_model_load):
+    code, err = main_exit(argv, capsys)
+    assert code == 2, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["serve", "--scheduler", "nope"], ["--scheduler"]),
+        (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+        (["serve", "--prefill-quantum", "-5"], ["--prefill-quantum"]),
+        (["serve", "--prefill-quantum", "8192", "--prefill-cap", "4096"], ["--prefill-quantum", "--prefill-cap"]),
+        (["serve", "--scheduler", "static", "--prefill-cap", "1024"], ["--prefill-cap"]),
+    ],
+    ids=["unknown-scheduler", "zero-seqs", "negative-quantum", "quantum-over-cap", "foreign-knob"],
+)
+def test_invalid_configuration_subprocess(argv, fragments):
+    proc, elapsed = run_cli(*argv)
+    assert proc.returncode == 2, proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "loaded" not in proc.stderr
+    assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f} s: the model probably loaded first"
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def test_generate_prints_the_greedy_completion(server):
+    """``quanta generate`` prints text and exits 0; its greedy text is the
+    server's greedy text for the same prompt and length (same engine)."""
+    import httpx
+
+    prompt, max_tokens = "The capital of France is", 8
+    proc, _ = run_cli("generate", prompt, "--max-tokens", str(max_tokens), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip(), "generate printed no text"
+    steps = re.search(r"\[(\d+) prefill / (\d+) decode / (\d+) mixed steps\]", proc.stderr)
+    assert steps, proc.stderr[-2000:]
+
+    reference = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert proc.stdout == reference["choices"][0]["text"] + "\n"
+    prefill, decode, mixed = map(int, steps.groups())
+    assert prefill >= 1
+    assert prefill + decode + mixed >= reference["usage"]["completion_tokens"]
