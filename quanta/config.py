@@ -52,7 +52,8 @@ class SchedulerConfig:
         if foreign:
             flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
             raise ValueError(f"{flags} does not apply to --scheduler {self.name} (it takes: {_flags(allowed) or 'no knobs'})")
-        self.knobs = {k: self.knobs.get(k, KNOB_DEFAULTS[k]) for k in allowed}
+        given, cap = self.knobs, self.knobs.get("prefill_cap", KNOB_DEFAULTS["prefill_cap"])
+        self.knobs = {k: given.get(k, _default(k, cap)) for k in allowed}
         for k, v in [("max_num_seqs", self.max_num_seqs), *self.knobs.items()]:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -78,6 +79,13 @@ class SchedulerConfig:
         parts = [f"scheduler={self.name}", f"max_num_seqs={self.max_num_seqs}"]
         parts += [f"{k}={v}" for k, v in self.knobs.items()]
         return " ".join(parts)
+
+
+def _default(knob: str, cap: int) -> int:
+    """A knob's default, with chunk sizes lowered to a smaller prefill cap the user chose."""
+    if knob in ("prefill_quantum", "mixed_prefill_quantum", "chunk"):
+        return min(KNOB_DEFAULTS[knob], cap)
+    return KNOB_DEFAULTS[knob]
 
 
 def _flags(names) -> str:

@@ -297,3 +297,13 @@ def test_config_defaults_build_every_policy():
 def test_config_errors(name, seqs, knobs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SchedulerConfig(name, seqs, knobs)
+
+
+def test_default_quanta_follow_a_smaller_cap_explicit_ones_do_not():
+    """``--prefill-cap 1024`` alone lowers the default quanta/chunk to the cap; an explicit larger one is an error."""
+    assert SchedulerConfig("batched", 8, {"prefill_cap": 1024}).knobs == {
+        "prefill_quantum": 1024, "mixed_prefill_quantum": 1024, "prefill_cap": 1024}
+    assert SchedulerConfig("chunked", 8, {"prefill_cap": 256}).knobs["chunk"] == 256
+    assert SchedulerConfig("batched", 8, {"prefill_cap": 8192}).knobs["prefill_quantum"] == KNOB_DEFAULTS["prefill_quantum"]
+    with pytest.raises(ValueError, match="--mixed-prefill-quantum"):
+        SchedulerConfig("batched", 8, {"prefill_cap": 1024, "mixed_prefill_quantum": 2048})

@@ -163,6 +163,15 @@ def test_completion_greedy_stream_matches_non_stream(server):
     check_stream_shape(chunks, reasons, "length", usage=None)
 
 
+def test_null_sampling_fields_mean_their_defaults(server):
+    """OpenAI allows null for optional fields (the client sends it for ``temperature=None``)."""
+    body = {"model": server.model, "prompt": COMPLETION_PROMPT, "max_tokens": 3, "temperature": None, "top_p": None,
+            "n": None, "presence_penalty": None, "stop": None, "seed": None}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+
+
 def test_token_id_prompt_usage_counts_exactly(server):
     client = client_for(server)
     ids = token_prompt(9)

@@ -55,6 +55,14 @@ class SamplingRequest(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI allows ``null`` for optional fields; it means the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in ("max_tokens", "seed", "stop")}
+        return data
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, n: int) -> int:
