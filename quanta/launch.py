@@ -65,6 +65,7 @@ def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
     model = LlamaModel(cfg)
     model.load_hf_state_dict(state)
     model.to(dtype).eval()
+    model.pack_weights()
     tokenizer = Tokenizer.from_path(model_path)
     log.info("loaded %s (%s, %d layers) in %.1f s as %s", model_path.name, cfg.architecture, cfg.num_hidden_layers, time.monotonic() - t0, dtype)
     name = model_path.stem if model_path.is_file() else model_path.name

@@ -102,8 +102,13 @@ class _DecodeGroup:
             lengths[s.slot - self.lo] = s.start + 1
         self.hi = hi
         self.masked_out = (torch.arange(self.kv_len)[None, :] >= lengths[:, None])[:, None, None, :]
-        self.token_index = torch.tensor([off for off, _ in rows], dtype=torch.long)
-        self.row_index = torch.tensor([s.slot - self.lo for _, s in rows], dtype=torch.long)
+        offsets = [off for off, _ in rows]
+        row_of = [s.slot - self.lo for _, s in rows]
+        self.token_index = torch.tensor(offsets, dtype=torch.long)
+        self.row_index = torch.tensor(row_of, dtype=torch.long)
+        #: rows are the tokens ``[first, first + rows)`` in slot order: no scatter/gather needed
+        self.first = offsets[0]
+        self.dense = row_of == list(range(hi - self.lo)) and offsets == list(range(self.first, self.first + len(rows)))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
@@ -123,6 +128,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     vc[batch._write_slots, :, batch.positions] = v
     if batch._decode is None and len(batch._prefills) == 1:
         return _attend_chunk(q, kc, vc, batch._prefills[0][1])
+    if not batch._prefills and batch._decode.dense:
+        return _attend_decode(q, kc, vc, batch._decode)
     out = torch.empty_like(q)
     for offset, s in batch._prefills:
         out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, s)
@@ -147,21 +154,29 @@ def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: SeqSli
 
 
 def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
-    """One query per row: explicit matmuls with query heads grouped per KV head.
+    """One query per row: batched matmuls with query heads grouped per KV head.
 
     For a single query row this is ~3x faster on CPU than
     ``scaled_dot_product_attention`` (whose flash kernel is tuned for long
-    query blocks); scores and softmax are float32.
+    query blocks). The cache slices are copied contiguous first: ``bmm`` on
+    the strided view is ~3x slower than copy plus ``bmm``. Scores come out of
+    ``bmm`` in the model dtype; softmax accumulates in float32.
+
+    Returns:
+        ``[decode rows, H, D]`` in ``g.token_index`` order.
     """
     rows, heads, dim = g.hi - g.lo, q.shape[1], q.shape[2]
     kv_heads = kc.shape[1]
-    query = q.new_zeros(rows, heads, dim)
-    query[g.row_index] = q[g.token_index]
-    query = query.view(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
-    keys = kc[g.lo:g.hi, :, :g.kv_len]  # [R, KVH, L, D], a view
-    values = vc[g.lo:g.hi, :, :g.kv_len]
-    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * dim ** -0.5  # [R, KVH, G, L]
-    scores.masked_fill_(g.masked_out, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values).view(rows, heads, dim)
-    return out[g.row_index]
+    batch = rows * kv_heads
+    if g.dense:
+        query = q[g.first:g.first + rows] * dim ** -0.5
+    else:
+        query = q.new_zeros(rows, heads, dim)
+        query[g.row_index] = q[g.token_index] * dim ** -0.5
+    query = query.view(batch, heads // kv_heads, dim)  # [R*KVH, G, D]
+    keys = kc[g.lo:g.hi, :, :g.kv_len].contiguous().view(batch, g.kv_len, dim)
+    values = vc[g.lo:g.hi, :, :g.kv_len].contiguous().view(batch, g.kv_len, dim)
+    scores = torch.bmm(query, keys.transpose(1, 2))  # [R*KVH, G, L]
+    scores.view(rows, kv_heads, -1, g.kv_len).masked_fill_(g.masked_out, float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, heads, dim)
+    return out if g.dense else out[g.row_index]

@@ -18,22 +18,25 @@ from torch import nn
 
 from quanta.model.attention import AttentionBatch, attend
 from quanta.model.config import ModelConfig
+from quanta.model.linear import PackedLinear, lm_head_linear, packed_lm_head
 from quanta.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as in the HF reference."""
+    """RMSNorm (``torch.nn.functional.rms_norm``, which accumulates bf16 in float32).
+
+    The HF reference rounds to the model dtype before the weight multiply; this
+    rounds once after it, so bf16 outputs may differ by one ulp.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -48,22 +51,20 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
+        self.o_proj = PackedLinear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.split[0] + self.split[1]].view(t, h + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.split[0] + self.split[1]:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = batch.rope_tables
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, self.layer_idx, batch)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = apply_rotary(qk, *batch.rope_tables)  # q and k heads rotated together
+        out = attend(qk[:, :h], qk[:, h:], v, self.layer_idx, batch)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -73,8 +74,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -109,8 +110,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
+        self._tied_head_packed: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -134,8 +136,21 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return lm_head_linear(hidden, self.embed_tokens.weight, self._tied_head_packed).float()
+
+    def pack_weights(self) -> int:
+        """Pre-pack bf16 projection weights for oneDNN (see :mod:`quanta.model.linear`).
+
+        Call after loading and dtype conversion. Returns how many were packed
+        (0 in fp32 or where oneDNN cannot pack).
+        """
+        count = sum(m.pack() for m in self.modules() if isinstance(m, PackedLinear))
+        if self.lm_head is None:
+            self._tied_head_packed = packed_lm_head(self.embed_tokens.weight)
+            count += self._tied_head_packed is not None
+        return count
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up.
