@@ -24,12 +24,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model, resolve_dtype
-from quanta.model.loader import embedded_model_path
+from quanta.model.loader import load_checkpoint
 
 PROMPT_LEN = 2000
 DECODE_PROMPT_LEN = 32
@@ -75,6 +75,25 @@ def quanta_decode(loaded, dtype_name: str, batch: int) -> float:
     return sum(sum(r.num_emitted) for r in decodes) / sum(r.duration for r in decodes)
 
 
+def reference_model(path: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+    """transformers' Llama with the very weights quanta serves (dequantized, in ``dtype``).
+
+    Built from our state dict rather than transformers' own GGUF loader, which
+    may keep the weights quantized and so would not be the same model.
+    """
+    cfg, state = load_checkpoint(path)
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+    model = LlamaForCausalLM(hf_cfg)
+    model.load_state_dict(state, strict=False)
+    return model.to(dtype).eval()
+
+
 def hf_prefill(ref) -> float:
     ids = torch.tensor([_prompt(PROMPT_LEN, 0)])
     with torch.inference_mode():
@@ -115,8 +134,7 @@ def main() -> int:
     dtype = resolve_dtype(dtype_name)
     dtype_name = str(dtype).removeprefix("torch.")
     loaded = load_model(None, dtype)
-    path = embedded_model_path()
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    ref = reference_model(loaded.path, dtype)
 
     rows = {"prefill 2000-token prompt": ("prefill", None)}
     rows.update({f"decode, {b} concurrent": ("decode", b) for b in BATCHES})
