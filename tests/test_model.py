@@ -100,3 +100,21 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_pair):
         expected = ref(ids[None]).logits[0]
     torch.testing.assert_close(_run_chunks(ours, ids, [48]), expected, atol=2e-3, rtol=0)
     torch.testing.assert_close(_run_chunks(ours, ids, [20, 27, 1]), expected, atol=2e-3, rtol=0)
+
+
+def test_dense_equal_length_decode_matches_reference(tiny_pair):
+    """Slots 0..2 decoding at the same position: the no-scatter, no-mask decode path."""
+    ref, ours = tiny_pair
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, ref.config.vocab_size, (12,), generator=gen) for _ in range(3)]
+    with torch.no_grad():
+        expected = [ref(p[None]).logits[0, -1] for p in prompts]
+    cfg = ours.config
+    kv = KVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    for slot, p in enumerate(prompts):
+        ours(p[:11], AttentionBatch([SeqSlice(slot, 0, 11)], kv))
+    batch = AttentionBatch([SeqSlice(slot, 11, 1) for slot in range(3)], kv)
+    assert batch._decode.dense and not batch._decode.needs_mask
+    logits = ours.compute_logits(ours(torch.stack([p[11] for p in prompts]), batch))
+    for row, exp in zip(logits, expected):
+        torch.testing.assert_close(row, exp, atol=1e-4, rtol=0)

@@ -102,6 +102,7 @@ class _DecodeGroup:
             lengths[s.slot - self.lo] = s.start + 1
         self.hi = hi
         self.masked_out = (torch.arange(self.kv_len)[None, :] >= lengths[:, None])[:, None, None, :]
+        self.needs_mask = bool(self.masked_out.any())  # False when every row has the same length
         offsets = [off for off, _ in rows]
         row_of = [s.slot - self.lo for _, s in rows]
         self.token_index = torch.tensor(offsets, dtype=torch.long)
@@ -177,6 +178,7 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _Deco
     keys = kc[g.lo:g.hi, :, :g.kv_len].contiguous().view(batch, g.kv_len, dim)
     values = vc[g.lo:g.hi, :, :g.kv_len].contiguous().view(batch, g.kv_len, dim)
     scores = torch.bmm(query, keys.transpose(1, 2))  # [R*KVH, G, L]
-    scores.view(rows, kv_heads, -1, g.kv_len).masked_fill_(g.masked_out, float("-inf"))
+    if g.needs_mask:
+        scores.view(rows, kv_heads, -1, g.kv_len).masked_fill_(g.masked_out, float("-inf"))
     out = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, heads, dim)
     return out if g.dense else out[g.row_index]
