@@ -105,13 +105,27 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands(block=not self.engine.has_work())
                 if self.engine.has_work():
-                    for out in self.engine.step():
-                        self._deliver(out)
+                    self._step()
         except BaseException as exc:  # the engine thread must report, not vanish
             log.exception("engine loop failed")
             self.error = exc
             for sub in list(self._routes.values()):
                 sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, exc)
+
+    def _step(self) -> None:
+        """One engine step; a failing step fails only the requests resident in it."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; aborting the %d resident requests", len(self.engine.scheduler.running))
+            for seq in list(self.engine.scheduler.running):
+                self.engine.abort(seq.seq_id)
+                sub = self._routes.pop(seq.seq_id, None)
+                if sub is not None:
+                    sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, exc)
+            return
+        for out in outputs:
+            self._deliver(out)
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -51,6 +51,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {exc}")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))

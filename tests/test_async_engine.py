@@ -1,0 +1,61 @@
+"""The thread-hosted engine: a failing step fails only its requests; closing a stream aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from quanta.config import SchedulerConfig
+from quanta.engine.async_engine import AsyncEngine
+from quanta.engine.engine import Engine
+from quanta.engine.executor import Executor
+from quanta.engine.sampling import SamplingParams
+
+POISON = 13  # a prompt containing this token makes the executor raise
+
+
+class FlakyExecutor(Executor):
+    """Emits token 7 when a chunk completes; raises on any plan that carries a poisoned prompt."""
+
+    def execute(self, plan):
+        if any(POISON in c.seq.prompt_token_ids for c in plan.chunks):
+            raise RuntimeError("kernel failure")
+        return [7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks]
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    stream = await engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    tokens = []
+    async for out in stream:
+        tokens += out.token_ids
+    return tokens
+
+
+@pytest.fixture
+def engine():
+    eng = AsyncEngine(Engine(SchedulerConfig("batched", 1).build(), FlakyExecutor(), max_model_len=64))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def test_failing_step_fails_its_request_and_the_engine_goes_on(engine):
+    async def scenario():
+        with pytest.raises(RuntimeError, match="kernel failure"):
+            await asyncio.wait_for(_collect(engine, [1, POISON, 2], 4), 10)
+        return await asyncio.wait_for(_collect(engine, [1, 2, 3], 4), 10)
+
+    assert asyncio.run(scenario()) == [7, 7, 7, 7]
+    assert engine.alive and not engine.engine.scheduler.has_work()
+
+
+def test_closing_a_stream_early_frees_the_slot(engine):
+    async def scenario():
+        stream = await engine.submit([1, 2], SamplingParams(max_tokens=50, temperature=0))
+        await stream.__anext__()
+        stream.abort()
+        # the only slot must come back: this request can run only after the abort
+        return await asyncio.wait_for(_collect(engine, [3, 4], 3), 10)
+
+    assert asyncio.run(scenario()) == [7, 7, 7]
