@@ -1,0 +1,179 @@
+"""One measured run against a server: discover, run the workload, collect.
+
+Works with any OpenAI-compatible server. Where the server also has quanta's
+``GET /v1/trace`` and ``quanta:engine_step*`` metrics, the run adds the
+server-side figures (trace ITL, step counts, union busy rates, overlap);
+elsewhere those are ``None`` and reports print "n/a".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import time
+
+import httpx
+
+from quanta.analysis.intervals import busy_rate, overlap_ratio
+from quanta.analysis.requests import RequestSample, client_intervals, client_metrics, probe_metrics
+from quanta.analysis.scrape import STEP_SECONDS, STEPS, by_kind, parse_prometheus, scrape_overlap
+from quanta.analysis.server_trace import trace_metrics
+from quanta.bench.client import Clock, Target
+from quanta.bench.workloads import Workload, execute
+
+
+class ServerError(RuntimeError):
+    """The server cannot be measured at all (unreachable, not OpenAI-compatible)."""
+
+
+def _get_json(client: httpx.Client, url: str) -> dict | None:
+    try:
+        r = client.get(url)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        data = r.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def discover_model(base_url: str, timeout: float = 10.0) -> str:
+    """The first model id of ``GET /v1/models``.
+
+    Raises:
+        ServerError: unreachable, or the answer is not an OpenAI model list.
+    """
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        with httpx.Client(timeout=timeout) as c:
+            r = c.get(url)
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ServerError(f"{url} answered HTTP {r.status_code} but not an OpenAI model list "
+                          f"({r.text[:120]!r}); pass --model to skip discovery") from exc
+
+
+class ServerProbe:
+    """Reads quanta's optional endpoints; every method returns None when absent."""
+
+    def __init__(self, base_url: str, timeout: float = 10.0) -> None:
+        self.base = base_url.rstrip("/")
+        self.client = httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def config(self) -> dict | None:
+        return _get_json(self.client, self.base + "/v1/config")
+
+    def metrics(self) -> list | None:
+        try:
+            r = self.client.get(self.base + "/metrics")
+        except httpx.HTTPError:
+            return None
+        return parse_prometheus(r.text) if r.status_code == 200 else None
+
+    def next_step(self) -> int | None:
+        """Index of the next engine step (the sum of ``engine_steps_total``), or None."""
+        m = self.metrics()
+        steps = by_kind(m, STEPS) if m else {}
+        if steps:
+            return int(round(sum(steps.values())))
+        data = _get_json(self.client, self.base + "/v1/trace?since=0")
+        if data is None or not isinstance(data.get("records"), list):
+            return None
+        return max((r["step"] for r in data["records"]), default=-1) + 1
+
+    def trace(self, since: int) -> list[dict] | None:
+        data = _get_json(self.client, f"{self.base}/v1/trace?since={since}")
+        recs = data.get("records") if data else None
+        return recs if isinstance(recs, list) else None
+
+
+async def _scraper(base: str, every: float, clock, out: list[dict]) -> None:
+    async with httpx.AsyncClient(timeout=max(every, 1.0)) as c:
+        while True:
+            try:
+                r = await c.get(base + "/metrics")
+                busy = by_kind(parse_prometheus(r.text), STEP_SECONDS) if r.status_code == 200 else {}
+                if busy:
+                    out.append({"t": clock.now(), "busy": busy})
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(every)
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=None if enabled else True, file=sys.stderr, leave=False)
+
+
+async def _measure(target: Target, w: Workload, max_duration: float, request_timeout: float, scrape_every: float | None,
+                   progress: bool, desc: str) -> tuple[list[RequestSample], list[dict]]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(request_timeout, connect=min(request_timeout, 10.0))
+    scrapes: list[dict] = []
+    with _progress(w.total_requests(), progress, desc) as bar:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            clock = Clock()
+            scraper = None
+            if scrape_every:
+                scraper = asyncio.ensure_future(_scraper(target.base_url.rstrip("/"), scrape_every, clock, scrapes))
+            run = await execute(client, target, w, max_duration, on_done=lambda s: bar.update(1), clock=clock)
+            if scraper:
+                scraper.cancel()
+                await asyncio.gather(scraper, return_exceptions=True)
+    return run.samples, scrapes
+
+
+def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request_timeout: float = 300.0,
+            scrape_every: float | None = None, progress: bool = True, desc: str = "bench") -> dict:
+    """Run ``w`` once against ``target`` and compute every figure.
+
+    Returns ``{"samples": [...], "trace": records | None, "scrapes": [...],
+    "metrics": {"client", "client_busy", "trace", "scrape_overlap", "probe"?}, "load": (1-min loadavg
+    before, after)}``.
+    """
+    sp = ServerProbe(target.base_url)
+    load_before = os.getloadavg()[0]
+    try:
+        since = sp.next_step()
+        samples, scrapes = asyncio.run(_measure(target, w, max_duration, request_timeout, scrape_every, progress, desc))
+        if scrape_every:
+            m = sp.metrics()
+            busy = by_kind(m, STEP_SECONDS) if m else {}
+            if busy:
+                scrapes.append({"t": max(s.done or 0.0 for s in samples) if samples else 0.0, "busy": busy})
+        trace = sp.trace(since) if since is not None else None
+    finally:
+        sp.close()
+    return {"samples": [s.to_dict() for s in samples], "trace": trace, "scrapes": scrapes,
+            "metrics": compute_metrics(samples, trace, scrapes, w.kind), "load": [load_before, os.getloadavg()[0]],
+            "finished_at": time.time()}
+
+
+def compute_metrics(samples: list[RequestSample], trace: list[dict] | None, scrapes: list[dict], kind: str) -> dict:
+    """Every figure of one run from its raw data (pure; used again by ``bench report``)."""
+    p_iv, d_iv = client_intervals(samples)
+    cm = client_metrics(samples)
+    out = {
+        "client": cm,
+        "client_busy": {"prefill_rate_lower_bound": busy_rate(cm["prompt_tokens"], p_iv),
+                        "decode_rate": busy_rate(cm["output_tokens"], d_iv),
+                        "overlap": overlap_ratio(p_iv, d_iv) if p_iv else math.nan},
+        "trace": trace_metrics(trace) if trace else None,
+        "scrape_overlap": scrape_overlap(scrapes) if len(scrapes) > 1 else math.nan,
+    }
+    if kind == "probe":
+        probes = [s for s in samples if s.tag == "probe"]
+        out["probe"] = probe_metrics(probes[0], [s for s in samples if s.tag == "session"]) if probes else None
+    return out
