@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from quanta.bench.cli import add_bench_parser
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.policies import POLICIES
 
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_bench_parser(sub)
     return root
 
 
@@ -107,6 +109,10 @@ def _check_command_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from quanta.bench.cli import run_bench
+
+        return run_bench(args, parser, argv)
     try:
         engine_cfg, sched_cfg = configs_from_args(args)
     except ValueError as exc:

@@ -1,0 +1,291 @@
+"""``quanta bench run|sweep|report|trace``.
+
+Bad input (a non-positive size, an unknown workload, a malformed grid, a
+flag given twice) is a one-line message and exit code 2, before any request
+is sent or server started. A server that cannot be measured at all is a
+message and exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+from quanta.bench.workloads import KINDS, Workload
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def _nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not v >= 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
+    return v
+
+
+def _base_url(s: str) -> str:
+    if not s.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {s!r}")
+    return s.rstrip("/").removesuffix("/v1")
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (sizes in words ~ tokens; times in seconds)")
+    g.add_argument("--workload", choices=KINDS, default="burst", help="arrival pattern (default burst)")
+    g.add_argument("--num-requests", type=_positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
+    g.add_argument("--prompt-words", type=_positive_int, default=32, help="prompt size (default 32)")
+    g.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
+    g.add_argument("--rate", type=_positive_float, default=4.0, help="poisson/gamma: requests per second (default 4)")
+    g.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma: shape; 1 = poisson, <1 burstier (default 1)")
+    g.add_argument("--concurrency", type=_positive_int, default=8, help="concurrency: requests in flight (default 8)")
+    g.add_argument("--sessions", type=_positive_int, default=4, help="probe/replay: sessions (default 4)")
+    g.add_argument("--session-tokens", type=_positive_int, default=256, help="probe: max tokens of each decoding session (default 256)")
+    g.add_argument("--probe-words", type=_positive_int, default=1024, help="probe: cold prompt size (default 1024)")
+    g.add_argument("--probe-delay", type=_nonneg_float, default=1.0, help="probe: wait before and after the probe (default 1)")
+    g.add_argument("--turns", type=_positive_int, default=3, help="replay: turns per session (default 3)")
+    g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output appended per turn (default 128)")
+    g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
+    g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed (default 0)")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--repeats", type=_positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
+    m.add_argument("--warmup", type=_nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")
+    m.add_argument("--scrape", type=_positive_float, help="scrape /metrics every S seconds (seed 000 used 15)")
+    m.add_argument("--max-duration", type=_positive_float, default=600.0, help="bound of one run; later requests fail as deadline (default 600)")
+    m.add_argument("--request-timeout", type=_positive_float, default=300.0, help="bound of one request (default 300)")
+    m.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="OpenAI endpoint (default completions)")
+    m.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="do not send ignore_eos (outputs may end early)")
+    m.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    m.add_argument("--out", help="output prefix: PREFIX.json (raw samples), PREFIX.md, PREFIX-*.png")
+    m.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    m.add_argument("--title", help="report title")
+    m.add_argument("--note", default="", help="a sentence for the report (e.g. how the run was scaled)")
+
+
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    """Register ``bench`` and its subcommands on the root CLI's subparsers."""
+    from quanta.cli import KNOB_FLAGS, _register_once
+
+    bench = sub.add_parser("bench", help="measure an OpenAI-compatible server; sweep quanta's flags")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    run = bsub.add_parser("run", help="load-test one running server (quanta, llama-server, vLLM, ...)")
+    _register_once(run)
+    run.add_argument("--base-url", type=_base_url, required=True, help="server root, e.g. http://127.0.0.1:8000")
+    run.add_argument("--model", help="model id (default: the first of GET /v1/models)")
+    run.add_argument("--name", help="condition name in the report (default: the base URL)")
+    _workload_flags(run)
+    sw = bsub.add_parser("sweep", help="start a fresh quanta server per grid condition and measure each")
+    _register_once(sw)
+    sw.add_argument("--grid", action="append", help="serve flags with comma lists, e.g. '--scheduler continuous --admit-k 1,2,4'; "
+                    "repeat for a union of grids")
+    sw.add_argument("--scheduler", dest="grid_scheduler", help="comma list of schedulers (when no --grid)")
+    sw.add_argument("--max-num-seqs", dest="grid_max_num_seqs", help="comma list (when no --grid)")
+    for flag in KNOB_FLAGS:
+        sw.add_argument(flag, dest="grid_" + flag[2:].replace("-", "_"), help="comma list (when no --grid)")
+    sw.add_argument("--server-flags", default="", help="serve flags shared by every condition, e.g. '--max-num-seqs 16'")
+    sw.add_argument("--baseline", help="condition name that throughput is normalized to (default: the first)")
+    sw.add_argument("--dry-run", action="store_true", help="list the conditions and exit")
+    _workload_flags(sw)
+    rep = bsub.add_parser("report", help="recompute figures and write the report from result JSON files")
+    _register_once(rep)
+    rep.add_argument("results", nargs="+", help="PREFIX.json files of bench run/sweep (conditions are merged)")
+    rep.add_argument("--out", required=True, help="output prefix")
+    rep.add_argument("--baseline", help="condition name for throughput ratios")
+    rep.add_argument("--title", help="report title")
+    rep.add_argument("--no-plots", dest="plots", action="store_false")
+    tr = bsub.add_parser("trace", help="server-side figures of a quanta trace (JSONL file or server URL)")
+    tr.add_argument("source", help="trace file (JSONL, or JSON {records: [...]}) or http://HOST:PORT of a quanta server")
+    tr.add_argument("--since", type=_nonneg_int, default=0, help="first step (URL source only)")
+    for p in (run, sw, rep, tr):
+        p.set_defaults(bench_parser=p)
+    return bench
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    names = Workload.__dataclass_fields__
+    kw = {k: getattr(args, k) for k in names if k not in ("kind",) and hasattr(args, k)}
+    return Workload(kind=args.workload, **kw)
+
+
+def _command(argv: list[str] | None) -> str:
+    return "quanta " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Dispatch ``quanta bench ...``; returns the exit code (2 for bad input via ``parser.error``)."""
+    cmd = args.bench_command
+    parser = getattr(args, "bench_parser", parser)
+    if cmd == "trace":
+        return _trace(args, parser)
+    if cmd == "report":
+        return _report(args, parser)
+    if cmd == "sweep":
+        return _sweep(args, parser, argv)
+    return _run(args, parser, argv)
+
+
+def _finish(doc: dict, args, title: str) -> None:
+    from quanta.bench import output
+
+    print(output.headline(doc))
+    if getattr(args, "out", None):
+        for path in output.write_outputs(doc, Path(args.out), title, args.plots):
+            _say(f"wrote {path}")
+
+
+def _run(args, parser, argv) -> int:
+    from quanta.analysis.report import aggregate, repeat_figures
+    from quanta.bench import output
+    from quanta.bench.client import Target
+    from quanta.bench.runner import ServerError, discover_model, measure
+
+    w = _workload(args)
+    try:
+        model = args.model or discover_model(args.base_url)
+    except ServerError as exc:
+        _say(f"quanta bench: error: {exc}")
+        return 1
+    target = Target(args.base_url, model, args.endpoint, args.ignore_eos)
+    name = args.name or args.base_url
+    if args.warmup:
+        measure(target, Workload(kind="burst", num_requests=args.warmup, prompt_words=w.prompt_words, max_tokens=8),
+                max_duration=args.max_duration, request_timeout=args.request_timeout, progress=False)
+    cond = {"name": name, "flags": None, "valid": True, "runs": [], "figures": []}
+    for r in range(args.repeats):
+        run = measure(target, w, max_duration=args.max_duration, request_timeout=args.request_timeout,
+                      scrape_every=args.scrape, progress=args.progress, desc=f"{name} [{r + 1}/{args.repeats}]")
+        cond["runs"].append(run)
+        cond["figures"].append(repeat_figures(run["metrics"]))
+        c = run["metrics"]["client"]
+        _say(f"repeat {r + 1}/{args.repeats}: {c['num_ok']} ok, {c['num_failed']} failed {c['errors'] or ''}".rstrip())
+    cond["summary"] = aggregate(cond["figures"])
+    doc = output.document("run", _command(argv), w, args.repeats, [cond], None, args.note)
+    _finish(doc, args, args.title or f"quanta bench run: {name}")
+    if all(r["metrics"]["client"]["num_ok"] == 0 for r in cond["runs"]):
+        first = next((s for r in cond["runs"] for s in r["samples"] if s["error"]), None)
+        _say(f"quanta bench: error: every request failed ({first['error']}: {first['error_detail']})" if first else
+             "quanta bench: error: no request was sent")
+        return 1
+    return 0
+
+
+def _sweep(args, parser, argv) -> int:
+    from quanta.bench import output
+    from quanta.bench.sweep import GridError, expand, run_sweep, specs_from_args, validate
+
+    specs = specs_from_args(args)
+    if not specs:
+        parser.error("bench sweep needs --grid SPEC (repeatable) or knob lists such as --scheduler continuous --admit-k 1,2,4")
+    try:
+        conds = expand(specs, args.server_flags)
+        for c in conds:
+            validate(c)
+    except GridError as exc:
+        parser.error(str(exc))
+    names = [c.name for c in conds]
+    if args.baseline and args.baseline not in names:
+        parser.error(f"--baseline {args.baseline!r} is not a condition of the grid ({', '.join(names)})")
+    if not args.out and not args.dry_run:
+        parser.error("bench sweep needs --out PREFIX for its results")
+    for c in conds:
+        _say(f"{c.name}: quanta serve {' '.join(c.flags)}" + (f"  [invalid: {c.invalid_reason}]" if c.invalid_reason else ""))
+    if args.dry_run:
+        return 0
+    w = _workload(args)
+    results = run_sweep(conds, w, args.repeats, warmup=args.warmup, scrape_every=args.scrape, max_duration=args.max_duration,
+                        request_timeout=args.request_timeout, progress=args.progress, say=_say)
+    doc = output.document("sweep", _command(argv), w, args.repeats, results, args.baseline or names[0], args.note)
+    _finish(doc, args, args.title or "quanta bench sweep")
+    return 0 if any(r["valid"] for r in results) else 1
+
+
+def _report(args, parser) -> int:
+    from quanta.bench import output
+
+    docs = []
+    for path in args.results:
+        try:
+            docs.append((Path(path), json.loads(Path(path).read_text(encoding="utf-8"))))
+        except (OSError, ValueError) as exc:
+            parser.error(f"cannot read {path}: {exc}")
+    if any("conditions" not in d for _, d in docs):
+        parser.error("not a bench result file (no 'conditions'); pass PREFIX.json of bench run/sweep")
+    doc = docs[0][1]
+    if len(docs) > 1:
+        seen = set()
+        doc["conditions"] = []
+        for path, d in docs:
+            for c in d["conditions"]:
+                if c["name"] in seen:
+                    c["name"] = f"{path.stem}: {c['name']}"
+                seen.add(c["name"])
+                doc["conditions"].append(c)
+        doc["command"] = " + ".join(d["command"] for _, d in docs)
+    if args.baseline:
+        if args.baseline not in [c["name"] for c in doc["conditions"]]:
+            parser.error(f"--baseline {args.baseline!r} is not a condition of these results")
+        doc["baseline"] = args.baseline
+    output.recompute(doc)
+    _finish(doc, args, args.title or "quanta bench report")
+    return 0
+
+
+def _trace(args, parser) -> int:
+    from quanta.analysis.server_trace import load_trace_file, trace_metrics
+    from quanta.bench.runner import ServerProbe
+
+    if args.source.startswith(("http://", "https://")):
+        sp = ServerProbe(_base_url(args.source))
+        records = sp.trace(args.since)
+        sp.close()
+        if records is None:
+            _say(f"quanta bench: error: {args.source} has no quanta /v1/trace endpoint (or is unreachable)")
+            return 1
+    else:
+        try:
+            records = load_trace_file(args.source)
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"cannot read trace {args.source}: {exc}")
+    if not records:
+        _say("quanta bench: error: the trace has no step records")
+        return 1
+    print(json.dumps(trace_metrics(records), indent=2, default=lambda x: None))
+    return 0

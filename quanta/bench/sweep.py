@@ -1,0 +1,203 @@
+"""Sweeps: a grid of ``quanta serve`` flags, one fresh server per condition.
+
+A grid spec is a string of serve flags in which a comma-separated value is a
+list to sweep: ``--scheduler continuous --admit-k 1,2,4`` is three
+conditions. Several specs are a union (``static`` plus a ``continuous`` grid
+plus a ``chunked`` grid was seed 002's). For each condition the sweep starts
+a fresh server, checks that the applied values (``/v1/config`` and the
+startup line) equal the requested ones (else the condition is marked
+invalid and not measured), runs the workload ``repeats`` times and stops the
+server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import shlex
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quanta.analysis.report import aggregate, repeat_figures
+from quanta.bench import server as qserver
+from quanta.bench.client import Target
+from quanta.bench.runner import ServerProbe, discover_model, measure
+from quanta.bench.workloads import Workload
+
+#: flags that are part of a condition's name when given in its grid spec.
+_SHORT = {"--scheduler": None, "--admit-k": "K", "--chunk": "C", "--mixed-prefill-quantum": "mpq",
+          "--prefill-quantum": "pq", "--prefill-cap": "cap", "--max-num-batched-tokens": "B", "--max-num-seqs": "slots"}
+
+
+class GridError(ValueError):
+    """A grid spec that cannot be parsed (bad syntax, repeated flag)."""
+
+
+@dataclass
+class Condition:
+    """One point of the grid: its name and full serve flags."""
+
+    name: str
+    flags: list[str]
+    invalid_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _pairs(spec: str) -> list[tuple[str, str]]:
+    try:
+        toks = shlex.split(spec)
+    except ValueError as exc:
+        raise GridError(f"grid {spec!r}: {exc}") from exc
+    if len(toks) % 2:
+        raise GridError(f"grid {spec!r}: every flag needs one value (e.g. '--admit-k 1,2,4')")
+    pairs = list(zip(toks[::2], toks[1::2]))
+    seen = set()
+    for flag, value in pairs:
+        if not flag.startswith("--"):
+            raise GridError(f"grid {spec!r}: expected a --flag, got {flag!r}")
+        if flag in seen:
+            raise GridError(f"grid {spec!r}: {flag} was given more than once")
+        if not value or any(not v for v in value.split(",")):
+            raise GridError(f"grid {spec!r}: {flag} has an empty value")
+        seen.add(flag)
+    return pairs
+
+
+def condition_name(pairs: list[tuple[str, str]]) -> str:
+    """``[("--scheduler", "continuous"), ("--admit-k", "4")]`` -> ``"continuous K=4"``."""
+    parts = []
+    for flag, value in pairs:
+        short = _SHORT.get(flag, flag[2:])
+        parts.append(value if short is None else f"{short}={value}")
+    return " ".join(parts) or "default"
+
+
+def expand(specs: list[str], common: str = "") -> list[Condition]:
+    """Every condition of the union of ``specs``, each with ``common`` flags appended.
+
+    Raises:
+        GridError: bad syntax, a repeated flag within a spec or between a
+            spec and ``common``, or two conditions with the same flags.
+    """
+    common_pairs = _pairs(common) if common.strip() else []
+    if any("," in v for _, v in common_pairs):
+        raise GridError(f"--server-flags {common!r}: lists belong in --grid")
+    out: list[Condition] = []
+    for spec in specs:
+        pairs = _pairs(spec)
+        clash = {f for f, _ in pairs} & {f for f, _ in common_pairs}
+        if clash:
+            raise GridError(f"{', '.join(sorted(clash))} is in both --grid {spec!r} and --server-flags")
+        for values in itertools.product(*(v.split(",") for _, v in pairs)):
+            chosen = [(f, v) for (f, _), v in zip(pairs, values)]
+            flags = [x for p in chosen + common_pairs for x in p]
+            out.append(Condition(condition_name(chosen), flags))
+    names = [c.name for c in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise GridError(f"the grid lists these conditions twice: {', '.join(dup)}")
+    return out
+
+
+def validate(cond: Condition) -> None:
+    """Check the flags as ``quanta serve`` would, before any server starts.
+
+    Raises:
+        GridError: a flag ``quanta serve`` does not know or a malformed value.
+    Sets ``cond.invalid_reason`` for a configuration quanta rejects (e.g.
+    ``--admit-k`` above ``--max-num-seqs``).
+    """
+    from quanta.cli import build_parser, configs_from_args
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            args = build_parser().parse_args(["serve", *cond.flags])
+    except SystemExit as exc:
+        lines = buf.getvalue().strip().splitlines()
+        raise GridError(f"condition {cond.name!r}: {lines[-1] if lines else 'invalid serve flags'}") from exc
+    messages: list[str] = []
+    try:
+        configs_from_args(args)
+    except ValueError as exc:
+        messages.append(str(exc))
+    cond.invalid_reason = "; ".join(messages) or None
+
+
+def run_condition(cond: Condition, w: Workload, repeats: int, *, warmup: int, scrape_every: float | None,
+                  max_duration: float, request_timeout: float, progress: bool, log_dir: Path) -> dict:
+    """Start, verify, measure ``repeats`` times and stop one condition's server."""
+    result = {"name": cond.name, "flags": cond.flags, "valid": False, "invalid_reason": cond.invalid_reason,
+              "applied": None, "startup_line": None, "runs": [], "figures": []}
+    if cond.invalid_reason:
+        return result
+    try:
+        srv = qserver.start(cond.flags, log_dir)
+    except RuntimeError as exc:
+        result["invalid_reason"] = f"server did not start: {str(exc).splitlines()[0]}"
+        return result
+    try:
+        sp = ServerProbe(srv.base_url)
+        applied, startup = sp.config(), srv.startup_values()
+        sp.close()
+        requested = qserver.requested_values(cond.flags)
+        reason = qserver.verify(requested, applied) if applied is not None else None
+        reason = reason or qserver.verify(requested, startup)
+        result.update(applied=applied, startup_line=startup)
+        if reason:
+            result["invalid_reason"] = reason
+            return result
+        target = Target(srv.base_url, discover_model(srv.base_url))
+        if warmup:
+            measure(target, Workload(kind="burst", num_requests=warmup, prompt_words=w.prompt_words, max_tokens=8),
+                    max_duration=max_duration, request_timeout=request_timeout, progress=False)
+        for r in range(repeats):
+            run = measure(target, w, max_duration=max_duration, request_timeout=request_timeout,
+                          scrape_every=scrape_every, progress=progress, desc=f"{cond.name} [{r + 1}/{repeats}]")
+            result["runs"].append(run)
+            result["figures"].append(repeat_figures(run["metrics"]))
+        result["valid"] = True
+        result["summary"] = aggregate(result["figures"])
+        return result
+    finally:
+        srv.stop()
+
+
+def run_sweep(conds: list[Condition], w: Workload, repeats: int, *, warmup: int = 2, scrape_every: float | None = None,
+              max_duration: float = 600.0, request_timeout: float = 300.0, progress: bool = True,
+              log_dir: Path | None = None, say=print) -> list[dict]:
+    """Measure every condition in order; returns their result dicts."""
+    tmp = None
+    if log_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="quanta-sweep-")
+        log_dir = Path(tmp.name)
+    out = []
+    try:
+        for i, cond in enumerate(conds):
+            say(f"[{i + 1}/{len(conds)}] {cond.name}: quanta serve {' '.join(cond.flags)}")
+            res = run_condition(cond, w, repeats, warmup=warmup, scrape_every=scrape_every, max_duration=max_duration,
+                                request_timeout=request_timeout, progress=progress, log_dir=log_dir)
+            if not res["valid"]:
+                say(f"  invalid: {res['invalid_reason']}")
+            out.append(res)
+    finally:
+        if tmp:
+            tmp.cleanup()
+    return out
+
+
+def specs_from_args(args: argparse.Namespace) -> list[str]:
+    """``--grid`` specs, or one spec built from the direct knob flags of ``bench sweep``."""
+    if args.grid:
+        return list(args.grid)
+    from quanta.cli import KNOB_FLAGS
+
+    parts = []
+    for flag in ("--scheduler", "--max-num-seqs", *KNOB_FLAGS):
+        value = getattr(args, "grid_" + flag[2:].replace("-", "_"), None)
+        if value is not None:
+            parts.append(f"{flag} {value}")
+    return [" ".join(parts)] if parts else []
