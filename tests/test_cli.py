@@ -3,7 +3,7 @@ the model loads, and ``quanta generate`` end to end.
 
 Bad command lines are checked two ways: in-process with every model loader
 replaced by one that fails the test (so "before the model loads" is exact),
-and a few as real subprocesses (exit code 2, stderr, and fast).
+and a few as real subprocesses (exit code 2, stderr, no model load line).
 """
 
 from __future__ import annotations
@@ -11,19 +11,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from quanta import cli
 
-FAST_EXIT_S = 8.0  # importing quanta takes ~2 s here; loading the model 10-15 s more
 
 
-def run_cli(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "quanta.cli", *args], capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quanta.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -82,11 +78,10 @@ def test_flag_given_twice_is_an_error(argv, flag, capsys, no_model_load):
     ids=["prefill-cap", "port", "port-equals"],
 )
 def test_flag_given_twice_exits_2_before_loading(argv, flag):
-    proc, elapsed = run_cli(*argv)
+    proc = run_cli(*argv)
     assert proc.returncode == 2, proc.stderr
     assert flag in proc.stderr and "more than once" in proc.stderr
     assert "loaded" not in proc.stderr, "the model loaded before the flags were checked"
-    assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f} s: the model probably loaded first"
 
 
 # --------------------------------------------------------------------------- invalid configuration
@@ -137,13 +132,12 @@ def test_invalid_configuration_exits_2_before_loading(argv, fragments, capsys, n
     ids=["unknown-scheduler", "zero-seqs", "negative-quantum", "quantum-over-cap", "foreign-knob"],
 )
 def test_invalid_configuration_subprocess(argv, fragments):
-    proc, elapsed = run_cli(*argv)
+    proc = run_cli(*argv)
     assert proc.returncode == 2, proc.stderr
     for fragment in fragments:
         assert fragment in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "loaded" not in proc.stderr
-    assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f} s: the model probably loaded first"
 
 
 # --------------------------------------------------------------------------- generate
@@ -155,7 +149,7 @@ def test_generate_prints_the_greedy_completion(server):
     import httpx
 
     prompt, max_tokens = "The capital of France is", 8
-    proc, _ = run_cli("generate", prompt, "--max-tokens", str(max_tokens), timeout=180)
+    proc = run_cli("generate", prompt, "--max-tokens", str(max_tokens), timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip(), "generate printed no text"
     steps = re.search(r"\[(\d+) prefill / (\d+) decode / (\d+) mixed steps\]", proc.stderr)
@@ -184,7 +178,7 @@ POLICY_FLAGS = {
 def test_generate_runs_under_every_policy(name):
     """Each policy serves ``quanta generate``; chunking shows in the step counts it reports."""
     prompt = "The capital of France is"
-    proc, _ = run_cli("generate", prompt, "--max-tokens", "4", "--scheduler", name, *POLICY_FLAGS[name], timeout=180)
+    proc = run_cli("generate", prompt, "--max-tokens", "4", "--scheduler", name, *POLICY_FLAGS[name], timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     steps = re.search(r"\[(\d+) prefill / (\d+) decode / (\d+) mixed steps\]", proc.stderr)
