@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Architectures the dense Llama-family model implements.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+#: Dense Llama-family architectures.
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+#: Mixture-of-Experts architectures: Llama-family attention, an MoE block in
+#: place of the MLP (see :mod:`quanta.model.moe`). ``dots1`` is the
+#: DeepSeek-style block (sigmoid scoring, shared expert) with Qwen3 attention.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "dots1")
+#: Architectures the model implements.
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Shape of a dense Llama-family decoder.
+    """Shape of a Llama-family decoder, dense or Mixture-of-Experts.
 
     Field names follow Hugging Face's ``config.json`` (``LlamaConfig``) so an
     HF directory maps one to one; GGUF metadata is translated into them.
@@ -35,6 +41,28 @@ class ModelConfig:
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         bos_token_id / eos_token_ids: special ids from the checkpoint.
         name: human-readable model name (served as the model id).
+        qk_norm_full: q/k RMSNorm spans the whole projection
+            (``heads * head_dim``) instead of each head (OLMoE).
+        clip_qkv: clamp q, k, v to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.
+
+    MoE fields (all zero/defaults for a dense model):
+        num_experts: routed experts per MoE layer (E); 0 means dense.
+        num_experts_per_tok: routed experts per token (top-k, K).
+        moe_intermediate_size: width of one routed expert's SwiGLU.
+        shared_expert_intermediate_size: width of the always-on shared
+            expert(s), 0 for none (Qwen2-MoE, DeepSeek/dots1).
+        shared_expert_gate: the shared expert's output is scaled by
+            ``sigmoid(x @ w)`` (Qwen2-MoE).
+        router_scoring: ``softmax`` (Mixtral, Qwen, OLMoE) or ``sigmoid``
+            (DeepSeek-V3 / dots1, with a selection bias and groups).
+        norm_topk_prob: renormalize the K selected weights to sum to 1.
+        routed_scaling_factor: multiplier of the routed weights (sigmoid routers).
+        router_n_group / router_topk_group: group-limited top-k (DeepSeek-V3).
+        dense_layers: layer indices that keep a dense MLP of
+            ``intermediate_size`` (Qwen2-MoE ``mlp_only_layers``, dots1
+            ``first_k_dense_replace``).
+        synthetic: a label for random-weight cost-model instances written by
+            ``quanta make-model`` (None for real checkpoints); reports repeat it.
     """
 
     architecture: str
@@ -55,6 +83,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    router_scoring: str = "softmax"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    router_n_group: int = 1
+    router_topk_group: int = 1
+    dense_layers: list[int] = field(default_factory=list)
+    synthetic: str | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        """True when at least one layer has routed experts."""
+        return self.num_experts > 0 and len(self.dense_layers) < self.num_hidden_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer ``layer`` runs an MoE block (else the dense SwiGLU MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -64,3 +115,10 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+            if self.router_scoring not in ("softmax", "sigmoid"):
+                raise ValueError(f"router_scoring must be softmax or sigmoid, got {self.router_scoring!r}")
+            if self.num_experts % self.router_n_group or not 0 < self.router_topk_group <= self.router_n_group:
+                raise ValueError("router groups must divide num_experts and topk_group <= n_group")

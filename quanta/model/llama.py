@@ -1,10 +1,12 @@
-"""Dense Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a slot KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2; MoE: Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, dots1) over a slot KV cache.
 
 The forward pass takes every scheduled token of a step flattened into one
 ``[T]`` vector, so a step may mix sequences with many new tokens (prefill
 chunks) and sequences with one (decode). Linear layers run on ``[T, d]`` in one
 matmul each; attention is the only per-sequence part and reads its context from
-:class:`~quanta.model.attention.AttentionBatch`.
+:class:`~quanta.model.attention.AttentionBatch`. MoE layers replace the MLP
+with :class:`~quanta.model.moe.MoEBlock`; dense layers are untouched.
 
 Reference: the Hugging Face ``transformers`` Llama/Qwen2/Qwen3 modeling code,
 which ``tests/test_model.py`` checks these logits against.
@@ -19,6 +21,7 @@ from torch import nn
 from quanta.model.attention import AttentionBatch, attend
 from quanta.model.config import ModelConfig
 from quanta.model.linear import PackedLinear, lm_head_linear, packed_lm_head
+from quanta.model.moe import ExpertStats, MoEBlock, RoutedExperts, expert_stats
 from quanta.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -55,17 +58,30 @@ class Attention(nn.Module):
         self.o_proj = PackedLinear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # OLMoE: RMSNorm over the whole q / k projection, and optional clamping.
+        self.full_qk_norm = cfg.qk_norm_full
+        if self.full_qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(q_size, cfg.rms_norm_eps), RMSNorm(kv_size, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
+        if self.full_qk_norm:
+            qkv = self._olmoe_norms(qkv)
         qk = qkv[:, :self.split[0] + self.split[1]].view(t, h + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.split[0] + self.split[1]:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         qk = apply_rotary(qk, *batch.rope_tables)  # q and k heads rotated together
         out = attend(qk[:, :h], qk[:, h:], v, self.layer_idx, batch)
         return self.o_proj(out.reshape(t, -1))
+
+    def _olmoe_norms(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``[T, q+2kv]`` -> same with q and k RMS-normed over their full width, then clamped."""
+        q, k, v = qkv.split(self.split, dim=-1)
+        qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        return qkv.clamp_(-self.clip_qkv, self.clip_qkv) if self.clip_qkv is not None else qkv
 
 
 class MLP(nn.Module):
@@ -88,7 +104,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch)
@@ -113,6 +129,8 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
         self._tied_head_packed: torch.Tensor | None = None
+        self.moe_blocks = [m for m in self.modules() if isinstance(m, MoEBlock)]
+        self._last_num_tokens = 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -128,10 +146,15 @@ class LlamaModel(nn.Module):
             ``[T, hidden_size]`` final-normed hidden states.
         """
         x = self.embed_tokens(input_ids)
+        self._last_num_tokens = input_ids.shape[0]
         batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)
+
+    def expert_stats(self) -> ExpertStats | None:
+        """Expert activity of the last :meth:`forward`, averaged over MoE layers (None if dense)."""
+        return expert_stats(self.moe_blocks, self._last_num_tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,7 +169,7 @@ class LlamaModel(nn.Module):
         Call after loading and dtype conversion. Returns how many were packed
         (0 in fp32 or where oneDNN cannot pack).
         """
-        count = sum(m.pack() for m in self.modules() if isinstance(m, PackedLinear))
+        count = sum(m.pack() for m in self.modules() if isinstance(m, (PackedLinear, RoutedExperts)))
         if self.lm_head is None:
             self._tied_head_packed = packed_lm_head(self.embed_tokens.weight)
             count += self._tied_head_packed is not None
@@ -154,6 +177,10 @@ class LlamaModel(nn.Module):
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up.
+
+        MoE layers take the loader's canonical names (``mlp.gate.weight``,
+        ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
+        ``[E, H, I]``, ``mlp.shared_expert.{gate,up,down}_proj.weight``).
 
         Raises:
             KeyError: a tensor the architecture needs is missing.
@@ -168,6 +195,10 @@ class LlamaModel(nn.Module):
             fused[attn + "qkv_proj.weight"] = torch.cat([own.pop(attn + f"{p}_proj.weight") for p in "qkv"])
             if self.config.attention_bias:
                 fused[attn + "qkv_proj.bias"] = torch.cat([own.pop(attn + f"{p}_proj.bias") for p in "qkv"])
+            if self.config.is_moe_layer(i):
+                mlp += "shared_expert."
+                if mlp + "gate_proj.weight" not in own:
+                    continue
             fused[mlp + "gate_up_proj.weight"] = torch.cat([own.pop(mlp + "gate_proj.weight"), own.pop(mlp + "up_proj.weight")])
         own.update(fused)
         if self.lm_head is None:

