@@ -51,23 +51,20 @@ def aggregate(figures: list[dict]) -> dict:
 
 def frontier_points(conditions: list[dict]) -> list[tuple[str, float, float]]:
     """``(name, median throughput, median p99 ITL)`` of the valid conditions."""
-    pts = []
-    for c in conditions:
-        if c.get("valid", True) and c.get("summary"):
-            pts.append((c["name"], c["summary"]["throughput"][0], c["summary"]["itl_p99"][0]))
-    return pts
+    return [(c["name"], median_iqr(_vals(c, "throughput"))[0], median_iqr(_vals(c, "itl_p99"))[0])
+            for c in conditions if c.get("valid", True) and c.get("figures")]
 
 
 def _vals(cond: dict, key: str) -> list[float]:
-    return [f.get(key, math.nan) for f in cond.get("figures", [])]
+    return [math.nan if f.get(key) is None else f[key] for f in cond.get("figures", [])]
 
 
 def _count(cond: dict, key: str) -> str:
-    vals = [v for v in _vals(cond, key) if not (isinstance(v, float) and math.isnan(v))]
+    vals = [v for v in _vals(cond, key) if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not vals:
         return "n/a"
     med, lo, hi = median_iqr(vals)
-    return f"{med:.0f}" if lo == hi else f"{med:.0f} ({lo:.0f}-{hi:.0f})"
+    return f"{med:g}" if lo == hi else f"{med:g} ({lo:g}-{hi:g})"
 
 
 def main_table(conditions: list[dict], baseline: str | None) -> str:

@@ -4,6 +4,9 @@ The bench cannot know a foreign server's tokenizer, so sizes are in words
 of a small common-English vocabulary (about one token each for BPE
 tokenizers such as Llama's or SmolLM2's); the report uses the server's
 ``usage.prompt_tokens``, never this estimate.
+
+Every prompt starts with a fresh random nonce, so no prefix or KV cache (nor
+an earlier repeat of the same workload) can serve any part of it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ def text(num_words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def unique_prefix() -> str:
-    """A prefix no earlier run has sent (fresh UUID), so no prefix or KV cache can serve it."""
-    return f"[run {uuid.uuid4().hex}]"
+def unique_prefix(hex_chars: int = 32) -> str:
+    """A prefix no earlier request has sent (random hex from a fresh UUID)."""
+    return uuid.uuid4().hex[:hex_chars]
 
 
-def prompt(num_words: int, rng: random.Random, unique: bool = False) -> str:
-    """A prompt of about ``num_words`` tokens; ``unique`` starts it with :func:`unique_prefix`."""
+def prompt(num_words: int, rng: random.Random, nonce_chars: int = 8) -> str:
+    """A prompt of about ``num_words`` tokens (plus a few for the nonce) that
+    starts with a unique ``nonce_chars``-hex nonce (0: no nonce)."""
     body = text(num_words, rng)
-    return f"{unique_prefix()} {body}" if unique else body
+    return f"{unique_prefix(nonce_chars)} {body}" if nonce_chars else body

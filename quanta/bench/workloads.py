@@ -161,7 +161,7 @@ async def _probe(run: Run) -> None:
         await asyncio.sleep(0.01)
     await asyncio.sleep(w.probe_delay)
     probe = run.new_sample(run.clock.now(), "probe")
-    await run.request(probe, prompts.prompt(w.probe_words, run.rng, unique=True), w.max_tokens)
+    await run.request(probe, prompts.prompt(w.probe_words, run.rng, nonce_chars=32), w.max_tokens)
     await asyncio.sleep(w.probe_delay)
     for t in tasks:
         t.cancel()
@@ -176,7 +176,7 @@ async def _replay(run: Run) -> None:
 
     async def agent(i: int) -> None:
         await run.at(i * w.stagger)
-        context = [{"role": "user", "content": prompts.prompt(w.prompt_words, run.rng, unique=True)}]
+        context = [{"role": "user", "content": prompts.prompt(w.prompt_words, run.rng)}]
         for turn in range(w.turns):
             pieces: list[str] = []
             sample = run.new_sample(run.clock.now(), f"session{i}/turn{turn}")

@@ -1,0 +1,84 @@
+"""Server-side figures from hand-made engine traces with known answers."""
+
+import json
+import math
+
+import pytest
+
+from quanta.analysis.server_trace import (
+    decoding_intervals, emission_times, load_trace_file, phase_split, step_counts, trace_itl, trace_metrics,
+)
+
+
+def rec(step, kind, start, end, seqs, new, emitted):
+    return {"step": step, "kind": kind, "start": start, "end": end, "seq_ids": seqs, "num_new_tokens": new, "num_emitted": emitted}
+
+
+#: A (seq 0) prefills and decodes once; B's 20-token prefill stalls A for 1 s; then both decode.
+STALL_TRACE = [
+    rec(0, "prefill", 0.0, 1.0, [0], [10], [1]),        # A's first token at 1.0
+    rec(1, "decode", 1.0, 1.1, [0], [1], [1]),          # A at 1.1
+    rec(2, "prefill", 1.1, 2.1, [1], [20], [1]),        # B's first token at 2.1; A waits
+    rec(3, "decode", 2.1, 2.3, [0, 1], [1, 1], [1, 1]),  # A at 2.3, B at 2.3
+    rec(4, "decode", 2.3, 2.4, [0, 1], [1, 1], [1, 1]),  # A at 2.4, B at 2.4
+]
+
+
+def test_itl_is_measured_from_the_previous_emission_of_the_same_request():
+    assert emission_times(STALL_TRACE) == {0: [1.0, 1.1, 2.3, 2.4], 1: [2.1, 2.3, 2.4]}
+    itl = sorted(trace_itl(STALL_TRACE))
+    assert itl == pytest.approx(sorted([0.1, 1.2, 0.1, 0.2, 0.1]))
+    assert max(itl) == pytest.approx(1.2)  # the prefill stall shows up in A's gap
+
+
+def test_measuring_from_the_previous_step_of_any_kind_would_hide_the_stall():
+    # the wrong method (seed 002's first measurement): gap from the previous step's end
+    naive = [r["end"] - prev["end"] for prev, r in zip(STALL_TRACE, STALL_TRACE[1:]) if r["kind"] == "decode" for _ in r["seq_ids"]]
+    assert max(naive) == pytest.approx(0.2)
+    assert max(trace_itl(STALL_TRACE)) > 5 * max(naive)
+
+
+def test_counts_rates_occupancy_and_overlap():
+    m = trace_metrics(STALL_TRACE)
+    assert m["steps"] == {"prefill": 2, "decode": 3, "mixed": 0}
+    assert m["prefill_tokens"] == 30 and m["decode_tokens"] == 5
+    assert m["prefill_busy"] == pytest.approx(2.0)
+    assert m["prefill_rate"] == pytest.approx(15.0)
+    assert m["decode_busy"] == pytest.approx(0.4)
+    assert m["decode_rate"] == pytest.approx(12.5)
+    assert m["wall"] == pytest.approx(2.4)
+    assert m["occupancy"] == pytest.approx(1.0)
+    assert m["prefill_occupancy"] == pytest.approx(2.0 / 2.4)
+    # A decodes over [1.0, 2.4]: B's prefill (1.1-2.1) overlaps it, A's own prefill (0-1) does not
+    assert decoding_intervals(STALL_TRACE) == [(1.0, 2.4), (2.1, 2.4)]
+    assert m["overlap"] == pytest.approx(0.5)
+    assert m["itl"]["n"] == 5 and m["itl"]["max"] == pytest.approx(1.2)
+
+
+def test_mixed_steps_count_as_prefill_and_decode():
+    trace = [
+        rec(0, "prefill", 0.0, 0.5, [0], [8], [1]),
+        rec(1, "mixed", 0.5, 1.0, [0, 1], [1, 6], [1, 0]),  # A decodes, B prefills its first 6 tokens
+        rec(2, "mixed", 1.0, 1.5, [0, 1], [1, 2], [1, 1]),  # B's last 2 prompt tokens, first token
+        rec(3, "decode", 1.5, 1.75, [0, 1], [1, 1], [1, 1]),
+    ]
+    split = phase_split(trace)
+    assert split["prefill_tokens"] == 16 and split["decode_tokens"] == 4
+    assert split["prefill_intervals"] == [(0.0, 0.5), (0.5, 1.0), (1.0, 1.5)]
+    assert split["decode_intervals"] == [(0.5, 1.0), (1.0, 1.5), (1.5, 1.75)]
+    assert step_counts(trace) == {"prefill": 1, "decode": 1, "mixed": 2}
+    m = trace_metrics(trace)
+    assert m["prefill_rate"] == pytest.approx(16 / 1.5)
+    assert m["overlap"] == pytest.approx(1.0 / 1.5)  # A was decoding during both mixed steps
+    assert sorted(trace_itl(trace)) == pytest.approx(sorted([0.5, 0.5, 0.25, 0.25]))
+
+
+def test_empty_trace_and_trace_files(tmp_path):
+    m = trace_metrics([])
+    assert m["steps"] == {"prefill": 0, "decode": 0, "mixed": 0} and math.isnan(m["overlap"])
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in STALL_TRACE) + "\n")
+    assert load_trace_file(str(jsonl)) == STALL_TRACE
+    wrapped = tmp_path / "t.json"
+    wrapped.write_text(json.dumps({"records": STALL_TRACE}))
+    assert load_trace_file(str(wrapped)) == STALL_TRACE

@@ -1,0 +1,63 @@
+"""Sweep grids, applied-value checks and workload schedules (no server)."""
+
+import random
+
+import pytest
+
+from quanta.bench.server import requested_values, verify
+from quanta.bench.sweep import Condition, GridError, expand, validate
+from quanta.bench.workloads import Workload, arrival_times
+
+
+def test_seed_002_grid_is_a_union_of_grids():
+    conds = expand(["--scheduler static", "--scheduler continuous --admit-k 1,2,4,8,16,32", "--scheduler chunked --chunk 8,16,32"],
+                   "--max-num-seqs 32")
+    assert [c.name for c in conds] == ["static"] + [f"continuous K={k}" for k in (1, 2, 4, 8, 16, 32)] + [f"chunked C={c}" for c in (8, 16, 32)]
+    assert conds[1].flags == ["--scheduler", "continuous", "--admit-k", "1", "--max-num-seqs", "32"]
+    cross = expand(["--scheduler batched --prefill-quantum 64,128 --mixed-prefill-quantum 32,64"])
+    assert len(cross) == 4 and cross[-1].name == "batched pq=128 mpq=64"
+
+
+@pytest.mark.parametrize("specs, common, message", [
+    (["--admit-k 1 --admit-k 2"], "", "more than once"),
+    (["--admit-k"], "", "one value"),
+    (["--admit-k 1,,2"], "", "empty value"),
+    (["admit-k 1"], "", "expected a --flag"),
+    (["--admit-k 1"], "--admit-k 2", "both"),
+    (["--admit-k 1,1"], "", "twice"),
+    (["--scheduler static"], "--max-num-seqs 4,8", "lists belong in --grid"),
+])
+def test_bad_grids_are_refused(specs, common, message):
+    with pytest.raises(GridError, match=message):
+        expand(specs, common)
+
+
+def test_validate_marks_configurations_quanta_rejects_and_refuses_unknown_flags():
+    ok, bad = expand(["--scheduler continuous --admit-k 4,32"], "--max-num-seqs 16")
+    validate(ok)
+    validate(bad)
+    assert ok.invalid_reason is None
+    assert "larger than --max-num-seqs" in bad.invalid_reason
+    with pytest.raises(GridError, match="unrecognized arguments: --bogus"):
+        validate(Condition("x", ["--bogus", "1"]))
+
+
+def test_applied_values_must_equal_requested_ones():
+    req = requested_values(["--scheduler", "chunked", "--chunk", "8", "--max-num-seqs", "16", "--max-model-len", "256"])
+    assert req == {"scheduler": "chunked", "chunk": "8", "max_num_seqs": "16"}
+    assert verify(req, {"scheduler": "chunked", "chunk": 8, "max_num_seqs": 16, "admit_k": 1}) is None
+    assert verify(req, {"scheduler": "chunked", "chunk": 512, "max_num_seqs": 16}) == "requested chunk=8, server applied chunk=512"
+    assert "no applied values" in verify(req, None)
+
+
+def test_arrival_schedules():
+    assert arrival_times("burst", 3, 1.0, 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
+    t = arrival_times("poisson", 2000, 10.0, 1.0, random.Random(1))
+    assert t[0] == 0.0 and t == sorted(t)
+    assert t[-1] / 1999 == pytest.approx(0.1, rel=0.1)  # mean gap 1/rate
+    g = arrival_times("gamma", 2000, 10.0, 0.5, random.Random(2))
+    assert g[-1] / 1999 == pytest.approx(0.1, rel=0.15)
+    with pytest.raises(ValueError):
+        arrival_times("concurrency", 3, 1.0, 1.0, random.Random(0))
+    assert Workload(kind="probe", sessions=3).total_requests() == 4
+    assert Workload(kind="replay", sessions=3, turns=2).total_requests() == 6
