@@ -1,0 +1,195 @@
+"""``quanta bench`` end to end: bad input, an unreachable server, a foreign
+OpenAI-compatible server (in-process fake) and small runs against quanta.
+
+No timing assertions: the machine may be busy. Every run is a few requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+
+from conftest import free_port
+from quanta.cli import main
+
+
+def _bench(*argv: str) -> int:
+    return main(["bench", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--base-url", "localhost:8000"], "expected http://HOST:PORT"),
+    (["run", "--base-url", "http://127.0.0.1:1", "--num-requests", "0"], "positive integer"),
+    (["run", "--base-url", "http://127.0.0.1:1", "--rate", "-2"], "positive number"),
+    (["run", "--base-url", "http://127.0.0.1:1", "--workload", "storm"], "invalid choice"),
+    (["run", "--base-url", "http://127.0.0.1:1", "--repeats", "2", "--repeats", "3"], "more than once"),
+    (["sweep", "--out", "x"], "needs --grid"),
+    (["sweep", "--grid", "--admit-k 1 --admit-k 2", "--out", "x"], "more than once"),
+    (["sweep", "--grid", "--scheduler continuous --bogus 1", "--out", "x"], "unrecognized arguments: --bogus"),
+    (["sweep", "--grid", "--scheduler static", "--baseline", "chunked", "--out", "x"], "not a condition"),
+    (["sweep", "--grid", "--scheduler static"], "needs --out"),
+    (["report", "/nonexistent/x.json", "--out", "x"], "cannot read"),
+])
+def test_bad_input_is_a_clear_message_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _bench(*argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sweep_dry_run_lists_conditions(capsys):
+    assert _bench("sweep", "--grid", "--scheduler static", "--grid", "--scheduler continuous --admit-k 1,8",
+                  "--server-flags", "--max-num-seqs 4", "--dry-run") == 0
+    err = capsys.readouterr().err
+    assert "static: quanta serve --scheduler static --max-num-seqs 4" in err
+    assert "continuous K=8" in err and "[invalid: --admit-k (8) is larger than --max-num-seqs (4)" in err
+
+
+def test_unreachable_server(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert _bench("run", "--base-url", url) == 1
+    assert "cannot reach" in capsys.readouterr().err
+    # with --model the requests are sent, fail, and are counted per condition
+    prefix = tmp_path / "bench_unreachable"
+    assert _bench("run", "--base-url", url, "--model", "m", "--num-requests", "3", "--repeats", "1", "--warmup", "0",
+                  "--no-progress", "--no-plots", "--out", str(prefix)) == 1
+    assert "every request failed (unreachable" in capsys.readouterr().err
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    assert doc["conditions"][0]["runs"][0]["metrics"]["client"]["errors"] == {"unreachable": 3}
+    assert "**unreachable** x3" in prefix.with_suffix(".md").read_text()
+
+
+# --- a foreign OpenAI-compatible server: no /v1/trace, no /metrics, 2 tokens per chunk ---
+
+def _fake_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "multi", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        model = body["model"]
+        if model == "fail":
+            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+        if model == "html":
+            return HTMLResponse("<html>not an API</html>")
+
+        async def stream():
+            for i in range(4):
+                await asyncio.sleep(0.01)
+                chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}a t{i}b", "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+                if model == "truncate" and i == 1:
+                    return
+            yield 'data: {"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
+            yield 'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(_fake_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "fake server did not start"
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_foreign_server_tokens_from_usage_and_na_server_columns(fake_server, tmp_path):
+    prefix = tmp_path / "bench_foreign"
+    assert _bench("run", "--base-url", fake_server, "--num-requests", "4", "--repeats", "2", "--warmup", "1",
+                  "--scrape", "0.5", "--no-progress", "--out", str(prefix)) == 0
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    run = doc["conditions"][0]["runs"][0]
+    c = run["metrics"]["client"]
+    assert c["num_ok"] == 4 and c["output_tokens"] == 32  # 8 per request from usage, not 4 chunks
+    assert c["itl"]["n"] == 4 * 7 and c["num_estimated"] == 4
+    assert run["trace"] is None and run["metrics"]["trace"] is None
+    md = prefix.with_suffix(".md").read_text()
+    assert "ITL source: client" in md and f"| {fake_server} | n/a | n/a |" in md
+    assert prefix.with_name(prefix.name + "-frontier.png").stat().st_size > 0
+    # the saved raw samples are enough to recompute the report
+    again = tmp_path / "bench_again"
+    assert _bench("report", str(prefix.with_suffix(".json")), "--out", str(again), "--no-plots") == 0
+    assert again.with_suffix(".md").read_text().count("| n/a | n/a |") >= 1
+
+
+@pytest.mark.parametrize("model, condition", [("fail", "http_500"), ("html", "non_openai"), ("truncate", "truncated")])
+def test_foreign_server_failures_are_counted_per_condition(fake_server, tmp_path, model, condition):
+    prefix = tmp_path / f"bench_{model}"
+    assert _bench("run", "--base-url", fake_server, "--model", model, "--num-requests", "2", "--repeats", "1", "--warmup", "0",
+                  "--no-progress", "--no-plots", "--out", str(prefix)) == 1
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    assert doc["conditions"][0]["runs"][0]["metrics"]["client"]["errors"] == {condition: 2}
+
+
+# --- quanta itself (the shared session server: batched, 8 slots, max_model_len 512) ---
+
+def test_bench_run_against_quanta_has_server_side_figures(server, tmp_path):
+    prefix = tmp_path / "bench_quanta"
+    assert _bench("run", "--base-url", server.base_url, "--num-requests", "4", "--max-tokens", "8", "--prompt-words", "16",
+                  "--repeats", "2", "--warmup", "1", "--scrape", "0.5", "--no-progress", "--out", str(prefix)) == 0
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    for run in doc["conditions"][0]["runs"]:
+        m = run["metrics"]
+        assert m["client"]["num_ok"] == 4 and m["client"]["output_tokens"] == 32
+        t = m["trace"]
+        assert t["steps"]["prefill"] >= 1 and t["steps"]["decode"] >= 7
+        assert t["decode_tokens"] == 4 * 7  # the first token of each request comes from its prefill
+        assert t["itl"]["n"] == 4 * 7
+        assert 0.0 <= t["overlap"] <= 1.0 and t["prefill_rate"] > 0
+    md = prefix.with_suffix(".md").read_text()
+    assert "ITL source: server trace" in md
+    assert prefix.with_name(prefix.name + "-itl-cdf.png").exists()
+
+
+def test_probe_and_replay_workloads_against_quanta(server, tmp_path):
+    prefix = tmp_path / "bench_probe"
+    assert _bench("run", "--base-url", server.base_url, "--workload", "probe", "--sessions", "2", "--session-tokens", "96",
+                  "--probe-words", "48", "--probe-delay", "0.2", "--max-tokens", "2", "--prompt-words", "8", "--repeats", "1",
+                  "--warmup", "0", "--no-progress", "--no-plots", "--out", str(prefix)) == 0
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    probe = doc["conditions"][0]["runs"][0]["metrics"]["probe"]
+    assert probe["ok"] and probe["prompt_tokens"] > 48 and probe["prefill_tok_s"] > 0
+    assert "## Probe" in prefix.with_suffix(".md").read_text()
+    prefix = tmp_path / "bench_replay"
+    assert _bench("run", "--base-url", server.base_url, "--workload", "replay", "--endpoint", "chat", "--sessions", "2",
+                  "--turns", "2", "--tool-words", "16", "--stagger", "0.2", "--max-tokens", "4", "--prompt-words", "8",
+                  "--repeats", "1", "--warmup", "0", "--no-progress", "--no-plots", "--out", str(prefix)) == 0
+    samples = json.loads(prefix.with_suffix(".json").read_text())["conditions"][0]["runs"][0]["samples"]
+    assert len(samples) == 4 and all(s["error"] is None for s in samples)
+    turns = {s["tag"]: s["prompt_tokens"] for s in samples}
+    assert turns["session0/turn1"] > turns["session0/turn0"] + 16  # the context grew by the tool output
+
+
+def test_sweep_starts_verifies_and_stops_a_server_per_condition(tmp_path):
+    prefix = tmp_path / "bench_sweep"
+    assert _bench("sweep", "--grid", "--scheduler continuous --admit-k 2,8", "--server-flags", "--max-num-seqs 4 --max-model-len 256",
+                  "--num-requests", "4", "--max-tokens", "6", "--prompt-words", "8", "--repeats", "2", "--warmup", "0",
+                  "--no-progress", "--out", str(prefix)) == 0
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    k2, k8 = doc["conditions"]
+    assert k2["valid"] and k2["applied"]["admit_k"] == 2 and k2["startup_line"]["admit_k"] == "2"
+    assert len(k2["runs"]) == 2 and all(r["metrics"]["client"]["num_ok"] == 4 for r in k2["runs"])
+    assert not k8["valid"] and "larger than --max-num-seqs" in k8["invalid_reason"]
+    md = prefix.with_suffix(".md").read_text()
+    assert "| continuous K=2 |" in md and "## Invalid conditions" in md and "## Pareto frontier" in md
