@@ -52,6 +52,22 @@ def machine() -> dict:
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
 
 
+def code_version() -> str | None:
+    """``git`` short commit of the quanta checkout, ``+dirty`` when tracked files
+    differ from it; None outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def _clean(x):
     """JSON-safe copy: NaN/inf -> None, floats rounded to 1 µs / 6 decimals, tuples -> lists."""
     if isinstance(x, float):
@@ -67,7 +83,7 @@ def document(kind: str, command: str, workload, repeats: int, conditions: list[d
     """The result document written as JSON."""
     return {"kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
             "command": command, "workload": workload.to_dict(), "workload_text": workload.describe(), "repeats": repeats,
-            "baseline": baseline, "note": note, "conditions": conditions}
+            "baseline": baseline, "note": note, "code": code_version(), "conditions": conditions}
 
 
 def write_json(doc: dict, path: Path) -> None:
@@ -148,6 +164,7 @@ def markdown(doc: dict, plot_files: dict[str, str], title: str) -> str:
              f"- machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['platform']}, Python {m['python']}",
              f"- 1-minute load average around the repeats: {_load(doc)} (other work on the machine inflates latencies)",
              f"- command: `{doc['command']}`",
+             f"- code: quanta {doc.get('code') or 'unknown'}",
              f"- workload: {doc['workload_text']}",
              f"- repeats: {doc['repeats']} per condition; baseline for throughput ratios: {doc.get('baseline') or 'none'}"]
     if doc.get("note"):

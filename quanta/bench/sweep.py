@@ -128,7 +128,7 @@ def validate(cond: Condition) -> None:
 
 
 def run_condition(cond: Condition, w: Workload, repeats: int, *, warmup: int, scrape_every: float | None,
-                  max_duration: float, request_timeout: float, progress: bool, log_dir: Path) -> dict:
+                  max_duration: float, request_timeout: float, progress: bool, log_dir: Path, say=print) -> dict:
     """Start, verify, measure ``repeats`` times and stop one condition's server."""
     result = {"name": cond.name, "flags": cond.flags, "valid": False, "invalid_reason": cond.invalid_reason,
               "applied": None, "startup_line": None, "runs": [], "figures": []}
@@ -158,7 +158,11 @@ def run_condition(cond: Condition, w: Workload, repeats: int, *, warmup: int, sc
             run = measure(target, w, max_duration=max_duration, request_timeout=request_timeout,
                           scrape_every=scrape_every, progress=progress, desc=f"{cond.name} [{r + 1}/{repeats}]")
             result["runs"].append(run)
-            result["figures"].append(repeat_figures(run["metrics"]))
+            f = repeat_figures(run["metrics"])
+            result["figures"].append(f)
+            c = run["metrics"]["client"]
+            say(f"  repeat {r + 1}/{repeats}: {c['num_ok']} ok, {c['num_failed']} failed, {f['throughput']:.1f} tok/s, "
+                f"ITL p99 {f['itl_p99'] * 1e3:.1f} ms ({f['itl_source']})")
         result["valid"] = True
         result["summary"] = aggregate(result["figures"])
         return result
@@ -179,7 +183,7 @@ def run_sweep(conds: list[Condition], w: Workload, repeats: int, *, warmup: int 
         for i, cond in enumerate(conds):
             say(f"[{i + 1}/{len(conds)}] {cond.name}: quanta serve {' '.join(cond.flags)}")
             res = run_condition(cond, w, repeats, warmup=warmup, scrape_every=scrape_every, max_duration=max_duration,
-                                request_timeout=request_timeout, progress=progress, log_dir=log_dir)
+                                request_timeout=request_timeout, progress=progress, log_dir=log_dir, say=say)
             if not res["valid"]:
                 say(f"  invalid: {res['invalid_reason']}")
             out.append(res)
