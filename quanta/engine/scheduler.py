@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from quanta.engine.prefix_cache import SlotPrefixCache
 from quanta.engine.sequence import Sequence, SequenceStatus
 
 
@@ -57,6 +58,12 @@ class Scheduler(ABC):
 
     Args:
         max_num_seqs: resident sequences at most (= KV cache slots).
+
+    Attributes:
+        prefix_cache: when set (see :meth:`enable_prefix_cache`), admission
+            routes each prompt to the free slot holding its longest cached
+            prefix and starts it past the cached tokens; None (the default)
+            admits into the lowest free slot and computes every prompt whole.
     """
 
     name: ClassVar[str]
@@ -66,6 +73,12 @@ class Scheduler(ABC):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs))
+        self.prefix_cache: SlotPrefixCache | None = None
+
+    def enable_prefix_cache(self) -> SlotPrefixCache:
+        """Turn on prefix reuse across the slots (before any request is added)."""
+        self.prefix_cache = SlotPrefixCache(self.max_num_seqs)
+        return self.prefix_cache
 
     @abstractmethod
     def schedule(self) -> StepPlan | None:
@@ -81,6 +94,8 @@ class Scheduler(ABC):
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             heapq.heappush(self._free_slots, seq.slot)
+            if self.prefix_cache is not None:  # the slot keeps the K/V of every computed token
+                self.prefix_cache.release(seq.slot, seq.token_ids(0, seq.num_computed_tokens))
             seq.slot = None
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -94,15 +109,35 @@ class Scheduler(ABC):
         return len(self._free_slots)
 
     def admit(self, count: int) -> list[Sequence]:
-        """Move up to ``count`` waiting sequences into free slots (lowest slot first)."""
+        """Move up to ``count`` waiting sequences (FIFO) into free slots.
+
+        Without a prefix cache the lowest free slot is taken; with one, the slot
+        :meth:`SlotPrefixCache.choose` picks, and the sequence starts with its
+        cached tokens computed (``num_cached_tokens``).
+        """
         admitted = []
         while self.waiting and self._free_slots and len(admitted) < count:
             seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self._free_slots)
+            if self.prefix_cache is None:
+                seq.slot = heapq.heappop(self._free_slots)
+            else:
+                seq.slot, cached = self.prefix_cache.choose(self._free_slots, seq.prompt_token_ids)
+                self._free_slots.remove(seq.slot)
+                heapq.heapify(self._free_slots)
+                self.prefix_cache.claim(seq.slot, cached)
+                seq.num_computed_tokens = seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def whole_prompts_or_decode(self) -> StepPlan | None:
+        """Every prefilling sequence's whole remaining prompt in one call, else one decode step."""
+        prefilling = self.prefilling()
+        if prefilling:
+            return StepPlan([ScheduledChunk(s, s.num_prompt_tokens_left) for s in prefilling])
+        decoding = self.decoding()
+        return decode_plan(decoding) if decoding else None
 
     def decoding(self) -> list[Sequence]:
         """Resident sequences past their prompt."""

@@ -14,7 +14,7 @@ the next one is admitted.
 
 from __future__ import annotations
 
-from quanta.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, decode_plan
+from quanta.engine.scheduler import Scheduler, StepPlan
 
 
 class ContinuousScheduler(Scheduler):
@@ -46,8 +46,4 @@ class ContinuousScheduler(Scheduler):
     def schedule(self) -> StepPlan | None:
         if self.should_admit():
             self.admit(self.num_free_slots)
-        prefilling = self.prefilling()
-        if prefilling:
-            return StepPlan([ScheduledChunk(s, s.num_prompt_tokens_left) for s in prefilling])
-        decoding = self.decoding()
-        return decode_plan(decoding) if decoding else None
+        return self.whole_prompts_or_decode()

@@ -9,7 +9,7 @@ early stay empty meanwhile. No knobs.
 
 from __future__ import annotations
 
-from quanta.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, decode_plan
+from quanta.engine.scheduler import Scheduler, StepPlan
 
 
 class StaticScheduler(Scheduler):
@@ -24,8 +24,4 @@ class StaticScheduler(Scheduler):
     def schedule(self) -> StepPlan | None:
         if not self.running:
             self.admit(self.num_free_slots)
-        prefilling = self.prefilling()
-        if prefilling:
-            return StepPlan([ScheduledChunk(s, s.num_prompt_tokens_left) for s in prefilling])
-        decoding = self.decoding()
-        return decode_plan(decoding) if decoding else None
+        return self.whole_prompts_or_decode()
