@@ -193,3 +193,26 @@ def test_sweep_starts_verifies_and_stops_a_server_per_condition(tmp_path):
     assert not k8["valid"] and "larger than --max-num-seqs" in k8["invalid_reason"]
     md = prefix.with_suffix(".md").read_text()
     assert "| continuous K=2 |" in md and "## Invalid conditions" in md and "## Pareto frontier" in md
+
+
+@pytest.mark.parametrize("workload", [["--workload", "concurrency", "--concurrency", "2"], ["--workload", "poisson", "--rate", "50"],
+                                      ["--workload", "gamma", "--rate", "50", "--burstiness", "0.5"]])
+def test_open_and_closed_loop_workloads(fake_server, tmp_path, workload):
+    prefix = tmp_path / "bench_wl"
+    assert _bench("run", "--base-url", fake_server, *workload, "--num-requests", "6", "--repeats", "1", "--warmup", "0",
+                  "--no-progress", "--no-plots", "--out", str(prefix)) == 0
+    samples = json.loads(prefix.with_suffix(".json").read_text())["conditions"][0]["runs"][0]["samples"]
+    assert len(samples) == 6 and all(s["error"] is None and s["completion_tokens"] == 8 for s in samples)
+    assert all(s["sent"] >= s["scheduled"] for s in samples)
+    if "concurrency" in workload:  # never more than 2 in flight
+        for s in samples:
+            assert sum(1 for o in samples if o["sent"] <= s["sent"] < o["done"]) <= 2
+
+
+def test_requests_past_max_duration_count_as_deadline(fake_server, tmp_path):
+    prefix = tmp_path / "bench_deadline"
+    # every fake response takes at least 40 ms, so none can finish within 1 ms
+    assert _bench("run", "--base-url", fake_server, "--workload", "concurrency", "--concurrency", "2", "--num-requests", "5",
+                  "--max-duration", "0.001", "--repeats", "1", "--warmup", "0", "--no-progress", "--no-plots", "--out", str(prefix)) == 1
+    client = json.loads(prefix.with_suffix(".json").read_text())["conditions"][0]["runs"][0]["metrics"]["client"]
+    assert client["num_requests"] == 5 and client["errors"] == {"deadline": 5}

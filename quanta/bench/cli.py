@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -230,11 +231,16 @@ def _sweep(args, parser, argv) -> int:
     if args.dry_run:
         return 0
     w = _workload(args)
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # unwind, so every started server is stopped
     results = run_sweep(conds, w, args.repeats, warmup=args.warmup, scrape_every=args.scrape, max_duration=args.max_duration,
                         request_timeout=args.request_timeout, progress=args.progress, say=_say)
     doc = output.document("sweep", _command(argv), w, args.repeats, results, args.baseline or names[0], args.note)
     _finish(doc, args, args.title or "quanta bench sweep")
     return 0 if any(r["valid"] for r in results) else 1
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _report(args, parser) -> int:

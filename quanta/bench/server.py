@@ -81,19 +81,22 @@ def start(flags: list[str], log_dir: Path, timeout: float = STARTUP_TIMEOUT_S) -
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = QuantaServer(f"http://127.0.0.1:{port}", list(flags), log_path, proc)
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5.0) as client:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"quanta serve exited with code {proc.returncode}:\n{server.log_tail()}")
-            try:
-                if client.get(server.base_url + "/health").status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"quanta serve not healthy after {timeout:.0f} s:\n{server.log_tail()}")
-            time.sleep(0.25)
+    try:
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"quanta serve exited with code {proc.returncode}:\n{server.log_tail()}")
+                try:
+                    if client.get(server.base_url + "/health").status_code == 200:
+                        return server
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"quanta serve not healthy after {timeout:.0f} s:\n{server.log_tail()}")
+                time.sleep(0.25)
+    except BaseException:  # also Ctrl-C / SIGTERM while waiting: never leave the server behind
+        server.stop()
+        raise
 
 
 def requested_values(flags: list[str]) -> dict[str, str]:
