@@ -52,11 +52,11 @@ class SchedulerConfig:
         if foreign:
             flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
             raise ValueError(f"{flags} does not apply to --scheduler {self.name} (it takes: {_flags(allowed) or 'no knobs'})")
-        given, cap = self.knobs, self.knobs.get("prefill_cap", KNOB_DEFAULTS["prefill_cap"])
-        self.knobs = {k: given.get(k, _default(k, cap)) for k in allowed}
-        for k, v in [("max_num_seqs", self.max_num_seqs), *self.knobs.items()]:
+        for k, v in [("max_num_seqs", self.max_num_seqs), *self.knobs.items()]:  # the user's values first
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
+        given, cap = self.knobs, self.knobs.get("prefill_cap", KNOB_DEFAULTS["prefill_cap"])
+        self.knobs = {k: given.get(k, _default(k, cap)) for k in allowed}
         cap = self.knobs.get("prefill_cap")
         for k in ("prefill_quantum", "mixed_prefill_quantum", "chunk"):
             if cap is not None and self.knobs.get(k, 0) > cap:

@@ -307,3 +307,8 @@ def test_default_quanta_follow_a_smaller_cap_explicit_ones_do_not():
     assert SchedulerConfig("batched", 8, {"prefill_cap": 8192}).knobs["prefill_quantum"] == KNOB_DEFAULTS["prefill_quantum"]
     with pytest.raises(ValueError, match="--mixed-prefill-quantum"):
         SchedulerConfig("batched", 8, {"prefill_cap": 1024, "mixed_prefill_quantum": 2048})
+
+
+def test_a_zero_cap_is_named_not_the_quanta_derived_from_it():
+    with pytest.raises(ValueError, match="--prefill-cap must be a positive integer"):
+        SchedulerConfig("batched", 8, {"prefill_cap": 0})
