@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from quanta.bench.output import machine
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model, resolve_dtype
@@ -37,17 +37,9 @@ NEW_TOKENS = 64
 BATCHES = (1, 8, 32)
 
 
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+def machine_info() -> dict:
+    """The machine (see :func:`quanta.bench.output.machine`) plus torch's version and threads."""
+    return {**machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -148,7 +140,7 @@ def main() -> int:
                           "ratio": summarize([a / c for a, c in zip(ours, theirs)])}
         print(f"  measured {label}", file=sys.stderr)
 
-    info = machine()
+    info = machine_info()
     print(f"\nmachine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; dtype {dtype_name}; "
           f"median (min-max) of {args.repeats} runs, tok/s\n")
     print("| measurement | quanta tok/s | transformers tok/s | ratio (same run) |")
