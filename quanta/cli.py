@@ -15,13 +15,15 @@ import sys
 from quanta.bench.cli import add_bench_parser
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.policies import POLICIES
+from quanta.moe import commands as moe_commands
+from quanta.moe.auto import AUTO_PLACEHOLDER, resolve_auto
 
 log = logging.getLogger("quanta")
 
 #: scheduler knob flags; each maps to a SchedulerConfig knob of the same name.
 KNOB_FLAGS = {
     "--prefill-quantum": "tokens per prefill cycle while no sequence decodes (default 2048)",
-    "--mixed-prefill-quantum": "tokens per prefill cycle while a sequence decodes (default 2048)",
+    "--mixed-prefill-quantum": "tokens per prefill cycle while a sequence decodes (default 2048), or 'auto' (quanta advise's choice for the model)",
     "--prefill-cap": "graph boundary in positions; chunks never cross its multiples (default 4096)",
     "--admit-k": "continuous/chunked: admit only when at least K slots are free (default 1)",
     "--chunk": "chunked: prompt tokens per sequence per prefill call (default 512)",
@@ -48,7 +50,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
     for flag, text in KNOB_FLAGS.items():
-        p.add_argument(flag, type=int, help=text)
+        p.add_argument(flag, type=_int_or_auto if flag == "--mixed-prefill-quantum" else int, help=text)
+
+
+def _int_or_auto(text: str) -> int | str:
+    """``auto`` or an int (argparse reports anything else as an invalid value)."""
+    return "auto" if text == "auto" else int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_bench_parser(sub)
+    moe_commands.add_commands(sub, _register_once)
     return root
 
 
@@ -85,6 +93,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             knobs[flag[2:].replace("-", "_")] = value
+    if knobs.get("mixed_prefill_quantum") == "auto":  # validated with a placeholder, resolved in main()
+        knobs["mixed_prefill_quantum"] = AUTO_PLACEHOLDER
     sched = SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
     engine = EngineConfig(
         model=args.model, dtype=_DTYPE_ALIASES.get(args.dtype) if args.dtype else None,
@@ -113,11 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         from quanta.bench.cli import run_bench
 
         return run_bench(args, parser, argv)
+    if args.command in moe_commands.COMMANDS:
+        return moe_commands.main(args, parser)
     try:
         engine_cfg, sched_cfg = configs_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.mixed_prefill_quantum == "auto":  # needs the model's config (not its weights)
+        try:
+            sched_cfg, _ = resolve_auto(engine_cfg.model, sched_cfg)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--mixed-prefill-quantum auto: {exc}")
     if args.command == "serve":
         from quanta.server.run import serve
 

@@ -73,6 +73,14 @@ def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
 
 
 def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:
+    """:func:`_build_engine`, with the MoE executor's per-step expert statistics recorded in the trace."""
+    engine = _build_engine(loaded, engine_cfg, sched_cfg)
+    if loaded.config.is_moe and isinstance(engine.executor, ModelExecutor):
+        engine.trace.annotate = engine.executor.take_expert_stats
+    return engine
+
+
+def _build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:
     """An engine over ``loaded`` with a fresh scheduler and KV cache.
 
     ``max_model_len`` defaults to the model's trained context length.

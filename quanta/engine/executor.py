@@ -41,6 +41,7 @@ class ModelExecutor(Executor):
         self.model = model
         self.kv = KVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len, cfg.head_dim, dtype)
         self.sampler = Sampler()
+        self._expert_stats: dict | None = None
 
     def execute(self, plan: StepPlan) -> list[int | None]:
         ids: list[int] = []
@@ -54,6 +55,8 @@ class ModelExecutor(Executor):
                 sample_rows.append(len(ids) - 1)
                 samplers.append(seq)
         hidden = self.model(torch.tensor(ids, dtype=torch.long), AttentionBatch(slices, self.kv))
+        stats = self.model.expert_stats()
+        self._expert_stats = stats.to_dict() if stats is not None else None
         tokens: list[int] = []
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])
@@ -62,6 +65,11 @@ class ModelExecutor(Executor):
             )
         by_seq = dict(zip((s.seq_id for s in samplers), tokens))
         return [by_seq.get(c.seq.seq_id) for c in plan.chunks]
+
+    def take_expert_stats(self) -> dict | None:
+        """Expert statistics of the last executed step (MoE models), then None until the next."""
+        stats, self._expert_stats = self._expert_stats, None
+        return stats
 
     def release(self, seq_id: int) -> None:
         """Forget per-sequence sampler state."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
@@ -23,6 +24,11 @@ class StepRecord:
         num_new_tokens: new tokens per sequence (same order).
         num_emitted: output tokens each sequence emitted (0 for a prefill chunk
             that leaves prompt tokens to compute, else 1).
+        experts: MoE models only: expert activity of the step's forward pass
+            (all its tokens are routed together), averaged over MoE layers:
+            ``num_tokens``, ``unique_experts`` (experts hit at least once),
+            ``tokens_per_expert`` (``num_tokens * top_k / unique_experts``),
+            ``num_layers``. None for dense models and fake executors.
     """
 
     step: int
@@ -32,6 +38,7 @@ class StepRecord:
     seq_ids: list[int]
     num_new_tokens: list[int]
     num_emitted: list[int]
+    experts: dict | None = None
 
     @property
     def duration(self) -> float:
@@ -50,9 +57,13 @@ class Trace:
         self.records: deque[StepRecord] = deque(maxlen=max_records)
         self.counts = {"prefill": 0, "decode": 0, "mixed": 0}
         self._next_step = 0
+        #: called once per recorded step for executor statistics of the step just
+        #: run (``ModelExecutor.take_expert_stats`` on MoE models); None: no call.
+        self.annotate: Callable[[], dict | None] | None = None
 
     def record(self, kind: str, start: float, end: float, seq_ids: list[int], num_new_tokens: list[int], num_emitted: list[int]) -> StepRecord:
-        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted)
+        extra = self.annotate() if self.annotate is not None else None
+        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, extra)
         self._next_step += 1
         self.counts[kind] += 1
         self.records.append(rec)

@@ -116,6 +116,31 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, StateDict]:
     return config, state
 
 
+def load_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint from ``config.json`` or GGUF metadata, without its weights.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a checkpoint, or an unsupported architecture.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.is_dir():
+        config_file, gen_file = path / "config.json", path / "generation_config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{path}: no config.json; not a Hugging Face model directory")
+        generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        return _hf_config(json.loads(config_file.read_text()), generation, path)
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face directory")
+    reader = _ArrayGGUFReader(path)
+    gguf_arch = _gguf_field(reader, "general.architecture")
+    if gguf_arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {gguf_arch!r}")
+    return _gguf_config(reader, gguf_arch, {t.name: t for t in reader.tensors}, path)
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape of every tensor a checkpoint for ``config`` holds.
 

@@ -131,15 +131,16 @@ class RoutedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // k
         rows = x.index_select(0, token_of)  # [T*K, H], expert-contiguous
-        out_rows = torch.empty_like(rows)
+        row_weights = weights.reshape(-1)[order, None]  # [T*K, 1] float32
+        weighted = torch.empty(rows.shape, dtype=torch.float32)  # weighted expert outputs, float32
         start = 0
         active = 0
         for e, n in enumerate(counts):
             if n:
-                out_rows[start:start + n] = self._expert(e, rows[start:start + n])
-                start += n
+                end = start + n
+                torch.mul(self._expert(e, rows[start:end]), row_weights[start:end], out=weighted[start:end])
+                start = end
                 active += 1
-        weighted = out_rows.float() * weights.reshape(-1)[order, None]
         out = torch.zeros(t, x.shape[1], dtype=torch.float32).index_add_(0, token_of, weighted)
         return out.to(x.dtype), active
 

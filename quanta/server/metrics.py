@@ -18,6 +18,9 @@ LATENCY_BUCKETS = (
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
 )
 
+#: buckets of the expert histograms (experts, or tokens per expert): powers of two to 1024
+EXPERT_BUCKETS = tuple(float(2**i) for i in range(11))
+
 
 class EngineMetrics:
     """All of quanta's metrics in their own registry (one per server).
@@ -42,6 +45,17 @@ class EngineMetrics:
         )
         self.e2e = Histogram("quanta:e2e_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS, registry=r)
         self.steps = Counter("quanta:engine_steps", "Executed steps by kind.", ["kind"], registry=r)
+        # MoE models: per executed step, averaged over MoE layers (empty for dense models).
+        self.moe_unique_experts = Histogram(
+            "quanta:moe_unique_experts", "Routed experts hit at least once per step (mean over MoE layers).",
+            buckets=EXPERT_BUCKETS, registry=r,
+        )
+        self.moe_tokens_per_expert = Histogram(
+            "quanta:moe_tokens_per_expert", "Rows computed per active expert per step, T*K/unique (mean over MoE layers).",
+            buckets=EXPERT_BUCKETS, registry=r,
+        )
+        self.moe_last_unique_experts = Gauge("quanta:moe_last_unique_experts", "Unique experts of the last step.", registry=r)
+        self.moe_last_tokens_per_expert = Gauge("quanta:moe_last_tokens_per_expert", "Tokens per active expert of the last step.", registry=r)
         self.step_seconds = Counter("quanta:engine_step_seconds", "Busy time of executed steps by kind.", ["kind"], registry=r)
         self._last_token_time: dict[int, float] = {}
 
@@ -63,6 +77,11 @@ class EngineMetrics:
                 self.e2e.observe(out.time - out.arrival_time)
 
     def observe_step(self, rec: StepRecord) -> None:
-        """Count one executed step and its busy time."""
+        """Count one executed step and its busy time (and its expert activity on MoE models)."""
         self.steps.labels(rec.kind).inc()
         self.step_seconds.labels(rec.kind).inc(rec.duration)
+        if rec.experts:
+            self.moe_unique_experts.observe(rec.experts["unique_experts"])
+            self.moe_tokens_per_expert.observe(rec.experts["tokens_per_expert"])
+            self.moe_last_unique_experts.set(rec.experts["unique_experts"])
+            self.moe_last_tokens_per_expert.set(rec.experts["tokens_per_expert"])

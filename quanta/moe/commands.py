@@ -1,0 +1,164 @@
+"""The MoE subcommands of ``quanta``: ``make-model``, ``profile`` and ``advise``.
+
+Kept out of :mod:`quanta.cli` so the main command line stays small; the
+flags follow its rules (each given once, errors exit 2 before any model loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("quanta")
+
+#: the subcommands this module adds
+COMMANDS = ("make-model", "profile", "advise")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Validate (exit 2 via ``parser.error``) and run one of :data:`COMMANDS`."""
+    try:
+        check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except (OSError, ValueError) as exc:
+        print(f"quanta {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def add_commands(sub, register_once) -> None:
+    """Add the three subparsers to ``sub`` (``register_once`` makes their flags refuse repeats)."""
+    from quanta.model.presets import PRESETS
+
+    make = sub.add_parser("make-model", help="write a synthetic random-weight model for cost experiments")
+    register_once(make)
+    make.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model shape")
+    make.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
+    make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+
+    prof = sub.add_parser("profile", help="measure pure prefill cost per token against the quantum")
+    register_once(prof)
+    prof.add_argument("what", choices=["moe", "prefill"], help="moe: an MoE model (expert statistics included); prefill: any model")
+    prof.add_argument("--model", help="model directory or GGUF (default: made from --preset in a temporary directory)")
+    prof.add_argument("--preset", default="seed-moe-mini", help="synthetic preset used when --model is not given (default seed-moe-mini)")
+    prof.add_argument("--out", default="benchmarks/results", help="report directory (default benchmarks/results)")
+    prof.add_argument("--quanta", default="128,256,512,1024,2048,4096,8192", help="comma-separated quanta (tokens)")
+    prof.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length (default 8192)")
+    prof.add_argument("--repeats", type=int, default=3, help="runs per quantum (default 3)")
+    prof.add_argument("--frag-quantum", type=int, default=2048, help="fragmentation study quantum (0: skip; default 2048)")
+    prof.add_argument("--frag-caps", default="3072,2560", help="lowered prefill caps of the fragmentation study")
+    prof.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
+    prof.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype (default as serve)")
+
+    adv = sub.add_parser("advise", help="recommend the mixed prefill quantum from the expert shape")
+    register_once(adv)
+    adv.add_argument("--model", help="model directory or GGUF (its config only is read)")
+    adv.add_argument("--num-experts", type=int, help="E, routed experts (instead of --model)")
+    adv.add_argument("--top-k", type=int, help="K, experts per token (instead of --model)")
+    adv.add_argument("--target", type=float, help="tokens per expert to reach (default: the profile's saturation point, else 48)")
+    adv.add_argument("--prefill-cap", type=int, default=4096, help="the scheduler's prefill cap (default 4096)")
+    adv.add_argument("--profile", help="a profile JSON from quanta profile (default: this machine's cached profile of --model)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Validate a subcommand's flags without loading anything; raises ValueError."""
+    if args.command == "profile":
+        quanta = _ints(args.quanta, "--quanta")
+        if args.prompt_tokens < max(quanta):
+            raise ValueError(f"--prompt-tokens ({args.prompt_tokens}) must be at least the largest quantum ({max(quanta)})")
+        if args.repeats < 1 or (args.threads is not None and args.threads < 1) or args.frag_quantum < 0:
+            raise ValueError("--repeats and --threads must be positive, --frag-quantum >= 0")
+        _ints(args.frag_caps, "--frag-caps") if args.frag_quantum else None
+    if args.command == "advise":
+        given = (args.num_experts is not None) + (args.top_k is not None)
+        if args.model and given:
+            raise ValueError("give --model or --num-experts/--top-k, not both")
+        if not args.model and given != 2:
+            raise ValueError("give --model, or both --num-experts and --top-k")
+        if given and not 1 <= args.top_k <= args.num_experts:
+            raise ValueError(f"need 1 <= --top-k <= --num-experts, got --top-k {args.top_k} --num-experts {args.num_experts}")
+        if args.prefill_cap < 1 or (args.target is not None and args.target <= 0):
+            raise ValueError("--prefill-cap and --target must be positive")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``make-model``, ``profile`` or ``advise``; returns the exit code."""
+    if args.command == "make-model":
+        from quanta.model.presets import make_model, parameter_count
+
+        try:
+            out = make_model(args.preset, args.out, args.seed)
+        except ValueError as exc:
+            print(f"quanta make-model: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {out}: preset {args.preset}, {parameter_count(args.preset) / 1e6:.0f} M parameters, random weights "
+              "(synthetic: for cost experiments only)")
+        return 0
+    if args.command == "advise":
+        return _advise(args)
+    return _profile(args)
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from quanta.moe.advisor import advise, cached_profile, format_advice, load_profile
+
+    name = None
+    if args.model:
+        from quanta.model.loader import load_config
+
+        path = Path(args.model)
+        cfg = load_config(path)
+        name = path.stem if path.is_file() else path.name
+        e, k = (cfg.num_experts, cfg.num_experts_per_tok) if cfg.is_moe else (None, None)
+    else:
+        e, k = args.num_experts, args.top_k
+    profile = load_profile(args.profile) if args.profile else (cached_profile(name) if name else None)
+    print(format_advice(advise(e, k, args.prefill_cap, args.target, profile, name)))
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from quanta.launch import load_model, resolve_dtype
+    from quanta.model.presets import make_model
+    from quanta.moe.profile import profile
+    from quanta.moe.report import format_report, write_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = resolve_dtype({"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype))
+    with tempfile.TemporaryDirectory(prefix="quanta-profile-") as tmp:
+        path = args.model
+        if path is None:
+            path = Path(tmp) / args.preset
+            log.info("making synthetic preset %s in %s", args.preset, path)
+            make_model(args.preset, path)
+        loaded = load_model(str(path), dtype)
+        if args.what == "moe" and not loaded.config.is_moe:
+            print(f"quanta profile: error: {path} is a dense model; use quanta profile prefill", file=sys.stderr)
+            return 2
+        frag = args.frag_quantum or None
+        report = profile(loaded, _ints(args.quanta, "--quanta"), args.prompt_tokens, args.repeats, frag,
+                         _ints(args.frag_caps, "--frag-caps") if frag else ())
+    print(format_report(report))
+    for p in write_report(report, args.out):
+        print(f"wrote {p}")
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
