@@ -183,7 +183,7 @@ def test_probe_and_replay_workloads_against_quanta(server, tmp_path):
 
 def test_sweep_starts_verifies_and_stops_a_server_per_condition(tmp_path):
     prefix = tmp_path / "bench_sweep"
-    assert _bench("sweep", "--grid", "--scheduler continuous --admit-k 2,8", "--server-flags", "--max-num-seqs 4 --max-model-len 256",
+    assert _bench("sweep", "--interleave", "--grid", "--scheduler continuous --admit-k 2,8", "--server-flags", "--max-num-seqs 4 --max-model-len 256",
                   "--num-requests", "4", "--max-tokens", "6", "--prompt-words", "8", "--repeats", "2", "--warmup", "0",
                   "--no-progress", "--out", str(prefix)) == 0
     doc = json.loads(prefix.with_suffix(".json").read_text())
@@ -193,6 +193,7 @@ def test_sweep_starts_verifies_and_stops_a_server_per_condition(tmp_path):
     assert not k8["valid"] and "larger than --max-num-seqs" in k8["invalid_reason"]
     md = prefix.with_suffix(".md").read_text()
     assert "| continuous K=2 |" in md and "## Invalid conditions" in md and "## Pareto frontier" in md
+    assert doc["interleaved"] and "interleaved" in md
 
 
 @pytest.mark.parametrize("workload", [["--workload", "concurrency", "--concurrency", "2"], ["--workload", "poisson", "--rate", "50"],

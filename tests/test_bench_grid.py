@@ -61,3 +61,46 @@ def test_arrival_schedules():
         arrival_times("concurrency", 3, 1.0, 1.0, random.Random(0))
     assert Workload(kind="probe", sessions=3).total_requests() == 4
     assert Workload(kind="replay", sessions=3, turns=2).total_requests() == 6
+
+
+def _canned_metrics(thr):
+    s = {"n": 1, "mean": 0.1, "p50": 0.1, "p90": 0.1, "p99": 0.2, "max": 0.2}
+    return {"client": {"throughput": thr, "ttft": s, "e2e": s, "itl": s, "queue": s, "num_failed": 0, "num_ok": 1}, "trace": None}
+
+
+@pytest.mark.parametrize("interleave, order", [(False, ["A0", "A1", "B0", "B1"]), (True, ["A0", "B0", "A1", "B1"])])
+def test_sweep_order_and_every_server_stopped(monkeypatch, tmp_path, interleave, order):
+    import quanta.bench.sweep as sweep
+
+    calls, stopped = [], []
+
+    class FakeServer:
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            stopped.append(self.name)
+
+    monkeypatch.setattr(sweep, "bring_up", lambda cond, w, st, log_dir, res: (FakeServer(cond.name), cond.name))
+
+    def fake_measure(target, w, **kw):
+        calls.append(f"{target}{len([c for c in calls if c.startswith(target)])}")
+        return {"metrics": _canned_metrics(10.0)}
+
+    monkeypatch.setattr(sweep, "measure", fake_measure)
+    conds = [Condition("A", []), Condition("B", [])]
+    out = sweep.run_sweep(conds, Workload(), sweep.Settings(repeats=2, progress=False), interleave=interleave,
+                          log_dir=tmp_path, say=lambda m: None)
+    assert calls == order
+    assert sorted(stopped) == ["A", "B"]
+    assert all(r["valid"] and len(r["figures"]) == 2 and r["summary"]["throughput"][0] == 10.0 for r in out)
+
+
+def test_throughput_ratio_paired_per_round():
+    from quanta.analysis.report import throughput_ratios
+
+    base = {"figures": [{"throughput": 100.0}, {"throughput": 50.0}, {"throughput": 80.0}]}
+    cond = {"figures": [{"throughput": 200.0}, {"throughput": 100.0}, {"throughput": 160.0}]}
+    assert throughput_ratios(cond, base, paired=True) == [2.0, 2.0, 2.0]
+    assert throughput_ratios(cond, base) == [2.5, 1.25, 2.0]  # over the baseline's median (80)
+    assert throughput_ratios(cond, None) == []

@@ -24,6 +24,12 @@ def _plt():
     return plt
 
 
+def _title(ax, text: str) -> None:
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(text, 80)), fontsize=9)
+
+
 def _vals(c: dict, k: str) -> list[float]:
     return [f.get(k) for f in c.get("figures", []) if f.get(k) is not None]
 
@@ -51,7 +57,7 @@ def frontier_plot(conditions: list[dict], path: str, title: str = "") -> None:
         ax.legend()
     ax.set_xlabel("output throughput (tok/s, median over repeats, IQR bars)")
     ax.set_ylabel("p99 ITL (ms, median over repeats, IQR bars)")
-    ax.set_title(title or "throughput vs p99 ITL")
+    _title(ax, title or "throughput vs p99 ITL")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -72,7 +78,7 @@ def itl_cdf_plot(itl_by_condition: dict[str, list[float]], path: str, title: str
     ax.set_xlabel("ITL (ms, log scale)")
     ax.set_ylabel("fraction of gaps <= x")
     ax.axhline(0.99, color="grey", lw=0.6, ls=":")
-    ax.set_title(title or "ITL CDF (all repeats pooled)")
+    _title(ax, title or "ITL CDF (all repeats pooled)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -112,7 +118,7 @@ def prefill_rate_plot(conditions: list[dict], path: str, title: str = "") -> boo
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens per prefill call (knob value, log2)")
     ax.set_ylabel("prefill tok/s (union of prefill steps, median, IQR bars)")
-    ax.set_title(title or "prefill rate vs quantum")
+    _title(ax, title or "prefill rate vs quantum")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

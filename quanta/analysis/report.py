@@ -67,11 +67,25 @@ def _count(cond: dict, key: str) -> str:
     return f"{med:g}" if lo == hi else f"{med:g} ({lo:g}-{hi:g})"
 
 
-def main_table(conditions: list[dict], baseline: str | None) -> str:
+def throughput_ratios(cond: dict, base: dict | None, paired: bool = False) -> list[float]:
+    """Per-repeat throughput of ``cond`` over the baseline's: over the
+    baseline's median, or, when ``paired`` (interleaved rounds) and both have
+    the same number of repeats, over the baseline's repeat of the same round."""
+    thr = _vals(cond, "throughput")
+    if base is None:
+        return []
+    base_thr = _vals(base, "throughput")
+    if paired and len(base_thr) == len(thr):
+        return [t / b if b and b > 0 else math.nan for t, b in zip(thr, base_thr)]
+    med = median_iqr(base_thr)[0]
+    return [t / med for t in thr] if med > 0 else []
+
+
+def main_table(conditions: list[dict], baseline: str | None, paired: bool = False) -> str:
     """The seeds' table: condition, prefill calls, decode steps, ITL p50, p99,
-    p99 IQR, throughput (median (IQR)), throughput / baseline, frontier mark."""
+    p99 IQR, throughput (median (IQR)), throughput / baseline (see
+    :func:`throughput_ratios`), failed requests, frontier mark."""
     base = next((c for c in conditions if c["name"] == baseline and c.get("figures")), None)
-    base_thr = median_iqr(_vals(base, "throughput"))[0] if base else math.nan
     on_front = set(pareto_frontier(frontier_points(conditions)))
     mixed = any(any(f.get("mixed_steps") for f in c.get("figures", [])) for c in conditions)
     head = ["condition", "prefill calls", "decode steps"] + (["mixed steps"] if mixed else [])
@@ -86,7 +100,7 @@ def main_table(conditions: list[dict], baseline: str | None) -> str:
         row = [c["name"], _count(c, "prefill_calls"), _count(c, "decode_steps")] + ([_count(c, "mixed_steps")] if mixed else [])
         row += [fmt_value(median_iqr(_vals(c, "itl_p50"))[0], 1e3), fmt_value(p99[0], 1e3),
                 "n/a" if math.isnan(p99[0]) else f"{p99[1] * 1e3:.2f}-{p99[2] * 1e3:.2f}",
-                fmt_spread(thr, 1.0, 1), fmt_spread([t / base_thr for t in thr], 1.0, 2) if base_thr > 0 else "n/a",
+                fmt_spread(thr, 1.0, 1), fmt_spread(throughput_ratios(c, base, paired), 1.0, 2),
                 _count(c, "num_failed"), "yes" if c["name"] in on_front else ""]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

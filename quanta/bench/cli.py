@@ -120,6 +120,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     sw.add_argument("--server-flags", default="", help="serve flags shared by every condition, e.g. '--max-num-seqs 16'")
     sw.add_argument("--baseline", help="condition name that throughput is normalized to (default: the first)")
     sw.add_argument("--dry-run", action="store_true", help="list the conditions and exit")
+    sw.add_argument("--interleave", action="store_true", help="keep every condition's server up and measure in rounds "
+                    "(round r runs every condition once), so machine drift spreads over all conditions; "
+                    "throughput ratios are then paired per round")
     _workload_flags(sw)
     rep = bsub.add_parser("report", help="recompute figures and write the report from result JSON files")
     _register_once(rep)
@@ -210,7 +213,7 @@ def _run(args, parser, argv) -> int:
 
 def _sweep(args, parser, argv) -> int:
     from quanta.bench import output
-    from quanta.bench.sweep import GridError, expand, run_sweep, specs_from_args, validate
+    from quanta.bench.sweep import GridError, Settings, expand, run_sweep, specs_from_args, validate
 
     specs = specs_from_args(args)
     if not specs:
@@ -232,9 +235,10 @@ def _sweep(args, parser, argv) -> int:
         return 0
     w = _workload(args)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # unwind, so every started server is stopped
-    results = run_sweep(conds, w, args.repeats, warmup=args.warmup, scrape_every=args.scrape, max_duration=args.max_duration,
-                        request_timeout=args.request_timeout, progress=args.progress, say=_say)
+    st = Settings(args.repeats, args.warmup, args.scrape, args.max_duration, args.request_timeout, args.progress)
+    results = run_sweep(conds, w, st, interleave=args.interleave, say=_say)
     doc = output.document("sweep", _command(argv), w, args.repeats, results, args.baseline or names[0], args.note)
+    doc["interleaved"] = args.interleave
     _finish(doc, args, args.title or "quanta bench sweep")
     return 0 if any(r["valid"] for r in results) else 1
 

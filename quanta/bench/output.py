@@ -166,13 +166,16 @@ def markdown(doc: dict, plot_files: dict[str, str], title: str) -> str:
              f"- command: `{doc['command']}`",
              f"- code: quanta {doc.get('code') or 'unknown'}",
              f"- workload: {doc['workload_text']}",
-             f"- repeats: {doc['repeats']} per condition; baseline for throughput ratios: {doc.get('baseline') or 'none'}"]
+             f"- repeats: {doc['repeats']} per condition"
+             + (", interleaved: all servers up, round r measures every condition once (ratios to the baseline paired per round)"
+                if doc.get("interleaved") else ", one condition after the other")
+             + f"; baseline for throughput ratios: {doc.get('baseline') or 'none'}"]
     if doc.get("note"):
         parts.append(f"- note: {doc['note']}")
     src = {f.get("itl_source") for c in doc["conditions"] for f in c.get("figures", [])}
     parts += ["", "## How it was measured", "", HOW_MEASURED,
               f"## Results (ITL source: {', '.join(sorted(s for s in src if s)) or 'n/a'}; median over repeats, IQR p25-p75)", "",
-              main_table(doc["conditions"], doc.get("baseline")), "",
+              main_table(doc["conditions"], doc.get("baseline"), bool(doc.get("interleaved"))), "",
               "## Pareto frontier (throughput up, p99 ITL down; non-dominated conditions)", "", frontier_lines(doc["conditions"]), "",
               "## Client-side latency (median (IQR) over repeats)", "", client_table(doc["conditions"]), "",
               "## Busy time, rates and overlap (server trace / scrapes; n/a for servers without them)", "",
@@ -216,7 +219,7 @@ def write_outputs(doc: dict, prefix: Path, title: str, plots_enabled: bool = Tru
 
 def headline(doc: dict) -> str:
     """The main table alone (printed to the terminal at the end of a run)."""
-    return main_table(doc["conditions"], doc.get("baseline"))
+    return main_table(doc["conditions"], doc.get("baseline"), bool(doc.get("interleaved")))
 
 
 __all__ = ["document", "headline", "machine", "median_iqr", "recompute", "write_json", "write_outputs"]

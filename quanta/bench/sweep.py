@@ -127,70 +127,113 @@ def validate(cond: Condition) -> None:
     cond.invalid_reason = "; ".join(messages) or None
 
 
-def run_condition(cond: Condition, w: Workload, repeats: int, *, warmup: int, scrape_every: float | None,
-                  max_duration: float, request_timeout: float, progress: bool, log_dir: Path, say=print) -> dict:
-    """Start, verify, measure ``repeats`` times and stop one condition's server."""
-    result = {"name": cond.name, "flags": cond.flags, "valid": False, "invalid_reason": cond.invalid_reason,
-              "applied": None, "startup_line": None, "runs": [], "figures": []}
+@dataclass
+class Settings:
+    """How each condition is measured (seconds; see ``bench sweep --help``)."""
+
+    repeats: int = 3
+    warmup: int = 2
+    scrape_every: float | None = None
+    max_duration: float = 600.0
+    request_timeout: float = 300.0
+    progress: bool = True
+
+
+def _new_result(cond: Condition) -> dict:
+    return {"name": cond.name, "flags": cond.flags, "valid": False, "invalid_reason": cond.invalid_reason,
+            "applied": None, "startup_line": None, "runs": [], "figures": []}
+
+
+def bring_up(cond: Condition, w: Workload, st: Settings, log_dir: Path, result: dict):
+    """Start and verify ``cond``'s server and send the warmup; returns
+    ``(server, target)``, or ``(None, None)`` with ``result["invalid_reason"]`` set."""
     if cond.invalid_reason:
-        return result
+        return None, None
     try:
         srv = qserver.start(cond.flags, log_dir)
     except RuntimeError as exc:
         result["invalid_reason"] = f"server did not start: {str(exc).splitlines()[0]}"
-        return result
+        return None, None
     try:
         sp = ServerProbe(srv.base_url)
         applied, startup = sp.config(), srv.startup_values()
         sp.close()
         requested = qserver.requested_values(cond.flags)
-        reason = qserver.verify(requested, applied) if applied is not None else None
-        reason = reason or qserver.verify(requested, startup)
+        reason = (qserver.verify(requested, applied) if applied is not None else None) or qserver.verify(requested, startup)
         result.update(applied=applied, startup_line=startup)
         if reason:
             result["invalid_reason"] = reason
-            return result
+            srv.stop()
+            return None, None
         target = Target(srv.base_url, discover_model(srv.base_url))
-        if warmup:
-            measure(target, Workload(kind="burst", num_requests=warmup, prompt_words=w.prompt_words, max_tokens=8),
-                    max_duration=max_duration, request_timeout=request_timeout, progress=False)
-        for r in range(repeats):
-            run = measure(target, w, max_duration=max_duration, request_timeout=request_timeout,
-                          scrape_every=scrape_every, progress=progress, desc=f"{cond.name} [{r + 1}/{repeats}]")
-            result["runs"].append(run)
-            f = repeat_figures(run["metrics"])
-            result["figures"].append(f)
-            c = run["metrics"]["client"]
-            say(f"  repeat {r + 1}/{repeats}: {c['num_ok']} ok, {c['num_failed']} failed, {f['throughput']:.1f} tok/s, "
-                f"ITL p99 {f['itl_p99'] * 1e3:.1f} ms ({f['itl_source']})")
-        result["valid"] = True
-        result["summary"] = aggregate(result["figures"])
-        return result
-    finally:
+        if st.warmup:
+            measure(target, Workload(kind="burst", num_requests=st.warmup, prompt_words=w.prompt_words, max_tokens=8),
+                    max_duration=st.max_duration, request_timeout=st.request_timeout, progress=False)
+    except BaseException:
         srv.stop()
+        raise
+    return srv, target
 
 
-def run_sweep(conds: list[Condition], w: Workload, repeats: int, *, warmup: int = 2, scrape_every: float | None = None,
-              max_duration: float = 600.0, request_timeout: float = 300.0, progress: bool = True,
+def one_repeat(result: dict, target: Target, w: Workload, st: Settings, r: int, say=print) -> None:
+    """Measure repeat ``r`` of one condition and append its run and figures to ``result``."""
+    run = measure(target, w, max_duration=st.max_duration, request_timeout=st.request_timeout,
+                  scrape_every=st.scrape_every, progress=st.progress, desc=f"{result['name']} [{r + 1}/{st.repeats}]")
+    run["round"] = r
+    result["runs"].append(run)
+    f = repeat_figures(run["metrics"])
+    result["figures"].append(f)
+    c = run["metrics"]["client"]
+    say(f"  {result['name']} repeat {r + 1}/{st.repeats}: {c['num_ok']} ok, {c['num_failed']} failed, "
+        f"{f['throughput']:.1f} tok/s, ITL p99 {f['itl_p99'] * 1e3:.1f} ms ({f['itl_source']})")
+
+
+def run_sweep(conds: list[Condition], w: Workload, st: Settings, *, interleave: bool = False,
               log_dir: Path | None = None, say=print) -> list[dict]:
-    """Measure every condition in order; returns their result dicts."""
+    """Measure every condition; returns their result dicts (in grid order).
+
+    Sequential (default): one server at a time, all its repeats, stop.
+    ``interleave``: every server is started first and kept up, then round
+    ``r`` measures every condition once before round ``r + 1``, so a slow
+    drift of the machine (other work) spreads over all conditions instead of
+    biasing the ones measured last; more memory (one model per condition).
+    """
     tmp = None
     if log_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="quanta-sweep-")
         log_dir = Path(tmp.name)
-    out = []
+    results = [_new_result(c) for c in conds]
+    up: list[tuple[dict, object, Target]] = []
     try:
-        for i, cond in enumerate(conds):
+        for i, (cond, res) in enumerate(zip(conds, results)):
             say(f"[{i + 1}/{len(conds)}] {cond.name}: quanta serve {' '.join(cond.flags)}")
-            res = run_condition(cond, w, repeats, warmup=warmup, scrape_every=scrape_every, max_duration=max_duration,
-                                request_timeout=request_timeout, progress=progress, log_dir=log_dir, say=say)
-            if not res["valid"]:
+            srv, target = bring_up(cond, w, st, log_dir, res)
+            if srv is None:
                 say(f"  invalid: {res['invalid_reason']}")
-            out.append(res)
+                continue
+            if interleave:
+                up.append((res, srv, target))
+                continue
+            try:
+                for r in range(st.repeats):
+                    one_repeat(res, target, w, st, r, say)
+            finally:
+                srv.stop()
+            res["valid"] = True
+        for r in range(st.repeats if interleave else 0):
+            say(f"round {r + 1}/{st.repeats}")
+            for res, _, target in up:
+                one_repeat(res, target, w, st, r, say)
+        for res, _, _ in up:
+            res["valid"] = True
     finally:
+        for _, srv, _ in up:
+            srv.stop()
         if tmp:
             tmp.cleanup()
-    return out
+    for res in results:
+        res["summary"] = aggregate(res["figures"]) if res["valid"] else None
+    return results
 
 
 def specs_from_args(args: argparse.Namespace) -> list[str]:
