@@ -35,6 +35,7 @@ def _bench(*argv: str) -> int:
     (["sweep", "--grid", "--scheduler continuous --bogus 1", "--out", "x"], "unrecognized arguments: --bogus"),
     (["sweep", "--grid", "--scheduler static", "--baseline", "chunked", "--out", "x"], "not a condition"),
     (["sweep", "--grid", "--scheduler static"], "needs --out"),
+    (["sweep", "--grid", "--scheduler static", "--admit-k", "1,2", "--out", "x"], "not both"),
     (["report", "/nonexistent/x.json", "--out", "x"], "cannot read"),
 ])
 def test_bad_input_is_a_clear_message_and_exit_2(argv, message, capsys):
@@ -45,6 +46,8 @@ def test_bad_input_is_a_clear_message_and_exit_2(argv, message, capsys):
 
 
 def test_sweep_dry_run_lists_conditions(capsys):
+    assert _bench("sweep", "--scheduler", "continuous", "--admit-k", "1,2", "--dry-run") == 0
+    assert "continuous K=2: quanta serve --scheduler continuous --admit-k 2" in capsys.readouterr().err
     assert _bench("sweep", "--grid", "--scheduler static", "--grid", "--scheduler continuous --admit-k 1,8",
                   "--server-flags", "--max-num-seqs 4", "--dry-run") == 0
     err = capsys.readouterr().err

@@ -111,13 +111,13 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     _workload_flags(run)
     sw = bsub.add_parser("sweep", help="start a fresh quanta server per grid condition and measure each")
     _register_once(sw)
-    sw.add_argument("--grid", action="append", help="serve flags with comma lists, e.g. '--scheduler continuous --admit-k 1,2,4'; "
+    sw.add_argument("--grid", action="append", metavar="SPEC", help="serve flags with comma lists, e.g. '--scheduler continuous --admit-k 1,2,4'; "
                     "repeat for a union of grids")
-    sw.add_argument("--scheduler", dest="grid_scheduler", help="comma list of schedulers (when no --grid)")
-    sw.add_argument("--max-num-seqs", dest="grid_max_num_seqs", help="comma list (when no --grid)")
+    sw.add_argument("--scheduler", dest="grid_scheduler", metavar="LIST", help="comma list of schedulers (instead of --grid)")
+    sw.add_argument("--max-num-seqs", dest="grid_max_num_seqs", metavar="LIST", help="comma list (instead of --grid)")
     for flag in KNOB_FLAGS:
-        sw.add_argument(flag, dest="grid_" + flag[2:].replace("-", "_"), help="comma list (when no --grid)")
-    sw.add_argument("--server-flags", default="", help="serve flags shared by every condition, e.g. '--max-num-seqs 16'")
+        sw.add_argument(flag, dest="grid_" + flag[2:].replace("-", "_"), metavar="LIST", help="comma list (instead of --grid)")
+    sw.add_argument("--server-flags", default="", metavar="FLAGS", help="serve flags shared by every condition, e.g. '--max-num-seqs 16'")
     sw.add_argument("--baseline", help="condition name that throughput is normalized to (default: the first)")
     sw.add_argument("--dry-run", action="store_true", help="list the conditions and exit")
     sw.add_argument("--interleave", action="store_true", help="keep every condition's server up and measure in rounds "
@@ -215,7 +215,10 @@ def _sweep(args, parser, argv) -> int:
     from quanta.bench import output
     from quanta.bench.sweep import GridError, Settings, expand, run_sweep, specs_from_args, validate
 
-    specs = specs_from_args(args)
+    try:
+        specs = specs_from_args(args)
+    except GridError as exc:
+        parser.error(str(exc))
     if not specs:
         parser.error("bench sweep needs --grid SPEC (repeatable) or knob lists such as --scheduler continuous --admit-k 1,2,4")
     try:

@@ -237,14 +237,20 @@ def run_sweep(conds: list[Condition], w: Workload, st: Settings, *, interleave: 
 
 
 def specs_from_args(args: argparse.Namespace) -> list[str]:
-    """``--grid`` specs, or one spec built from the direct knob flags of ``bench sweep``."""
-    if args.grid:
-        return list(args.grid)
+    """``--grid`` specs, or one spec built from the direct knob flags of ``bench sweep``.
+
+    Raises:
+        GridError: both forms were given (one would be silently ignored).
+    """
     from quanta.cli import KNOB_FLAGS
 
     parts = []
     for flag in ("--scheduler", "--max-num-seqs", *KNOB_FLAGS):
         value = getattr(args, "grid_" + flag[2:].replace("-", "_"), None)
         if value is not None:
-            parts.append(f"{flag} {value}")
+            parts.append(f"{flag} {shlex.quote(value)}")
+    if args.grid and parts:
+        raise GridError(f"give either --grid or knob lists ({', '.join(p.split()[0] for p in parts)}), not both")
+    if args.grid:
+        return list(args.grid)
     return [" ".join(parts)] if parts else []
