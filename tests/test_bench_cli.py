@@ -220,3 +220,19 @@ def test_requests_past_max_duration_count_as_deadline(fake_server, tmp_path):
                   "--max-duration", "0.001", "--repeats", "1", "--warmup", "0", "--no-progress", "--no-plots", "--out", str(prefix)) == 1
     client = json.loads(prefix.with_suffix(".json").read_text())["conditions"][0]["runs"][0]["metrics"]["client"]
     assert client["num_requests"] == 5 and client["errors"] == {"deadline": 5}
+
+
+def test_bench_trace_reads_a_trace_file(tmp_path, capsys):
+    from test_analysis_trace import STALL_TRACE
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in STALL_TRACE) + "\n")
+    assert _bench("trace", str(path)) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["overlap"] == pytest.approx(0.5) and figures["itl"]["max"] == pytest.approx(1.2)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert _bench("trace", str(empty)) == 1
+    with pytest.raises(SystemExit) as exc:
+        _bench("trace", str(tmp_path / "missing.jsonl"))
+    assert exc.value.code == 2
