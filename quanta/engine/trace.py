@@ -28,7 +28,8 @@ class StepRecord:
             (all its tokens are routed together), averaged over MoE layers:
             ``num_tokens``, ``unique_experts`` (experts hit at least once),
             ``tokens_per_expert`` (``num_tokens * top_k / unique_experts``),
-            ``num_layers``. None for dense models and fake executors.
+            ``num_layers``, ``seconds`` (wall time of the MoE blocks, summed).
+            None for dense models and fake executors.
     """
 
     step: int

@@ -12,8 +12,9 @@ oneDNN like :class:`~quanta.model.linear.PackedLinear` (measured on the 2-core
 dev machine, 512x256 experts: ~0.25 ms per expert call packed vs ~0.3-0.45 ms
 with ``F.linear`` / ``torch.mm`` at 1-12 rows).
 
-Each forward records, per block, the number of unique experts hit and the
-rows routed (``T * K``); :func:`expert_stats` averages them over layers.
+Each forward records, per block, the number of unique experts hit, the rows
+routed (``T * K``) and its wall time (two ``perf_counter`` calls);
+:func:`expert_stats` averages the counts over layers and sums the times.
 
 Reference: transformers' ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``,
 ``Qwen3MoeSparseMoeBlock``, ``OlmoeSparseMoeBlock`` and ``Dots1MoE`` (router
@@ -23,6 +24,7 @@ Reference: transformers' ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``,
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +116,7 @@ class RoutedExperts(nn.Module):
         gate, up = torch.ops.mkldnn._linear_pointwise(rows, gu, None, "none", [], "").split(self.intermediate, dim=-1)
         return torch.ops.mkldnn._linear_pointwise(F.silu(gate) * up, dn, None, "none", [], "")
 
+    @torch.no_grad()  # inference only (``out=`` writes); a no-op inside the model's inference_mode
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Weighted sum of each token's K experts.
 
@@ -163,7 +166,8 @@ class MoEBlock(nn.Module):
     """Router + routed experts (+ shared expert, optionally sigmoid-gated).
 
     ``forward`` maps ``[T, H]`` to ``[T, H]`` and leaves the step's expert
-    statistics in :attr:`last_unique_experts` / :attr:`last_routed_rows`.
+    statistics in :attr:`last_unique_experts` / :attr:`last_routed_rows` and
+    its wall time (seconds, router to output) in :attr:`last_seconds`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -179,8 +183,10 @@ class MoEBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.last_unique_experts = 0
         self.last_routed_rows = 0
+        self.last_seconds = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         ids, weights = self.gate(x)
         out, self.last_unique_experts = self.experts(x, ids, weights)
         self.last_routed_rows = ids.numel()
@@ -189,6 +195,7 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
+        self.last_seconds = time.perf_counter() - start
         return out
 
 
@@ -202,16 +209,19 @@ class ExpertStats:
         tokens_per_expert: mean over layers of ``T * K / unique`` (rows each
             active expert computes).
         num_layers: MoE layers averaged.
+        seconds: wall time of the MoE blocks, summed over layers.
     """
 
     num_tokens: int
     unique_experts: float
     tokens_per_expert: float
     num_layers: int
+    seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return {"num_tokens": self.num_tokens, "unique_experts": round(self.unique_experts, 3),
-                "tokens_per_expert": round(self.tokens_per_expert, 3), "num_layers": self.num_layers}
+                "tokens_per_expert": round(self.tokens_per_expert, 3), "num_layers": self.num_layers,
+                "seconds": round(self.seconds, 6)}
 
 
 def expert_stats(blocks: list[MoEBlock], num_tokens: int) -> ExpertStats | None:
@@ -221,5 +231,6 @@ def expert_stats(blocks: list[MoEBlock], num_tokens: int) -> ExpertStats | None:
     unique = [b.last_unique_experts for b in blocks]
     per_expert = [b.last_routed_rows / u for b, u in zip(blocks, unique) if u]
     return ExpertStats(
-        num_tokens, sum(unique) / len(unique), sum(per_expert) / len(per_expert) if per_expert else 0.0, len(blocks)
+        num_tokens, sum(unique) / len(unique), sum(per_expert) / len(per_expert) if per_expert else 0.0, len(blocks),
+        sum(b.last_seconds for b in blocks),
     )
