@@ -43,6 +43,16 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _OnceTrue(_Once):
+    """A switch (no value) that, like every other flag, may be given once."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=sorted(_DTYPE_ALIASES), help="compute dtype (default: bf16 where the CPU has native bf16, else fp32)")
@@ -68,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429 (default: unbounded)")
     serve.add_argument("--served-model-name", help="model id clients send (default: the model file's name)")
+    serve.add_argument("--no-prefix-cache", action=_OnceTrue,
+                       help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
     gen = sub.add_parser("generate", help="generate a completion offline")
     _register_once(gen)
     _add_engine_flags(gen)
@@ -100,6 +112,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         model=args.model, dtype=_DTYPE_ALIASES.get(args.dtype) if args.dtype else None,
         max_model_len=args.max_model_len, max_queue=getattr(args, "max_queue", None),
         served_model_name=getattr(args, "served_model_name", None),
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
     )
     _check_command_args(args)
     return engine, sched

@@ -104,6 +104,8 @@ class EngineConfig:
             model's trained context length.
         max_queue: waiting requests before HTTP 429; None is unbounded.
         served_model_name: the model id clients send; None uses the file's name.
+        prefix_cache: reuse the K/V a free slot still holds for the longest
+            common prefix of a new prompt (``--no-prefix-cache`` turns it off).
     """
 
     model: str | None = None
@@ -111,6 +113,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int | None = None
     served_model_name: str | None = None
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):

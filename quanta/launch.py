@@ -83,9 +83,13 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
 def _build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:
     """An engine over ``loaded`` with a fresh scheduler and KV cache.
 
-    ``max_model_len`` defaults to the model's trained context length.
+    ``max_model_len`` defaults to the model's trained context length; prefix
+    reuse across slots is on unless ``engine_cfg.prefix_cache`` is False.
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
     executor = ModelExecutor(loaded.model, sched_cfg.max_num_seqs, max_len)
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
-    return Engine(sched_cfg.build(), executor, max_len, loaded.tokenizer, eos)
+    scheduler = sched_cfg.build()
+    if engine_cfg.prefix_cache:
+        scheduler.enable_prefix_cache()
+    return Engine(scheduler, executor, max_len, loaded.tokenizer, eos)

@@ -120,15 +120,15 @@ class Engine:
         seq.token_times.append(now)
         reason = self._finish_reason(seq, token)
         text_state = self._text.get(seq.seq_id)
-        text = ""
+        text, stop_string = "", None
         if text_state is not None:
             text = text_state.add(token, final=reason is not None)
             if text_state.stopped and reason is None:
-                reason = "stop"
+                reason, stop_string = "stop", text_state.stop_string
         if reason is not None:
             seq.finish_reason = reason
             self._release(seq)
-        return self._output(seq, [token], text, now)
+        return self._output(seq, [token], text, now, stop_string)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -144,8 +144,9 @@ class Engine:
         self._text.pop(seq.seq_id, None)
         self.executor.release(seq.seq_id)
 
-    def _output(self, seq: Sequence, tokens: list[int], text: str, now: float) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[int], text: str, now: float, stop_reason: str | None = None) -> RequestOutput:
         return RequestOutput(
             seq.seq_id, tokens, text, seq.status is SequenceStatus.FINISHED, seq.finish_reason,
             seq.num_prompt_tokens, len(seq.output_token_ids), now, seq.arrival_time,
+            seq.num_cached_tokens, stop_reason,
         )

@@ -26,6 +26,9 @@ class RequestOutput:
         num_prompt_tokens / num_output_tokens: usage counts so far.
         time: engine-clock seconds when the step ended.
         arrival_time: engine-clock seconds when the request arrived.
+        num_cached_tokens: prompt tokens served from the prefix cache (not
+            computed); known from admission on, so 0 before the first token.
+        stop_reason: the stop string that ended the request, else None.
     """
 
     seq_id: int
@@ -37,6 +40,8 @@ class RequestOutput:
     num_output_tokens: int
     time: float
     arrival_time: float
+    num_cached_tokens: int = 0
+    stop_reason: str | None = None
 
 
 @dataclass
@@ -48,6 +53,7 @@ class TextState:
     text: str = ""
     released: int = 0
     stopped: bool = field(default=False)
+    stop_string: str | None = None
 
     @classmethod
     def create(cls, tokenizer: Tokenizer, stop: list[str]) -> "TextState":
@@ -56,15 +62,17 @@ class TextState:
     def add(self, token_id: int, final: bool) -> str:
         """Append a token; returns text now safe to release.
 
-        Sets ``stopped`` when a stop string appeared (the text is cut before it).
+        Sets ``stopped`` and ``stop_string`` when a stop string appeared (the
+        text is cut before it).
         ``final`` releases everything still held back.
         """
         self.text += self.detokenizer.add(token_id)
         if final:
             self.text += self.detokenizer.flush()
         if self.stop:
-            cut = self._find_stop()
-            if cut is not None:
+            found = self._find_stop()
+            if found is not None:
+                cut, self.stop_string = found
                 self.text, self.stopped = self.text[:cut], True
                 final = True
         end = len(self.text) if final else len(self.text) - self._held_back()
@@ -72,10 +80,11 @@ class TextState:
         self.released = max(self.released, end)
         return delta
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
+        """(position, stop string) of the earliest stop string in the text, if any."""
         window_start = max(0, self.released - max(map(len, self.stop)))
-        hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s, i in ((s, self.text.find(s, window_start)) for s in self.stop) if i >= 0]
+        return min(hits, key=lambda h: h[0]) if hits else None
 
     def _held_back(self) -> int:
         """Length of the longest text suffix that is a proper prefix of a stop string."""

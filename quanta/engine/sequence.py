@@ -32,6 +32,8 @@ class Sequence:
         arrival_time: when the engine received it (seconds, engine clock).
         output_token_ids: generated tokens so far.
         num_computed_tokens: tokens whose keys/values are in the cache.
+        num_cached_tokens: prompt tokens whose keys/values were already in the
+            slot at admission (prefix reuse), not computed for this request.
         slot: KV cache slot while resident, else None.
         finish_reason: ``stop``, ``length`` or ``abort`` once finished.
         token_times: engine-clock time each output token was produced.
@@ -43,6 +45,7 @@ class Sequence:
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
     slot: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -1,7 +1,9 @@
 """The FastAPI application: OpenAI-compatible routes over an :class:`AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE
-streaming ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+streaming ending with ``data: [DONE]``), Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`),
+``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus text), ``GET /v1/config`` (effective scheduling
 values) and ``GET /v1/trace`` (step records, for the bench's server-side ITL).
 """
@@ -82,6 +84,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"chat template failed: {exc}", "messages") from exc
         return await _serve(state, request, body, prompt, _ChatFormat())
 
+    from quanta.server.anthropic import add_anthropic_routes  # imports this module's helpers
+
+    add_anthropic_routes(app, state)
     return app
 
 
@@ -91,27 +96,45 @@ def _check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
 
 
-async def _serve(state: ServerState, request: Request, body: SamplingRequest, prompt: list[int], fmt: "_Format") -> Response:
-    if body.model != state.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}", "model", "model_not_found")
-    max_tokens = body.max_tokens if body.max_tokens is not None else state.max_model_len - len(prompt)
+def check_model(state: ServerState, model: str) -> None:
+    """Raise a 404 :class:`APIError` unless ``model`` is the served model's id."""
+    if model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}", "model", "model_not_found")
+
+
+async def submit(state: ServerState, prompt: list[int], max_tokens: int, make_params) -> RequestStream:
+    """Check lengths, build the sampling parameters and hand the request to the engine.
+
+    Args:
+        max_tokens: output tokens at most.
+        make_params: ``max_tokens -> SamplingParams`` (may raise ``ValueError``).
+
+    Raises:
+        APIError: 400 (lengths, parameters), 429 (queue full), 503 (engine down).
+    """
     try:
         state.engine.engine.check_length(len(prompt), max(max_tokens, 1))
-        params = body.sampling_params(max_tokens)
+        params = make_params(max_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "max_tokens" if "max_model_len" in str(exc) else None) from exc
     try:
-        stream = await state.engine.submit(prompt, params)
+        return await state.engine.submit(prompt, params)
     except QueueFullError as exc:
         raise APIError(429, str(exc)) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     except RuntimeError as exc:
         raise APIError(503, str(exc)) from exc
+
+
+async def _serve(state: ServerState, request: Request, body: SamplingRequest, prompt: list[int], fmt: "_Format") -> Response:
+    check_model(state, body.model)
+    max_tokens = body.max_tokens if body.max_tokens is not None else state.max_model_len - len(prompt)
+    stream = await submit(state, prompt, max_tokens, body.sampling_params)
     meta = _Meta(fmt.prefix + uuid.uuid4().hex, int(time.time()), state.model_name)
     if body.stream:
         return StreamingResponse(_sse(fmt, meta, stream, body.include_usage), media_type="text/event-stream")
-    return await _until_disconnect(request, _collect(fmt, meta, stream), stream)
+    return await until_disconnect(request, _collect(fmt, meta, stream), stream)
 
 
 @dataclass
@@ -129,7 +152,7 @@ async def _collect(fmt: "_Format", meta: _Meta, stream: RequestStream) -> Respon
     return JSONResponse(fmt.full(meta, "".join(texts), last))
 
 
-async def _until_disconnect(request: Request, work, stream: RequestStream) -> Response:
+async def until_disconnect(request: Request, work, stream: RequestStream) -> Response:
     """Await ``work``; abort the request if the client goes away first."""
     task = asyncio.ensure_future(work)
     while not task.done():
@@ -165,6 +188,7 @@ def _usage(out: RequestOutput) -> dict:
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": out.num_output_tokens,
         "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
     }
 
 

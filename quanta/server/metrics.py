@@ -4,6 +4,8 @@ Latencies are observed on the engine thread from each request's outputs: TTFT
 from arrival to the first token, ITL between consecutive tokens of the same
 request (never from the previous step of any kind), E2E from arrival to the
 last token. Histogram buckets start at 1 ms so millisecond ITLs resolve.
+Prefix-cache queries and hits are counted in prompt tokens, as vLLM counts
+them, when a request's first token comes out (its cache lookup is done by then).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ class EngineMetrics:
 
     Args:
         num_running / num_waiting: callables read at scrape time.
+        prefix_cache: the engine reuses cached prefixes (else the prefix-cache
+            counters stay at 0).
     """
 
-    def __init__(self, num_running, num_waiting) -> None:
+    def __init__(self, num_running, num_waiting, prefix_cache: bool = False) -> None:
         self.registry = r = CollectorRegistry()
         Gauge("quanta:num_requests_running", "Requests resident in a KV slot.", registry=r).set_function(num_running)
         Gauge("quanta:num_requests_waiting", "Requests queued for a slot.", registry=r).set_function(num_waiting)
@@ -44,6 +48,13 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.e2e = Histogram("quanta:e2e_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_cache = prefix_cache
+        self.prefix_cache_queries = Counter(
+            "quanta:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "quanta:prefix_cache_hits", "Prompt tokens served from the prefix cache (not computed).", registry=r
+        )
         self.steps = Counter("quanta:engine_steps", "Executed steps by kind.", ["kind"], registry=r)
         # MoE models: per executed step, averaged over MoE layers (empty for dense models).
         self.moe_unique_experts = Histogram(
@@ -67,6 +78,9 @@ class EngineMetrics:
             if last is None:
                 self.ttft.observe(out.time - out.arrival_time)
                 self.prompt_tokens.inc(out.num_prompt_tokens)
+                if self.prefix_cache:
+                    self.prefix_cache_queries.inc(out.num_prompt_tokens)
+                    self.prefix_cache_hits.inc(out.num_cached_tokens)
             else:
                 self.itl.observe(out.time - last)
             self._last_token_time[out.seq_id] = out.time

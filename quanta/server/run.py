@@ -24,11 +24,12 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     config = {
         "model": name, "dtype": str(dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
         "scheduler": sched_cfg.name, "max_num_seqs": sched_cfg.max_num_seqs, **sched_cfg.knobs,
-        "max_queue": engine_cfg.max_queue,
+        "max_queue": engine_cfg.max_queue, "prefix_cache": engine_cfg.prefix_cache,
     }
-    log.info("%s max_model_len=%d dtype=%s", sched_cfg.describe(), engine.max_model_len, config["dtype"])
+    log.info("%s max_model_len=%d dtype=%s prefix_cache=%s", sched_cfg.describe(), engine.max_model_len, config["dtype"],
+             "on" if engine_cfg.prefix_cache else "off")
     async_engine = AsyncEngine(engine, engine_cfg.max_queue)
-    metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting)
+    metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting, engine_cfg.prefix_cache)
     async_engine.on_output = metrics.observe_output
     engine.step_listeners.append(metrics.observe_step)
     async_engine.start()

@@ -1,0 +1,253 @@
+"""Anthropic's Messages API over the same engine: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``.
+
+Text content only: ``system`` (a string or text blocks), ``messages`` whose
+content is a string or text blocks (concatenated), ``max_tokens``,
+``stop_sequences``, ``stream``, and ``temperature`` (0-1, default 1.0),
+``top_p``, ``top_k`` (the current official client no longer sends these; pass
+them with ``extra_body``). A final ``assistant`` message is a prefill:
+generation continues after its text.
+Tool use, images and documents are refused with a 400 (tool use may come
+later); ``cache_control`` markers are accepted and ignored, since prefix reuse
+is automatic.
+
+Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens
+computed for this request, ``cache_read_input_tokens`` those served from the
+prefix cache (their sum is the prompt length), ``cache_creation_input_tokens``
+is always 0 (nothing is written on request).
+
+Streaming sends Anthropic's events: ``message_start`` (once the first token is
+out, so its usage already counts the cached tokens), ``content_block_start``,
+``ping``, ``content_block_delta`` (``text_delta``), ``content_block_stop``,
+``message_delta`` (stop reason, cumulative usage) and ``message_stop``; a
+failure after the stream began is an ``error`` event. Every error is
+Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quanta.engine.async_engine import RequestStream
+from quanta.engine.output import RequestOutput
+from quanta.engine.sampling import SamplingParams
+from quanta.server.app import ServerState, check_model, submit, until_disconnect
+from quanta.server.errors import APIError
+
+#: HTTP status -> Anthropic error type.
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 503: "overloaded_error",
+}
+
+
+class AnthropicError(Exception):
+    """An error returned as Anthropic's body with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    @property
+    def body(self) -> dict:
+        return {"type": "error", "error": {"type": ERROR_TYPES.get(self.status, "api_error"), "message": self.message}}
+
+
+class ContentBlock(BaseModel):
+    """A content block; only ``text`` blocks are served."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    def text(self, where: str) -> str:
+        return _text(self.content, where)
+
+
+class CountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[ContentBlock] | None = None
+    tools: list[dict] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages`` (ranges as Anthropic documents them)."""
+
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p or 1.0,
+            top_k=self.top_k or 0, stop=list(self.stop_sequences or []),
+        )
+
+
+def _text(content: str | list[ContentBlock], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for i, block in enumerate(content):
+        if block.type != "text" or block.text is None:
+            raise AnthropicError(
+                400, f"{where}.content.{i}: content blocks of type {block.type!r} are not supported "
+                "(text only; tool use is not implemented yet)",
+            )
+    return "".join(b.text for b in content)
+
+
+def render_prompt(state: ServerState, body: CountTokensRequest) -> list[int]:
+    """Prompt token ids: the chat template over ``system`` and ``messages``.
+
+    A final ``assistant`` message is continued: the template renders the
+    turns before it with the generation prompt, then its text follows.
+
+    Raises:
+        AnthropicError: 400 for tools, non-text content or a template failure.
+    """
+    if body.tools:
+        raise AnthropicError(400, "tools: tool use is not supported by this server yet")
+    chat = []
+    if body.system:
+        chat.append({"role": "system", "content": _text(body.system, "system")})
+    chat += [{"role": m.role, "content": m.text(f"messages.{i}")} for i, m in enumerate(body.messages)]
+    prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else None
+    try:
+        ids = state.tokenizer.apply_chat_template(chat)
+    except Exception as exc:  # the model's own template may reject a conversation
+        raise AnthropicError(400, f"chat template failed: {exc}") from exc
+    if prefill:
+        ids += state.tokenizer.encode(prefill, add_special_tokens=False)
+    return ids
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        data = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AnthropicError(400, f"malformed JSON body: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise AnthropicError(400, f"{loc}: {first.get('msg')}" if loc else first.get("msg", "invalid request")) from exc
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    try:
+        check_model(state, model)
+    except APIError as exc:
+        raise AnthropicError(exc.status, exc.message) from exc
+
+
+def _stop(out: RequestOutput) -> tuple[str, str | None]:
+    """(Anthropic ``stop_reason``, ``stop_sequence``) of a finished output."""
+    if out.finish_reason == "length":
+        return "max_tokens", None
+    if out.stop_reason is not None:
+        return "stop_sequence", out.stop_reason
+    return "end_turn", None
+
+
+def _usage(out: RequestOutput, output_tokens: int | None = None) -> dict:
+    return {
+        "input_tokens": out.num_prompt_tokens - out.num_cached_tokens,
+        "output_tokens": out.num_output_tokens if output_tokens is None else output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": out.num_cached_tokens,
+    }
+
+
+def _message(msg_id: str, model: str, text: str | None, out: RequestOutput, final: bool) -> dict:
+    stop_reason, stop_sequence = _stop(out) if final else (None, None)
+    return {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model,
+        "content": [{"type": "text", "text": text}] if text is not None else [],
+        "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+        "usage": _usage(out, None if final else 0),
+    }
+
+
+def _event(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+async def _events(msg_id: str, model: str, stream: RequestStream):
+    """Anthropic's SSE events for one request (see the module docstring)."""
+    try:
+        first = await anext(stream)
+        yield _event("message_start", {"message": _message(msg_id, model, None, first, final=False)})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield _event("ping", {})
+        out = first
+        while True:
+            if out.text:
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
+            if out.finished:
+                break
+            out = await anext(stream)
+        stop_reason, stop_sequence = _stop(out)
+        yield _event("content_block_stop", {"index": 0})
+        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
+        yield _event("message_stop", {})
+    except RuntimeError as exc:  # the engine failed after the response began
+        yield _event("error", {"error": {"type": "api_error", "message": str(exc)}})
+    finally:
+        stream.abort()
+
+
+async def _collect(msg_id: str, model: str, stream: RequestStream) -> Response:
+    texts, last = [], None
+    async for out in stream:
+        texts.append(out.text)
+        last = out
+    return JSONResponse(_message(msg_id, model, "".join(texts), last, final=True))
+
+
+def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
+    """Register ``/v1/messages``, ``/v1/messages/count_tokens`` and their error body."""
+
+    @app.exception_handler(AnthropicError)
+    async def _error(_: Request, exc: AnthropicError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        body = await _parse(request, CountTokensRequest)
+        _check_model(state, body.model)
+        return {"input_tokens": len(render_prompt(state, body))}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = await _parse(request, MessagesRequest)
+        _check_model(state, body.model)
+        prompt = render_prompt(state, body)
+        try:
+            stream = await submit(state, prompt, body.max_tokens, body.sampling_params)
+        except APIError as exc:
+            raise AnthropicError(exc.status, exc.message) from exc
+        msg_id = "msg_" + uuid.uuid4().hex
+        if body.stream:
+            return StreamingResponse(_events(msg_id, state.model_name, stream), media_type="text/event-stream")
+        return await until_disconnect(request, _collect(msg_id, state.model_name, stream), stream)
