@@ -112,6 +112,7 @@ def plot(report: dict, path: Path) -> None:
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("prefill quantum Q")
         ax2.set_ylabel("unique experts per chunk")
+        ax2.set_ylim(0, report["model"]["num_experts"] * 1.05)
         ax2.legend()
         ax2.grid(alpha=0.3)
     title = f"{report['model']['name']}: prefill cost per token"
