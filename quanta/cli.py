@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_bench_parser(sub)
     moe_commands.add_commands(sub, _register_once)
+    from quanta.sim import cli as sim_commands
+
+    sim_commands.add_commands(sub, _register_once)
     return root
 
 
@@ -138,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args, parser, argv)
     if args.command in moe_commands.COMMANDS:
         return moe_commands.main(args, parser)
+    if args.command in ("simulate", "profile-engine"):
+        from quanta.sim import cli as sim_commands
+
+        return sim_commands.main(args, parser, argv)
     try:
         engine_cfg, sched_cfg = configs_from_args(args)
     except ValueError as exc:

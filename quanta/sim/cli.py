@@ -1,0 +1,156 @@
+"""``quanta simulate`` and ``quanta profile-engine``.
+
+``simulate`` runs a ``quanta bench`` workload on quanta's own scheduler and
+Engine with a :class:`~quanta.sim.executor.CostModelExecutor` and prints the
+table of ``quanta bench``; ``--sweep SPEC`` (repeatable, the grid syntax of
+``quanta bench sweep --grid``) simulates every condition of a grid and, with
+``--out``, writes the same report files (JSON, markdown, plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+COMMANDS = ("simulate", "profile-engine")
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    from quanta.bench.cli import _nonneg_float, _positive_float, _positive_int
+    from quanta.bench.workloads import KINDS
+
+    g = p.add_argument_group("workload (as quanta bench; sizes in words, see --tokens-per-word)")
+    g.add_argument("--workload", choices=KINDS, default="burst", help="arrival pattern (default burst)")
+    g.add_argument("--num-requests", type=_positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
+    g.add_argument("--prompt-words", type=_positive_int, default=32, help="prompt size (default 32)")
+    g.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
+    g.add_argument("--rate", type=_positive_float, default=4.0, help="poisson/gamma: requests per second (default 4)")
+    g.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma: shape (default 1)")
+    g.add_argument("--concurrency", type=_positive_int, default=8, help="concurrency: requests in flight (default 8)")
+    g.add_argument("--sessions", type=_positive_int, default=4, help="probe/replay: sessions (default 4)")
+    g.add_argument("--session-tokens", type=_positive_int, default=256, help="probe: max tokens per session (default 256)")
+    g.add_argument("--probe-words", type=_positive_int, default=1024, help="probe: cold prompt size (default 1024)")
+    g.add_argument("--probe-delay", type=_nonneg_float, default=1.0, help="probe: wait before and after (default 1)")
+    g.add_argument("--turns", type=_positive_int, default=3, help="replay: turns per session (default 3)")
+    g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output per turn (default 128)")
+    g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
+    g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed; repeat r uses seed + r (default 0)")
+    g.add_argument("--tokens-per-word", type=_positive_float, default=1.0, help="prompt tokens per word (default 1)")
+    g.add_argument("--repeats", type=_positive_int, default=1, help="simulated runs per condition (default 1)")
+    g.add_argument("--max-duration", type=_positive_float, default=3600.0, help="simulated seconds at most (default 3600)")
+    g.add_argument("--out", help="output prefix: PREFIX.json, PREFIX.md, PREFIX-*.png")
+    g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    g.add_argument("--title", help="report title")
+
+
+def add_commands(sub, register_once) -> None:
+    """Register ``simulate`` and ``profile-engine`` on the root CLI's subparsers."""
+    from quanta.cli import KNOB_FLAGS
+    from quanta.engine.policies import POLICIES
+
+    sim = sub.add_parser("simulate", help="run a bench workload on the scheduler with a cost profile (virtual clock)")
+    register_once(sim)
+    sim.add_argument("--profile", required=True, help="cost profile JSON (profiles/*.json or quanta profile-engine --out)")
+    sim.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
+    sim.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
+    for flag, text in KNOB_FLAGS.items():
+        sim.add_argument(flag, type=int, help=text.replace(", or 'auto' (quanta advise's choice for the model)", ""))
+    sim.add_argument("--sweep", action="append", metavar="SPEC",
+                     help="grid of scheduler flags with comma lists (as bench sweep --grid); repeatable")
+    sim.add_argument("--baseline", help="sweep: condition name throughput is normalized to")
+    _workload_flags(sim)
+    prof = sub.add_parser("profile-engine", help="measure the real engine's cost profile on this machine")
+    register_once(prof)
+    prof.add_argument("--out", required=True, help="profile JSON to write")
+    prof.add_argument("--model", help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    prof.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default: as quanta serve)")
+    prof.add_argument("--chunks", default="32,128,512", help="prefill chunk sizes, comma list (default 32,128,512)")
+    prof.add_argument("--positions", default="0,512", help="context positions of the prefill chunks (default 0,512)")
+    prof.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
+    prof.add_argument("--decode-context", type=int, default=64, help="context of the decoding sequences (default 64)")
+    prof.add_argument("--repeats", type=int, default=3, help="timed repeats per point (default 3)")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    if args.command == "profile-engine":
+        from quanta.sim.measure import profile_engine_cli
+
+        return profile_engine_cli(args, parser)
+    return _simulate(args, parser, argv)
+
+
+def _sched_config(args, parser):
+    from quanta.cli import KNOB_FLAGS
+    from quanta.config import SchedulerConfig
+
+    knobs = {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f in KNOB_FLAGS}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    try:
+        return SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _sweep_configs(args, parser) -> list[tuple[str, list[str], object]]:
+    from quanta.bench.sweep import GridError, expand
+
+    try:
+        conds = expand(args.sweep)
+    except GridError as exc:
+        parser.error(str(exc))
+    out = []
+    for c in conds:
+        sub = build_sub_parser()
+        try:
+            ns = sub.parse_args(["--profile", args.profile, *c.flags])
+        except SystemExit:
+            parser.error(f"--sweep condition {c.name}: flags {' '.join(c.flags)!r} are not simulate flags")
+        out.append((c.name, c.flags, _sched_config(ns, parser)))
+    return out
+
+
+def build_sub_parser() -> argparse.ArgumentParser:
+    """A standalone ``simulate`` parser (to read the flags of a sweep condition)."""
+    from quanta.cli import _register_once
+
+    root = argparse.ArgumentParser(prog="quanta", exit_on_error=False)
+    sub = root.add_subparsers(dest="command")
+    add_commands(sub, _register_once)
+    return sub.choices["simulate"]
+
+
+def _simulate(args, parser, argv) -> int:
+    from quanta.bench import output
+    from quanta.bench.workloads import Workload
+    from quanta.sim.profile import Profile, ProfileError
+    from quanta.sim.run import condition, simulate
+
+    try:
+        profile = Profile.load(args.profile)
+    except ProfileError as exc:
+        parser.error(f"--profile: {exc}")
+    if args.sweep:
+        grid = _sweep_configs(args, parser)
+    else:
+        sched = _sched_config(args, parser)
+        grid = [(sched.name, None, sched)]
+    kw = {k: getattr(args, k) for k in Workload.__dataclass_fields__ if k != "kind" and hasattr(args, k)}
+    w = Workload(kind=args.workload, **kw)
+    conds = []
+    for name, flags, sched in grid:
+        runs = []
+        for r in range(args.repeats):
+            wr = Workload(**{**w.to_dict(), "seed": w.seed + r})
+            runs.append(simulate(profile, sched, wr, tokens_per_word=args.tokens_per_word, max_duration=args.max_duration))
+        conds.append(condition(name, runs, flags))
+    baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
+    note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
+    doc = output.document("simulate", "quanta " + shlex.join(argv if argv is not None else sys.argv[1:]), w, args.repeats,
+                          conds, baseline, note)
+    print(output.headline(doc))
+    if args.out:
+        for path in output.write_outputs(doc, Path(args.out), args.title or "quanta simulate", args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,46 @@
+""":class:`CostModelExecutor`: runs a :class:`StepPlan` by advancing a virtual clock."""
+
+from __future__ import annotations
+
+from quanta.engine.executor import Executor
+from quanta.engine.scheduler import StepPlan
+from quanta.sim.profile import Profile
+
+#: the token every simulated sequence emits (the engine is built without EOS ids)
+SIM_TOKEN = 7
+
+
+class VirtualClock:
+    """Seconds of simulated time; the engine's ``clock`` callable."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance_to(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+class CostModelExecutor(Executor):
+    """Same contract as :class:`~quanta.engine.executor.ModelExecutor`: one entry per
+    chunk, :data:`SIM_TOKEN` for a chunk that reaches the end of its sequence
+    (prompt done or a decode), else None; the step takes
+    :meth:`Profile.step_cost` seconds of the virtual ``clock``.
+    """
+
+    def __init__(self, profile: Profile, clock: VirtualClock) -> None:
+        self.profile, self.clock = profile, clock
+        self.num_calls = 0
+
+    def cost(self, plan: StepPlan) -> float:
+        """Predicted seconds of ``plan`` (sequences not yet advanced)."""
+        prefill = [(c.seq.num_computed_tokens, c.num_new_tokens) for c in plan.chunks if not c.is_decode]
+        decode = [c.seq.num_computed_tokens for c in plan.chunks if c.is_decode]
+        return self.profile.step_cost(prefill, decode)
+
+    def execute(self, plan: StepPlan) -> list[int | None]:
+        self.clock.t += self.cost(plan)
+        self.num_calls += 1
+        return [SIM_TOKEN if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None for c in plan.chunks]

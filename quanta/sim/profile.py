@@ -1,0 +1,189 @@
+"""Cost profiles: a small JSON file giving the cost model of one machine and model.
+
+Format (``"format": "quanta-cost-profile/1"``), times in seconds::
+
+    {
+      "format": "quanta-cost-profile/1",
+      "name": "...", "source": "where every number comes from",
+      "machine": "...", "model": "...",
+      "overhead_s": 0.0,                         # fixed cost of every forward call
+      "prefill": {
+        "axis": "chunk_tokens" | "tokens_per_expert",
+        "points": [[x, seconds_per_token], ...],  # pure prefill, x ascending
+        "context_s_per_token_per_pos": 0.0,     # attention: extra s per token per context position
+        "moe": {"num_experts": E, "top_k": k}   # only with axis tokens_per_expert
+      },
+      "decode": {
+        "points": [[batch_size, step_seconds], ...],
+        "context_s_per_pos": 0.0                 # extra s per step per context position summed over the batch
+      },
+      "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
+      "scheduler": {...},                        # knobs of the measured server (informative)
+      "published": [...], "assumed": [...],      # which keys are published / assumed (shipped profiles)
+      "spread": {...}                            # optional: measured spread (profile engine)
+    }
+
+Interpolation: prefill per-token cost is piecewise linear in log(x) between
+points and constant beyond the ends; decode step cost is piecewise linear in
+the batch size and extrapolated linearly past the last point from the last
+two (constant when there is one point).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT = "quanta-cost-profile/1"
+
+
+class ProfileError(ValueError):
+    """A profile file that is not a valid cost profile."""
+
+
+@dataclass
+class Profile:
+    prefill_points: list[tuple[float, float]]
+    decode_points: list[tuple[float, float]]
+    overhead_s: float = 0.0
+    prefill_axis: str = "chunk_tokens"
+    prefill_ctx: float = 0.0
+    decode_ctx: float = 0.0
+    mixed_decode_factor: float = 1.0
+    moe: dict | None = None
+    meta: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ JSON
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        if d.get("format") != FORMAT:
+            raise ProfileError(f"not a cost profile: format is {d.get('format')!r}, expected {FORMAT!r}")
+        try:
+            pre, dec = d["prefill"], d["decode"]
+            p = cls(
+                prefill_points=[(float(x), float(y)) for x, y in pre["points"]],
+                decode_points=[(float(x), float(y)) for x, y in dec["points"]],
+                overhead_s=float(d.get("overhead_s", 0.0)),
+                prefill_axis=pre.get("axis", "chunk_tokens"),
+                prefill_ctx=float(pre.get("context_s_per_token_per_pos", 0.0)),
+                decode_ctx=float(dec.get("context_s_per_pos", 0.0)),
+                mixed_decode_factor=float(d.get("mixed_decode_factor", 1.0)),
+                moe=pre.get("moe"),
+                meta={k: v for k, v in d.items() if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor")},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"malformed cost profile: {exc!r}") from exc
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        for name, pts in (("prefill", self.prefill_points), ("decode", self.decode_points)):
+            if not pts:
+                raise ProfileError(f"{name}.points is empty")
+            xs = [x for x, _ in pts]
+            if xs != sorted(xs) or len(set(xs)) != len(xs) or xs[0] <= 0:
+                raise ProfileError(f"{name}.points must have positive, strictly ascending x")
+            if any(y < 0 or not math.isfinite(y) for _, y in pts):
+                raise ProfileError(f"{name}.points costs must be finite and >= 0")
+        if self.prefill_axis not in ("chunk_tokens", "tokens_per_expert"):
+            raise ProfileError(f"prefill.axis must be chunk_tokens or tokens_per_expert, got {self.prefill_axis!r}")
+        if self.prefill_axis == "tokens_per_expert" and not (self.moe and self.moe.get("num_experts") and self.moe.get("top_k")):
+            raise ProfileError("prefill.axis tokens_per_expert needs prefill.moe with num_experts and top_k")
+        if self.overhead_s < 0 or self.prefill_ctx < 0 or self.decode_ctx < 0 or not 0 <= self.mixed_decode_factor:
+            raise ProfileError("overhead_s, context coefficients and mixed_decode_factor must be >= 0")
+
+    def to_dict(self) -> dict:
+        pre = {"axis": self.prefill_axis, "points": [list(p) for p in self.prefill_points],
+               "context_s_per_token_per_pos": self.prefill_ctx}
+        if self.moe:
+            pre["moe"] = self.moe
+        d = {"format": FORMAT, **{k: v for k, v in self.meta.items()}, "overhead_s": self.overhead_s,
+             "prefill": pre, "decode": {"points": [list(p) for p in self.decode_points], "context_s_per_pos": self.decode_ctx},
+             "mixed_decode_factor": self.mixed_decode_factor}
+        return d
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc}") from exc
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    # ------------------------------------------------------------------ cost model
+    def prefill_x(self, num_tokens: int) -> float:
+        """The prefill axis value of a forward carrying ``num_tokens`` prompt tokens.
+
+        ``tokens_per_expert``: ``num_tokens * top_k / E_hit`` with ``E_hit`` the
+        expected number of distinct experts hit under uniform routing,
+        ``E * (1 - (1 - 1/E) ** (num_tokens * top_k))``.
+        """
+        if self.prefill_axis == "chunk_tokens":
+            return float(num_tokens)
+        e, k = self.moe["num_experts"], self.moe["top_k"]
+        hit = e * (1.0 - (1.0 - 1.0 / e) ** (num_tokens * k))
+        return num_tokens * k / max(hit, 1e-12)
+
+    def prefill_per_token(self, num_tokens: int) -> float:
+        """Seconds per token of pure prefill for a forward of ``num_tokens`` prompt tokens."""
+        return _interp_log(self.prefill_points, self.prefill_x(num_tokens))
+
+    def prefill_cost(self, chunks: list[tuple[int, int]]) -> float:
+        """Seconds of the prefill part of a forward: ``chunks`` are (start position, tokens).
+
+        ``N * per_token(N) + ctx * sum(n * (start + (n - 1) / 2))`` with N the prompt
+        tokens of the forward (all chunks together: one batched forward).
+        """
+        n = sum(c for _, c in chunks)
+        if n == 0:
+            return 0.0
+        ctx = sum(c * (s + (c - 1) / 2.0) for s, c in chunks)
+        return n * self.prefill_per_token(n) + self.prefill_ctx * ctx
+
+    def decode_cost(self, positions: list[int]) -> float:
+        """Seconds of a decode step over sequences at context ``positions``."""
+        if not positions:
+            return 0.0
+        return _interp_lin(self.decode_points, float(len(positions))) + self.decode_ctx * sum(positions)
+
+    def step_cost(self, prefill_chunks: list[tuple[int, int]], decode_positions: list[int]) -> float:
+        """The combination rule of one forward call::
+
+            overhead + prefill_cost(prefill chunks) + f * decode_cost(decodes)
+
+        with ``f = 1`` for a pure decode step and ``f = mixed_decode_factor`` when
+        the step also carries prefill (a fused ``mixed`` step).
+        """
+        f = self.mixed_decode_factor if prefill_chunks else 1.0
+        return self.overhead_s + self.prefill_cost(prefill_chunks) + f * self.decode_cost(decode_positions)
+
+
+def _interp_log(points: list[tuple[float, float]], x: float) -> float:
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + w * (y1 - y0)
+
+
+def _interp_lin(points: list[tuple[float, float]], x: float) -> float:
+    if len(points) == 1:
+        return points[0][1]
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        (x0, y0), (x1, y1) = points[0], points[1]
+        return max(0.0, y0 + (x - x0) * (y1 - y0) / (x1 - x0)) if x < x0 else y0
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(0.0, y0 + (x - x0) * (y1 - y0) / (x1 - x0))

@@ -1,0 +1,203 @@
+"""Workloads of ``quanta bench`` on the simulated engine.
+
+The Engine and the scheduler are quanta's own (``SchedulerConfig.build()``);
+only the executor is a :class:`CostModelExecutor` and the clock a
+:class:`VirtualClock`. Each request becomes a :class:`RequestSample` as the
+bench client would record it (every token one streamed chunk, arriving at the
+end of the step that emitted it; ``scheduled`` = ``sent`` = arrival, so the
+client adds no queueing), and the engine's trace is kept as dicts, so
+:func:`quanta.bench.runner.compute_metrics` and every ``quanta.analysis``
+function apply unchanged.
+
+Prompt lengths: ``prompt_words * tokens_per_word`` tokens (rounded, >= 1) of
+random ids from the workload's seed. Output lengths: ``max_tokens`` exactly
+(the simulated tokens are never EOS, like ``--ignore-eos``), or, with
+``output_lengths``, replayed from that list (cycled).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from quanta.analysis.requests import RequestSample
+from quanta.bench.workloads import Workload, arrival_times
+from quanta.config import SchedulerConfig
+from quanta.engine.engine import Engine
+from quanta.engine.sampling import SamplingParams
+from quanta.sim.executor import CostModelExecutor, VirtualClock
+from quanta.sim.profile import Profile
+
+MAX_MODEL_LEN = 1 << 20
+
+
+@dataclass
+class _Req:
+    sample: RequestSample
+    prompt_len: int
+    max_tokens: int
+    on_done: Callable[["_Req"], None] | None = None
+    seq_id: int | None = None
+
+
+class Simulation:
+    """One workload run on a fresh engine; :meth:`run` returns the bench-style run dict."""
+
+    def __init__(self, profile: Profile, sched: SchedulerConfig, w: Workload, *, tokens_per_word: float = 1.0,
+                 max_duration: float = 3600.0, output_lengths: list[int] | None = None) -> None:
+        self.profile, self.sched, self.w = profile, sched, w
+        self.tpw, self.max_duration = tokens_per_word, max_duration
+        self.output_lengths = output_lengths
+        self.rng = random.Random(w.seed)
+        self.clock = VirtualClock()
+        self.executor = CostModelExecutor(profile, self.clock)
+        self.engine = Engine(sched.build(), self.executor, MAX_MODEL_LEN, clock=self.clock)
+        self.samples: list[RequestSample] = []
+        self._pending: list[tuple[float, int, _Req]] = []
+        self._order = itertools.count()
+        self._live: dict[int, _Req] = {}
+        self._outlen = itertools.cycle(output_lengths) if output_lengths else None
+        self._hooks: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def tokens(self, words: int) -> int:
+        return max(1, round(words * self.tpw))
+
+    def schedule(self, t: float, words: int, max_tokens: int, tag: str = "", on_done=None) -> _Req:
+        if self._outlen is not None:
+            max_tokens = next(self._outlen)
+        s = RequestSample(id=len(self.samples), scheduled=t, tag=tag, max_tokens=max_tokens)
+        self.samples.append(s)
+        r = _Req(s, self.tokens(words), max_tokens, on_done)
+        heapq.heappush(self._pending, (t, next(self._order), r))
+        return r
+
+    def _submit(self, r: _Req) -> None:
+        r.sample.sent = self.clock.t
+        ids = [self.rng.randrange(1, 50_000) for _ in range(r.prompt_len)]
+        seq = self.engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+        r.seq_id = seq.seq_id
+        r.sample.prompt_tokens = r.prompt_len
+        r.sample.completion_tokens = 0
+        self._live[seq.seq_id] = r
+
+    def cancel(self, r: _Req, reason: str = "client_cancel") -> None:
+        """The client stops reading ``r`` now (the engine aborts it)."""
+        if r.seq_id is not None and r.seq_id in self._live:
+            self.engine.abort(r.seq_id)
+            self._live.pop(r.seq_id)
+            r.sample.done, r.sample.finish_reason = self.clock.t, reason
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        _WORKLOADS[self.w.kind](self)
+        while True:
+            while self._pending and self._pending[0][0] <= self.clock.t:
+                self._submit(heapq.heappop(self._pending)[2])
+            for hook in list(self._hooks):
+                hook()
+            if self.clock.t > self.max_duration:
+                break
+            if self.engine.has_work():
+                for out in self.engine.step():
+                    r = self._live.get(out.seq_id)
+                    if r is None:
+                        continue
+                    for _ in out.token_ids:
+                        r.sample.chunks.append([out.time, 1.0])
+                    r.sample.completion_tokens = out.num_output_tokens
+                    if out.finished:
+                        r.sample.done, r.sample.finish_reason = out.time, out.finish_reason
+                        self._live.pop(out.seq_id)
+                        if r.on_done:
+                            r.on_done(r)
+            elif self._pending:
+                self.clock.advance_to(self._pending[0][0])
+            elif not self._hooks:
+                break
+        for r in list(self._live.values()) + [p[2] for p in self._pending]:
+            if r.sample.done is None:
+                r.sample.error, r.sample.error_detail, r.sample.done = "deadline", "simulated past max_duration", self.clock.t
+        from quanta.bench.runner import compute_metrics
+
+        trace = self.engine.trace.to_dicts()
+        return {"samples": [s.to_dict() for s in self.samples], "trace": trace,
+                "metrics": compute_metrics(self.samples, trace, [], self.w.kind), "simulated": True,
+                "sim_calls": self.executor.num_calls, "sim_seconds": self.clock.t}
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+def _open_loop(sim: Simulation) -> None:
+    w = sim.w
+    for t in arrival_times(w.kind, w.num_requests, w.rate, w.burstiness, sim.rng):
+        sim.schedule(t, w.prompt_words, w.max_tokens)
+
+
+def _closed_loop(sim: Simulation) -> None:
+    w = sim.w
+    left = itertools.count()
+
+    def next_one(_r=None) -> None:
+        if next(left) < w.num_requests:
+            sim.schedule(sim.clock.t, w.prompt_words, w.max_tokens, on_done=next_one)
+
+    for _ in range(min(w.concurrency, w.num_requests)):
+        next_one()
+
+
+def _probe(sim: Simulation) -> None:
+    w = sim.w
+    sessions = [sim.schedule(0.0, w.prompt_words, w.session_tokens, "session") for _ in range(w.sessions)]
+    state = {"probe": None, "stop_at": None}
+
+    def hook() -> None:
+        if state["probe"] is None and all(s.sample.chunks or s.sample.done is not None for s in sessions):
+            state["probe"] = sim.schedule(sim.clock.t + w.probe_delay, w.probe_words + 32 // 4, w.max_tokens, "probe", on_done=done)
+        if state["stop_at"] is not None and sim.clock.t >= state["stop_at"]:
+            for s in sessions:
+                sim.cancel(s)
+            sim._hooks.remove(hook)
+        elif state["stop_at"] is not None and not sim.engine.has_work():
+            sim.clock.advance_to(state["stop_at"])
+
+    def done(_r) -> None:
+        state["stop_at"] = sim.clock.t + w.probe_delay
+
+    sim._hooks.append(hook)
+
+
+def _replay(sim: Simulation) -> None:
+    w = sim.w
+
+    def turn(i: int, k: int, words: int, t: float) -> None:
+        def done(r: _Req) -> None:
+            if k + 1 < w.turns and r.sample.error is None:
+                turn(i, k + 1, words + (r.sample.completion_tokens or 0) + w.tool_words, sim.clock.t)
+
+        sim.schedule(t, words, w.max_tokens, f"session{i}/turn{k}", on_done=done)
+
+    for i in range(w.sessions):
+        turn(i, 0, w.prompt_words, i * w.stagger)
+
+
+_WORKLOADS = {"burst": _open_loop, "poisson": _open_loop, "gamma": _open_loop,
+              "concurrency": _closed_loop, "probe": _probe, "replay": _replay}
+
+
+def simulate(profile: Profile, sched: SchedulerConfig, w: Workload, **kw) -> dict:
+    """Run workload ``w`` on the simulated engine; the run dict of ``quanta bench``
+    (``samples``, ``trace``, ``metrics``) plus ``sim_calls`` and ``sim_seconds``."""
+    return Simulation(profile, sched, w, **kw).run()
+
+
+def condition(name: str, runs: list[dict], flags: list[str] | None = None) -> dict:
+    """A bench condition dict (``name``, ``runs``, ``figures``, ``summary``) of simulated runs."""
+    from quanta.analysis.report import aggregate, repeat_figures
+
+    figures = [repeat_figures(r["metrics"]) for r in runs]
+    return {"name": name, "flags": flags, "valid": True, "runs": runs, "figures": figures, "summary": aggregate(figures)}
