@@ -61,7 +61,7 @@ def test_profile_sets_the_target_and_fills_costs_for_the_same_model():
     advice = advise(256, 6, 4096, profile=_profile(), model_name="m")
     assert advice.target == 96 and advice.quantum == 4096 and "measured" in advice.target_source
     by_q = {c.quantum: c for c in advice.candidates}
-    assert by_q[2048].ms_per_token == 1.1
+    assert by_q[2048].ms_per_token == 1.1 and by_q[2048].moe_ms_per_token is None  # not in this profile
     assert by_q[2048].decode_gap_ms == pytest.approx(10.0 + 2048 * 1.1)  # one decode step + one quantum
     other = advise(256, 6, 4096, profile=_profile(name="other"), model_name="m")
     assert other.quantum == 4096 and all(c.ms_per_token is None for c in other.candidates)  # target only

@@ -250,3 +250,23 @@ def test_simulate_cli_rejects_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profile_engine_measures_a_loadable_profile(tmp_path, capsys):
+    # real model, smallest sizes (seconds on a loaded 2-core machine); no timing asserted
+    out = tmp_path / "engine.json"
+    assert cli.main(["profile-engine", "--out", str(out), "--chunks", "4", "--positions", "0,4", "--batches", "1,2",
+                     "--repeats", "1", "--dtype", "fp32"]) == 0
+    p = Profile.load(out)
+    raw = json.loads(out.read_text())
+    assert "measured by quanta profile-engine" in raw["source"] and set(raw["spread"]) == {"decode", "prefill"}
+    assert [x for x, _ in p.prefill_points] == [4.0] and [x for x, _ in p.decode_points] == [1.0, 2.0]
+    assert p.overhead_s >= 0 and p.prefill_ctx >= 0
+    run = simulate(p, SchedulerConfig("batched", 2), Workload(num_requests=3, prompt_words=8, max_tokens=3))
+    assert run["metrics"]["client"]["num_ok"] == 3
+
+
+def test_profile_engine_rejects_bad_lists_before_loading(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["profile-engine", "--out", "x.json", "--chunks", "a,b"])
+    assert info.value.code == 2 and "--chunks" in capsys.readouterr().err

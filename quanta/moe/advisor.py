@@ -45,6 +45,7 @@ class Candidate:
     unique_experts_expected: float | None
     ms_per_token: float | None
     decode_gap_ms: float | None
+    moe_ms_per_token: float | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ def advise(num_experts: int | None, top_k: int | None, prefill_cap: int, target:
         neighbours: powers of two shown on each side of the recommendation.
     """
     measured = _measured_costs(profile, num_experts, top_k, model_name)
+    moe_costs = _measured_costs(profile, num_experts, top_k, model_name, "moe_ms_per_token")
     decode_ms = profile["decode_step_ms"]["median"] if profile and measured else None
     if not num_experts:
         return _advise_dense(prefill_cap, measured, decode_ms, neighbours)
@@ -124,6 +126,8 @@ def advise(num_experts: int | None, top_k: int | None, prefill_cap: int, target:
     if exact > quantum * 1.5:
         reason += f" The cap limits the quantum: {exact:.0f} would need a larger --prefill-cap."
     rows = [_candidate(q, num_experts, top_k, measured, decode_ms) for q in _neighbourhood(quantum, prefill_cap, neighbours)]
+    for c in rows:
+        c.moe_ms_per_token = moe_costs.get(c.quantum)
     return Advice(quantum, reason, rows, False, target, source)
 
 
@@ -143,8 +147,9 @@ def _advise_dense(prefill_cap: int, measured: dict[int, float], decode_ms: float
     return Advice(quantum, reason, rows, True)
 
 
-def _measured_costs(profile: dict | None, num_experts: int | None, top_k: int | None, model_name: str | None) -> dict[int, float]:
-    """quantum -> median ms/token, when ``profile`` measured this model (same name, E and K)."""
+def _measured_costs(profile: dict | None, num_experts: int | None, top_k: int | None, model_name: str | None,
+                    key: str = "ms_per_token") -> dict[int, float]:
+    """quantum -> median ``key`` (ms/token), when ``profile`` measured this model (same name, E and K)."""
     if not profile:
         return {}
     m = profile["model"]
@@ -152,7 +157,7 @@ def _measured_costs(profile: dict | None, num_experts: int | None, top_k: int | 
         return {}
     if model_name is not None and m.get("name") != model_name:
         return {}
-    return {r["quantum"]: r["ms_per_token"]["median"] for r in profile["rows"]}
+    return {r["quantum"]: r[key]["median"] for r in profile["rows"] if key in r}
 
 
 def _neighbourhood(quantum: int, cap: int, n: int) -> list[int]:
@@ -172,14 +177,14 @@ def _candidate(q: int, e: int | None, k: int | None, measured: dict[int, float],
 def format_advice(advice: Advice, chosen_label: str = "recommended") -> str:
     """The recommendation, its reason and the neighbourhood table (plain text)."""
     lines = [f"mixed prefill quantum: {advice.quantum}", "", advice.reason, "",
-             f"{'quantum':>8}  {'tokens/expert':>13}  {'unique experts':>14}  {'ms/token':>9}  {'decode gap ms':>13}"]
+             f"{'quantum':>8}  {'tokens/expert':>13}  {'unique experts':>14}  {'ms/token':>9}  {'MoE ms/token':>12}  {'decode gap ms':>13}"]
     for c in advice.candidates:
         def cell(v, fmt, w):
             return f"{v:{w}{fmt}}" if v is not None else f"{'n/a' if advice.dense and fmt == '.1f' else '-':>{w}}"
         mark = f"  <- {chosen_label}" if c.quantum == advice.quantum else ""
         lines.append(f"{c.quantum:>8}  {cell(c.tokens_per_expert, '.1f', 13)}  {cell(c.unique_experts_expected, '.1f', 14)}  "
-                     f"{cell(c.ms_per_token, '.3f', 9)}  {cell(c.decode_gap_ms, '.0f', 13)}{mark}")
+                     f"{cell(c.ms_per_token, '.3f', 9)}  {cell(c.moe_ms_per_token, '.3f', 12)}  {cell(c.decode_gap_ms, '.0f', 13)}{mark}")
     lines += ["", "unique experts: random-routing expectation E(1-(1-K/E)^Q); ms/token: measured pure prefill cost "
-              "(quanta profile, this model only); decode gap: what a decoding session waits per token while another "
+              "of whole steps, MoE ms/token: of the MoE blocks alone (quanta profile, this model only); decode gap: what a decoding session waits per token while another "
               "prefills, one decode step + Q x ms/token ('-': not measured)."]
     return "\n".join(lines)
