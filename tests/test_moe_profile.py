@@ -76,3 +76,28 @@ def test_report_files_and_the_advisor_reading_them(report, tmp_path, monkeypatch
     with pytest.raises(ValueError):
         (tmp_path / "bad.json").write_text('{"kind": "other"}')
         load_profile(tmp_path / "bad.json")
+
+
+def test_dense_model_profile_feeds_the_dense_advisor(tmp_path_factory, tmp_path):
+    """``quanta profile prefill`` on a dense model: no expert columns, files named by the (dotted) model name."""
+    from quanta.launch import LoadedModel
+    from quanta.model.config import ModelConfig
+    from quanta.model.llama import LlamaModel
+    from quanta.model.tokenizer import Tokenizer
+    from quanta.moe.profile import profile
+
+    torch.manual_seed(0)
+    cfg = ModelConfig("llama", 512, 64, 96, 2, 4, 2, 16, max_position_embeddings=256, name="dense.Q4")
+    model = LlamaModel(cfg)
+    model.to(torch.bfloat16).eval()
+    model.pack_weights()
+    tokenizer = Tokenizer.from_path(tiny_moe_dir(tmp_path_factory))
+    dense = LoadedModel(model, tokenizer, cfg, tmp_path / "dense.Q4.gguf", "dense.Q4")
+    report = profile(dense, quanta=(16, 32), prompt_tokens=64, repeats=1, frag_quantum=None)
+    assert report["synthetic"] is None and report["saturation_tokens_per_expert"] is None
+    assert [r["calls"] for r in report["rows"]] == [4, 2] and "unique_experts" not in report["rows"][0]
+    assert "fragmentation" not in report
+    paths = write_report(report, tmp_path / "out", cache=False)
+    assert [p.name for p in paths] == ["prefill_profile_dense.Q4.json", "prefill_profile_dense.Q4.md", "prefill_profile_dense.Q4.png"]
+    advice = advise(None, None, 4096, profile=load_profile(paths[0]), model_name="dense.Q4")
+    assert advice.dense and advice.quantum in (16, 32) and "measured prefill cost curve" in advice.reason

@@ -44,7 +44,7 @@ def add_commands(sub, register_once) -> None:
     prof = sub.add_parser("profile", help="measure pure prefill cost per token against the quantum")
     register_once(prof)
     prof.add_argument("what", choices=["moe", "prefill"], help="moe: an MoE model (expert statistics included); prefill: any model")
-    prof.add_argument("--model", help="model directory or GGUF (default: made from --preset in a temporary directory)")
+    prof.add_argument("--model", help="model directory or GGUF (default: moe: made from --preset in a temporary directory; prefill: the embedded model)")
     prof.add_argument("--preset", default="seed-moe-mini", help="synthetic preset used when --model is not given (default seed-moe-mini)")
     prof.add_argument("--out", default="benchmarks/results", help="report directory (default benchmarks/results)")
     prof.add_argument("--quanta", default="128,256,512,1024,2048,4096,8192", help="comma-separated quanta (tokens)")
@@ -137,7 +137,11 @@ def _profile(args: argparse.Namespace) -> int:
     dtype = resolve_dtype({"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype))
     with tempfile.TemporaryDirectory(prefix="quanta-profile-") as tmp:
         path = args.model
-        if path is None:
+        if path is None and args.what == "prefill":
+            from quanta.model.loader import embedded_model_path
+
+            path = embedded_model_path()
+        elif path is None:
             path = Path(tmp) / args.preset
             log.info("making synthetic preset %s in %s", args.preset, path)
             make_model(args.preset, path)

@@ -1,6 +1,7 @@
 """Printing, plotting and storing a prefill cost profile (see :mod:`quanta.moe.profile`).
 
-Files written by :func:`write_report` (``STEM`` = ``moe_profile_<model>``):
+Files written by :func:`write_report` (``STEM`` = ``moe_profile_<model>``,
+``prefill_profile_<model>`` for a dense model):
 ``STEM.json`` (everything, machine included), ``STEM.md`` (the tables) and
 ``STEM.png`` (the curve). A copy of the JSON goes to
 :func:`profile_cache_path` so ``quanta advise`` and
@@ -128,8 +129,9 @@ def write_report(report: dict, out_dir: str | Path, cache: bool = True) -> list[
     """Write JSON, Markdown and PNG under ``out_dir`` (and the JSON to the cache); returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"moe_profile_{report['model']['name']}"
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
+    kind = "moe" if report["model"].get("num_experts") else "prefill"
+    stem = f"{kind}_profile_{report['model']['name']}"  # names may hold dots (GGUF stems): no with_suffix
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
     paths[0].write_text(json.dumps(report, indent=1) + "\n")
     paths[1].write_text(format_report(report))
     plot(report, paths[2])
