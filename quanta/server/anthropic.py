@@ -74,6 +74,7 @@ class Message(BaseModel):
     content: str | list[ContentBlock]
 
     def text(self, where: str) -> str:
+        """The content as one string; ``where`` names it in errors (``messages.0.content``)."""
         return _text(self.content, where)
 
 
@@ -110,7 +111,7 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
     for i, block in enumerate(content):
         if block.type != "text" or block.text is None:
             raise AnthropicError(
-                400, f"{where}.content.{i}: content blocks of type {block.type!r} are not supported "
+                400, f"{where}.{i}: content blocks of type {block.type!r} are not supported "
                 "(text only; tool use is not implemented yet)",
             )
     return "".join(b.text for b in content)
@@ -130,7 +131,7 @@ def render_prompt(state: ServerState, body: CountTokensRequest) -> list[int]:
     chat = []
     if body.system:
         chat.append({"role": "system", "content": _text(body.system, "system")})
-    chat += [{"role": m.role, "content": m.text(f"messages.{i}")} for i, m in enumerate(body.messages)]
+    chat += [{"role": m.role, "content": m.text(f"messages.{i}.content")} for i, m in enumerate(body.messages)]
     prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else None
     try:
         ids = state.tokenizer.apply_chat_template(chat)
