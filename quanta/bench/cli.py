@@ -65,8 +65,9 @@ def _base_url(s: str) -> str:
     return s.rstrip("/").removesuffix("/v1")
 
 
-def _workload_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (sizes in words ~ tokens; times in seconds)")
+def add_workload_group(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The workload flags shared by ``quanta bench`` and ``quanta simulate``; returns the group."""
+    g = p.add_argument_group(title)
     g.add_argument("--workload", choices=KINDS, default="burst", help="arrival pattern (default burst)")
     g.add_argument("--num-requests", type=_positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
     g.add_argument("--prompt-words", type=_positive_int, default=32, help="prompt size (default 32)")
@@ -81,7 +82,12 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=_positive_int, default=3, help="replay: turns per session (default 3)")
     g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output appended per turn (default 128)")
     g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
-    g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed; repeat r uses seed + r (default 0)")
+    return g
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)")
     m = p.add_argument_group("measurement")
     m.add_argument("--repeats", type=_positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
     m.add_argument("--warmup", type=_nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")

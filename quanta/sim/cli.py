@@ -18,25 +18,9 @@ COMMANDS = ("simulate", "profile-engine")
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
-    from quanta.bench.cli import _nonneg_float, _positive_float, _positive_int
-    from quanta.bench.workloads import KINDS
+    from quanta.bench.cli import _positive_float, _positive_int, add_workload_group
 
-    g = p.add_argument_group("workload (as quanta bench; sizes in words, see --tokens-per-word)")
-    g.add_argument("--workload", choices=KINDS, default="burst", help="arrival pattern (default burst)")
-    g.add_argument("--num-requests", type=_positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
-    g.add_argument("--prompt-words", type=_positive_int, default=32, help="prompt size (default 32)")
-    g.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
-    g.add_argument("--rate", type=_positive_float, default=4.0, help="poisson/gamma: requests per second (default 4)")
-    g.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma: shape (default 1)")
-    g.add_argument("--concurrency", type=_positive_int, default=8, help="concurrency: requests in flight (default 8)")
-    g.add_argument("--sessions", type=_positive_int, default=4, help="probe/replay: sessions (default 4)")
-    g.add_argument("--session-tokens", type=_positive_int, default=256, help="probe: max tokens per session (default 256)")
-    g.add_argument("--probe-words", type=_positive_int, default=1024, help="probe: cold prompt size (default 1024)")
-    g.add_argument("--probe-delay", type=_nonneg_float, default=1.0, help="probe: wait before and after (default 1)")
-    g.add_argument("--turns", type=_positive_int, default=3, help="replay: turns per session (default 3)")
-    g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output per turn (default 128)")
-    g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
-    g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed; repeat r uses seed + r (default 0)")
+    g = add_workload_group(p, "workload (as quanta bench; sizes in words, see --tokens-per-word)")
     g.add_argument("--tokens-per-word", type=_positive_float, default=1.0, help="prompt tokens per word (default 1)")
     g.add_argument("--repeats", type=_positive_int, default=1, help="simulated runs per condition (default 1)")
     g.add_argument("--max-duration", type=_positive_float, default=3600.0, help="simulated seconds at most (default 3600)")
