@@ -19,44 +19,25 @@ from pathlib import Path
 from quanta.bench.workloads import KINDS, Workload
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+def _number_type(parse, accept, what: str):
+    """An argparse ``type``: ``parse`` the text, keep values where ``accept(v)``, else say ``expected {what}``."""
+
+    def convert(s: str):
+        try:
+            v = parse(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if not accept(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+
+    return convert
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
-    if not v > 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
-    return v
-
-
-def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
-    if not v >= 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
-    return v
+_positive_int = _number_type(int, lambda v: v >= 1, "a positive integer")
+_nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number_type(float, lambda v: v > 0 and not math.isinf(v), "a positive number")  # NaN fails v > 0
+_nonneg_float = _number_type(float, lambda v: v >= 0 and not math.isinf(v), "a number >= 0")
 
 
 def _base_url(s: str) -> str:
