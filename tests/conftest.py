@@ -9,21 +9,15 @@ goes to a log file whose tail is included in failure messages.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from quanta.bench.server import QuantaServer, free_port, start
+
 STARTUP_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 20.0
 
 #: Flags of the session server. Knob values differ from the defaults
 #: (2048/2048/4096) so the startup-line and /v1/config tests can tell that
@@ -46,7 +40,7 @@ class ServerHandle:
     pid: int
     log_path: Path
     flags: tuple[str, ...]
-    proc: subprocess.Popen = field(repr=False)
+    process: QuantaServer = field(repr=False)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -56,54 +50,22 @@ class ServerHandle:
 
     def stop(self) -> None:
         """SIGTERM the server by its PID, wait, then SIGKILL."""
-        _terminate(self.proc)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        self.process.stop()
 
 
 def start_server(log_dir: Path, *flags: str) -> ServerHandle:
-    """Start ``quanta serve`` with ``flags`` and wait (bounded) until it is healthy."""
-    port = free_port()
-    log_path = log_dir / f"quanta-serve-{port}.log"
-    cmd = [sys.executable, "-m", "quanta.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    """Start ``quanta serve`` with ``flags`` (:func:`quanta.bench.server.start`) and read its model id."""
     try:
-        with httpx.Client(timeout=5.0) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"quanta serve exited with code {proc.returncode} before becoming healthy")
-                try:
-                    if client.get(base_url + "/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"quanta serve not healthy after {STARTUP_TIMEOUT_S:.0f} s")
-                time.sleep(0.25)
-            models = client.get(base_url + "/v1/models").json()
+        proc = start(list(flags), log_dir, timeout=STARTUP_TIMEOUT_S)
+    except RuntimeError as exc:
+        pytest.fail(f"{exc}\nflags: {' '.join(flags)}", pytrace=False)
+    try:
+        models = httpx.get(proc.base_url + "/v1/models", timeout=30).json()
     except Exception as exc:
-        _terminate(proc)
-        pytest.fail(f"{exc}\n$ {' '.join(cmd)}\n--- server log ---\n{log_path.read_text(errors='replace')[-8000:]}", pytrace=False)
-    return ServerHandle(base_url, port, models["data"][0]["id"], proc.pid, log_path, tuple(flags), proc)
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=STOP_TIMEOUT_S)
+        proc.stop()
+        pytest.fail(f"/v1/models failed: {exc}\n--- server log ---\n{proc.log_tail(8000)}", pytrace=False)
+    port = int(proc.base_url.rsplit(":", 1)[1])
+    return ServerHandle(proc.base_url, port, models["data"][0]["id"], proc.proc.pid, proc.log_path, tuple(flags), proc)
 
 
 @pytest.fixture(scope="session")
