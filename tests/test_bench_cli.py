@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -129,6 +130,7 @@ def test_foreign_server_tokens_from_usage_and_na_server_columns(fake_server, tmp
     assert run["trace"] is None and run["metrics"]["trace"] is None
     md = prefix.with_suffix(".md").read_text()
     assert "ITL source: client" in md and f"| {fake_server} | n/a | n/a |" in md
+    assert doc["conditions"][0]["applied"] is None  # not quanta: no /v1/config, so simulate --compare refuses it
     assert prefix.with_name(prefix.name + "-frontier.png").stat().st_size > 0
     # the saved raw samples are enough to recompute the report
     again = tmp_path / "bench_again"
@@ -163,6 +165,21 @@ def test_bench_run_against_quanta_has_server_side_figures(server, tmp_path):
     md = prefix.with_suffix(".md").read_text()
     assert "ITL source: server trace" in md
     assert prefix.with_name(prefix.name + "-itl-cdf.png").exists()
+    applied = doc["conditions"][0]["applied"]  # /v1/config: what simulate --compare replays
+    assert applied["scheduler"] == "batched" and applied["max_num_seqs"] == 8
+
+
+def test_simulate_compare_replays_a_bench_run_of_quanta(server, tmp_path, capsys):
+    prefix = tmp_path / "bench_for_sim"
+    assert _bench("run", "--base-url", server.base_url, "--num-requests", "3", "--max-tokens", "4", "--prompt-words", "12",
+                  "--repeats", "1", "--warmup", "0", "--no-progress", "--no-plots", "--out", str(prefix)) == 0
+    seed = Path(__file__).resolve().parents[1] / "profiles" / "ds4_m3_ultra_seed.json"
+    capsys.readouterr()
+    assert main(["simulate", "--profile", str(seed), "--compare", str(prefix.with_suffix(".json"))]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    measured = json.loads(prefix.with_suffix(".json").read_text())["conditions"][0]["figures"][0]
+    # same scheduler, same prompt lengths: the simulated engine takes as many decode steps (times differ: M3 profile)
+    assert row.startswith(f"| {server.base_url} |") and f"vs {measured['prefill_calls']:g}/{measured['decode_steps']:g}/" in row
 
 
 def test_probe_and_replay_workloads_against_quanta(server, tmp_path):

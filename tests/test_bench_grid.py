@@ -20,7 +20,6 @@ def test_seed_002_grid_is_a_union_of_grids():
 
 @pytest.mark.parametrize("specs, common, message", [
     (["--admit-k 1 --admit-k 2"], "", "more than once"),
-    (["--admit-k"], "", "one value"),
     (["--admit-k 1,,2"], "", "empty value"),
     (["admit-k 1"], "", "expected a --flag"),
     (["--admit-k 1"], "--admit-k 2", "both"),
@@ -40,6 +39,19 @@ def test_validate_marks_configurations_quanta_rejects_and_refuses_unknown_flags(
     assert "larger than --max-num-seqs" in bad.invalid_reason
     with pytest.raises(GridError, match="unrecognized arguments: --bogus"):
         validate(Condition("x", ["--bogus", "1"]))
+    (missing,) = expand(["--admit-k"])  # a flag without a value reads as a switch; serve's parser refuses it
+    with pytest.raises(GridError, match="expected one argument"):
+        validate(missing)
+
+
+def test_switches_are_flags_without_a_value():
+    conds = expand(["--scheduler static,continuous --no-prefix-cache"], "--max-num-seqs 4")
+    assert [c.name for c in conds] == ["static no-prefix-cache", "continuous no-prefix-cache"]
+    assert conds[1].flags == ["--scheduler", "continuous", "--no-prefix-cache", "--max-num-seqs", "4"]
+    (c,) = expand(["--scheduler static"], "--no-prefix-cache --max-num-seqs 4")
+    assert c.flags == ["--scheduler", "static", "--no-prefix-cache", "--max-num-seqs", "4"]
+    validate(c)
+    assert c.invalid_reason is None
 
 
 def test_applied_values_must_equal_requested_ones():

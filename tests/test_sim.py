@@ -232,13 +232,17 @@ def test_simulate_cli_prints_the_bench_table(capsys):
 
 def test_simulate_cli_sweep_writes_the_report(tmp_path, capsys):
     prefix = tmp_path / "sim_sweep"
-    assert cli.main(["simulate", "--profile", str(SEED), "--num-requests", "12", "--max-tokens", "4", "--no-plots",
+    assert cli.main(["simulate", "--profile", str(SEED), "--num-requests", "12", "--max-tokens", "4",
                      "--sweep", "--scheduler continuous --admit-k 1,4", "--sweep", "--scheduler static",
-                     "--out", str(prefix)]) == 0
+                     "--sweep", "--scheduler chunked --chunk 64,256", "--out", str(prefix)]) == 0
     out = capsys.readouterr().out
-    assert "continuous K=1" in out and "continuous K=4" in out and "| static |" in out
+    assert "continuous K=1" in out and "continuous K=4" in out and "| static |" in out and "chunked C=256" in out
     doc = json.loads(prefix.with_suffix(".json").read_text())
-    assert doc["kind"] == "simulate" and len(doc["conditions"]) == 3 and prefix.with_suffix(".md").exists()
+    assert doc["kind"] == "simulate" and len(doc["conditions"]) == 5
+    md = prefix.with_suffix(".md").read_text()
+    for plot in ("frontier", "itl-cdf", "prefill-rate"):  # the bench report's plots, linked from the report
+        png = tmp_path / f"sim_sweep-{plot}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.name in md
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -255,13 +259,21 @@ def test_simulate_cli_rejects_bad_input(argv, message, capsys):
 def test_profile_engine_measures_a_loadable_profile(tmp_path, capsys):
     # real model, smallest sizes (seconds on a loaded 2-core machine); no timing asserted
     out = tmp_path / "engine.json"
-    assert cli.main(["profile-engine", "--out", str(out), "--chunks", "4", "--positions", "0,4", "--batches", "1,2",
-                     "--repeats", "1", "--dtype", "fp32"]) == 0
+    assert cli.main(["profile-engine", "--out", str(out), "--chunks", "4,8", "--positions", "0,16", "--batches", "1,2",
+                     "--decode-contexts", "8,32", "--repeats", "1", "--dtype", "fp32"]) == 0
     p = Profile.load(out)
     raw = json.loads(out.read_text())
     assert "measured by quanta profile-engine" in raw["source"] and set(raw["spread"]) == {"decode", "prefill"}
-    assert [x for x, _ in p.prefill_points] == [4.0] and [x for x, _ in p.decode_points] == [1.0, 2.0]
-    assert p.overhead_s >= 0 and p.prefill_ctx >= 0
+    assert [x for x, _ in p.prefill_points] == [4.0, 8.0] and [x for x, _ in p.decode_points] == [1.0, 2.0]
+    assert p.overhead_s >= 0 and p.prefill_ctx >= 0 and p.decode_ctx >= 0 and "2@32" in raw["spread"]["decode"]
+    # points are stored net of overhead and context terms: the cost model gives back each measured median
+    # (unless a point was clamped at 0, which only a noisy measurement can cause)
+    for b, net in p.decode_points:
+        if net > 0:
+            assert p.step_cost([], [8] * int(b)) == pytest.approx(raw["spread"]["decode"][str(int(b))][1])
+    for n, net in p.prefill_points:
+        if net > 0:
+            assert p.step_cost([(0, int(n))], []) == pytest.approx(raw["spread"]["prefill"][f"{int(n)}@0"][1])
     run = simulate(p, SchedulerConfig("batched", 2), Workload(num_requests=3, prompt_words=8, max_tokens=3))
     assert run["metrics"]["client"]["num_ok"] == 3
 
@@ -270,3 +282,37 @@ def test_profile_engine_rejects_bad_lists_before_loading(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["profile-engine", "--out", "x.json", "--chunks", "a,b"])
     assert info.value.code == 2 and "--chunks" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- --mixed-prefill-quantum auto
+
+
+def test_auto_quantum_of_a_moe_profile_follows_the_tokens_per_expert_rule():
+    from quanta.sim.auto import resolve_auto
+
+    p = prof(prefill_axis="tokens_per_expert", moe={"num_experts": 256, "top_k": 6})
+    sched, advice = resolve_auto(p, SchedulerConfig("batched", 4, {"mixed_prefill_quantum": 1}))
+    assert sched.knobs["mixed_prefill_quantum"] == advice.quantum == 2048  # 48 tokens/expert x 256 / 6
+    assert "E=256" in advice.reason
+
+
+def test_auto_quantum_of_a_dense_profile_is_the_smallest_within_5_percent_of_the_best(capsys):
+    from quanta.moe.formulas import power_of_two_divisors
+
+    p = Profile.load(SEED)
+    assert cli.main(["simulate", "--profile", str(SEED), "--mixed-prefill-quantum", "auto", "--num-requests", "4",
+                     "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    q = int(err.split("mixed_prefill_quantum=auto -> ")[1].split(":")[0])
+    costs = {c: p.prefill_per_token(c) for c in power_of_two_divisors(4096)}
+    best = min(costs.values())
+    assert costs[q] <= best * 1.05 and all(costs[c] > best * 1.05 for c in costs if c < q)
+
+
+def test_cancelled_probe_sessions_get_no_usage_like_the_bench_client():
+    w = Workload(kind="probe", sessions=2, prompt_words=8, session_tokens=500, probe_words=64, max_tokens=3, probe_delay=0.2)
+    run = simulate(prof(), SchedulerConfig("batched", 4), w)
+    sessions = [s for s in run["samples"] if s["tag"] == "session"]
+    assert len(sessions) == 2
+    assert all(s["completion_tokens"] is None and s["finish_reason"] == "client_cancel" and s["chunks"] for s in sessions)
+    assert run["metrics"]["client"]["output_tokens"] == 3  # the probe's, from its usage

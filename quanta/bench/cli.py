@@ -166,7 +166,7 @@ def _run(args, parser, argv) -> int:
     from quanta.analysis.report import aggregate, repeat_figures
     from quanta.bench import output
     from quanta.bench.client import Target
-    from quanta.bench.runner import ServerError, discover_model, measure
+    from quanta.bench.runner import ServerError, ServerProbe, discover_model, measure
 
     w = _workload(args)
     try:
@@ -179,7 +179,10 @@ def _run(args, parser, argv) -> int:
     if args.warmup:
         measure(target, Workload(kind="burst", num_requests=args.warmup, prompt_words=w.prompt_words, max_tokens=8),
                 max_duration=args.max_duration, request_timeout=args.request_timeout, progress=False)
-    cond = {"name": name, "flags": None, "valid": True, "runs": [], "figures": []}
+    sp = ServerProbe(args.base_url)
+    applied = sp.config()  # quanta's /v1/config (None elsewhere): what the server ran, for reports and simulate --compare
+    sp.close()
+    cond = {"name": name, "flags": None, "applied": applied, "valid": True, "runs": [], "figures": []}
     for r in range(args.repeats):
         run = measure(target, w, max_duration=args.max_duration, request_timeout=args.request_timeout,
                       scrape_every=args.scrape, progress=args.progress, desc=f"{name} [{r + 1}/{args.repeats}]")

@@ -46,24 +46,34 @@ class Condition:
     extra: dict = field(default_factory=dict)
 
 
-def _pairs(spec: str) -> list[tuple[str, str]]:
+def _pairs(spec: str) -> list[tuple[str, str | None]]:
+    """``"--admit-k 1,2 --no-prefix-cache"`` -> ``[("--admit-k", "1,2"), ("--no-prefix-cache", None)]``:
+    a flag followed by another flag (or by nothing) is a switch, with value None."""
     try:
         toks = shlex.split(spec)
     except ValueError as exc:
         raise GridError(f"grid {spec!r}: {exc}") from exc
-    if len(toks) % 2:
-        raise GridError(f"grid {spec!r}: every flag needs one value (e.g. '--admit-k 1,2,4')")
-    pairs = list(zip(toks[::2], toks[1::2]))
-    seen = set()
-    for flag, value in pairs:
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(toks):
+        flag = toks[i]
         if not flag.startswith("--"):
             raise GridError(f"grid {spec!r}: expected a --flag, got {flag!r}")
+        value = toks[i + 1] if i + 1 < len(toks) and not toks[i + 1].startswith("--") else None
+        pairs.append((flag, value))
+        i += 1 if value is None else 2
+    seen = set()
+    for flag, value in pairs:
         if flag in seen:
             raise GridError(f"grid {spec!r}: {flag} was given more than once")
-        if not value or any(not v for v in value.split(",")):
+        if value is not None and (not value or any(not v for v in value.split(","))):
             raise GridError(f"grid {spec!r}: {flag} has an empty value")
         seen.add(flag)
     return pairs
+
+
+def _flat(pairs: list[tuple[str, str | None]]) -> list[str]:
+    return [x for f, v in pairs for x in ((f,) if v is None else (f, v))]
 
 
 def condition_name(pairs: list[tuple[str, str]]) -> str:
@@ -71,7 +81,7 @@ def condition_name(pairs: list[tuple[str, str]]) -> str:
     parts = []
     for flag, value in pairs:
         short = _SHORT.get(flag, flag[2:])
-        parts.append(value if short is None else f"{short}={value}")
+        parts.append(flag[2:] if value is None else value if short is None else f"{short}={value}")
     return " ".join(parts) or "default"
 
 
@@ -83,7 +93,7 @@ def expand(specs: list[str], common: str = "") -> list[Condition]:
             spec and ``common``, or two conditions with the same flags.
     """
     common_pairs = _pairs(common) if common.strip() else []
-    if any("," in v for _, v in common_pairs):
+    if any(v is not None and "," in v for _, v in common_pairs):
         raise GridError(f"--server-flags {common!r}: lists belong in --grid")
     out: list[Condition] = []
     for spec in specs:
@@ -91,9 +101,9 @@ def expand(specs: list[str], common: str = "") -> list[Condition]:
         clash = {f for f, _ in pairs} & {f for f, _ in common_pairs}
         if clash:
             raise GridError(f"{', '.join(sorted(clash))} is in both --grid {spec!r} and --server-flags")
-        for values in itertools.product(*(v.split(",") for _, v in pairs)):
+        for values in itertools.product(*([None] if v is None else v.split(",") for _, v in pairs)):
             chosen = [(f, v) for (f, _), v in zip(pairs, values)]
-            flags = [x for p in chosen + common_pairs for x in p]
+            flags = _flat(chosen + common_pairs)
             out.append(Condition(condition_name(chosen), flags))
     names = [c.name for c in out]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -39,11 +39,19 @@ def add_commands(sub, register_once) -> None:
     sim.add_argument("--profile", required=True, help="cost profile JSON (profiles/*.json or quanta profile-engine --out)")
     sim.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
     sim.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
+    from quanta.cli import _int_or_auto
+
     for flag, text in KNOB_FLAGS.items():
-        sim.add_argument(flag, type=int, help=text.replace(", or 'auto' (quanta advise's choice for the model)", ""))
+        sim.add_argument(flag, type=_int_or_auto if flag == "--mixed-prefill-quantum" else int,
+                         help=text.replace("for the model", "for the profile's cost curve and MoE shape"))
     sim.add_argument("--sweep", action="append", metavar="SPEC",
                      help="grid of scheduler flags with comma lists (as bench sweep --grid); repeatable")
     sim.add_argument("--baseline", help="sweep: condition name throughput is normalized to")
+    sim.add_argument("--compare", action="append", metavar="BENCH_JSON",
+                     help="simulate every measured condition of this quanta bench result (its flags, workload and "
+                          "prompt lengths) and report simulated vs measured figures; repeatable")
+    sim.add_argument("--also-profile", metavar="PROFILE",
+                     help="--compare: a second profile (e.g. one measured another way) to report the same comparison with")
     _workload_flags(sim)
     prof = sub.add_parser("profile-engine", help="measure the real engine's cost profile on this machine")
     register_once(prof)
@@ -53,8 +61,13 @@ def add_commands(sub, register_once) -> None:
     prof.add_argument("--chunks", default="32,128,512", help="prefill chunk sizes, comma list (default 32,128,512)")
     prof.add_argument("--positions", default="0,512", help="context positions of the prefill chunks (default 0,512)")
     prof.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
-    prof.add_argument("--decode-context", type=int, default=64, help="context of the decoding sequences (default 64)")
+    prof.add_argument("--decode-contexts", default="64,512",
+                      help="contexts of the decoding sequences, comma list: the batch sweep runs at the first, "
+                           "the largest batch at the others gives the context cost (default 64,512)")
     prof.add_argument("--repeats", type=int, default=3, help="timed repeats per point (default 3)")
+    prof.add_argument("--from-bench", action="append", metavar="BENCH_JSON",
+                      help="fit the profile to the server-trace steps of this quanta bench result instead of timing "
+                           "the executor in-process (no model is loaded); repeatable")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
@@ -65,19 +78,29 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[s
     return _simulate(args, parser, argv)
 
 
-def _sched_config(args, parser):
+def _sched_config(args, parser, profile):
     from quanta.cli import KNOB_FLAGS
     from quanta.config import SchedulerConfig
+    from quanta.moe.auto import AUTO_PLACEHOLDER
 
     knobs = {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f in KNOB_FLAGS}
     knobs = {k: v for k, v in knobs.items() if v is not None}
+    auto = knobs.get("mixed_prefill_quantum") == "auto"
+    if auto:
+        knobs["mixed_prefill_quantum"] = AUTO_PLACEHOLDER
     try:
-        return SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
+        sched = SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
     except ValueError as exc:
         parser.error(str(exc))
+    if auto:
+        from quanta.sim.auto import resolve_auto
+
+        sched, advice = resolve_auto(profile, sched)
+        print(f"mixed_prefill_quantum=auto -> {advice.quantum}: {advice.reason}", file=sys.stderr)
+    return sched
 
 
-def _sweep_configs(args, parser) -> list[tuple[str, list[str], object]]:
+def _sweep_configs(args, parser, profile) -> list[tuple[str, list[str], object]]:
     from quanta.bench.sweep import GridError, expand
 
     try:
@@ -91,7 +114,7 @@ def _sweep_configs(args, parser) -> list[tuple[str, list[str], object]]:
             ns = sub.parse_args(["--profile", args.profile, *c.flags])
         except SystemExit:
             parser.error(f"--sweep condition {c.name}: flags {' '.join(c.flags)!r} are not simulate flags")
-        out.append((c.name, c.flags, _sched_config(ns, parser)))
+        out.append((c.name, c.flags, _sched_config(ns, parser, profile)))
     return out
 
 
@@ -115,10 +138,14 @@ def _simulate(args, parser, argv) -> int:
         profile = Profile.load(args.profile)
     except ProfileError as exc:
         parser.error(f"--profile: {exc}")
+    if args.compare:
+        return _compare(args, parser, argv, profile)
+    if args.also_profile:
+        parser.error("--also-profile needs --compare")
     if args.sweep:
-        grid = _sweep_configs(args, parser)
+        grid = _sweep_configs(args, parser, profile)
     else:
-        sched = _sched_config(args, parser)
+        sched = _sched_config(args, parser, profile)
         grid = [(sched.name, None, sched)]
     kw = {k: getattr(args, k) for k in Workload.__dataclass_fields__ if k != "kind" and hasattr(args, k)}
     w = Workload(kind=args.workload, **kw)
@@ -137,4 +164,43 @@ def _simulate(args, parser, argv) -> int:
     if args.out:
         for path in output.write_outputs(doc, Path(args.out), args.title or "quanta simulate", args.plots):
             print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _compare(args, parser, argv, profile) -> int:
+    import json
+
+    from quanta.sim import compare
+    from quanta.sim.profile import Profile, ProfileError
+
+    if args.sweep:
+        parser.error("--compare replays the measured conditions; it does not take --sweep")
+    docs = []
+    for path in args.compare:
+        try:
+            docs.append((path, json.loads(Path(path).read_text(encoding="utf-8"))))
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"--compare: cannot read {path}: {exc}")
+    profiles = {args.profile: profile}
+    try:
+        rows = compare.compare(profile, docs, args.max_duration)
+        also = None
+        if args.also_profile:
+            profiles[args.also_profile] = Profile.load(args.also_profile)
+            also = (args.also_profile, compare.compare(profiles[args.also_profile], docs, args.max_duration))
+    except (compare.CompareError, ProfileError) as exc:
+        parser.error(str(exc))
+    command = "quanta " + shlex.join(argv if argv is not None else sys.argv[1:])
+    doc = compare.document(args.profile, rows, command, also)
+    print(compare.markdown_table(rows))
+    print(compare.summary_lines(doc["summary"]))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        from quanta.bench.output import write_json
+
+        write_json(doc, out.with_name(out.name + ".json"))
+        md = out.with_name(out.name + ".md")
+        md.write_text(compare.markdown(doc, profiles, args.title or "quanta simulate vs measured"), encoding="utf-8")
+        print(f"wrote {out.name}.json, {md}", file=sys.stderr)
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from quanta.engine.executor import Executor
 from quanta.engine.scheduler import StepPlan
 from quanta.sim.profile import Profile
@@ -27,12 +29,14 @@ class CostModelExecutor(Executor):
     """Same contract as :class:`~quanta.engine.executor.ModelExecutor`: one entry per
     chunk, :data:`SIM_TOKEN` for a chunk that reaches the end of its sequence
     (prompt done or a decode), else None; the step takes
-    :meth:`Profile.step_cost` seconds of the virtual ``clock``.
+    :meth:`Profile.step_cost` seconds of the virtual ``clock``, times a factor
+    drawn from ``profile.step_noise`` (seeded by ``seed``) when the profile has one.
     """
 
-    def __init__(self, profile: Profile, clock: VirtualClock) -> None:
+    def __init__(self, profile: Profile, clock: VirtualClock, seed: int = 0) -> None:
         self.profile, self.clock = profile, clock
         self.num_calls = 0
+        self.rng = random.Random(seed)
 
     def cost(self, plan: StepPlan) -> float:
         """Predicted seconds of ``plan`` (sequences not yet advanced)."""
@@ -41,6 +45,7 @@ class CostModelExecutor(Executor):
         return self.profile.step_cost(prefill, decode)
 
     def execute(self, plan: StepPlan) -> list[int | None]:
-        self.clock.t += self.cost(plan)
+        noise = self.rng.choice(self.profile.step_noise) if self.profile.step_noise else 1.0
+        self.clock.t += self.cost(plan) * noise
         self.num_calls += 1
         return [SIM_TOKEN if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None for c in plan.chunks]

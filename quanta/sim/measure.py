@@ -5,7 +5,10 @@ Each point times :meth:`ModelExecutor.execute` on a hand-built
 untimed warm-up call, ``repeats`` times; the median is the profile value and
 ``spread`` keeps ``[min, median, max]`` of every point.
 
-- decode: a step of ``B`` sequences at context ``decode_context`` for each batch size.
+- decode: a step of ``B`` sequences at context ``decode_contexts[0]`` for each
+  batch size; the largest batch at each further context gives the decode
+  context coefficient (extra seconds per step per context position summed over
+  the batch, mean over the contexts, clamped at 0).
 - fixed per-call overhead: the intercept of a least-squares line through the
   decode medians against B (clamped to [0, smallest decode step]); it is
   subtracted from every point, so ``step_cost``'s additive rule counts it once
@@ -14,6 +17,9 @@ untimed warm-up call, ``repeats`` times; the median is the profile value and
   chunk size ``n``; the same chunk at each larger position gives the context
   coefficient (extra seconds per token per position, mean over the points,
   clamped at 0).
+- Each point is stored net of the context term the cost model adds back
+  (decode: ``B * context``; prefill at position 0: ``n (n - 1) / 2``), so
+  :meth:`Profile.step_cost` of a measured plan reproduces its median.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.scheduler import ScheduledChunk, StepPlan
@@ -57,19 +64,36 @@ def _time(executor, make_plan, repeats: int) -> list[float]:
     return out
 
 
-def measure(loaded, chunks: list[int], positions: list[int], batches: list[int], decode_context: int, repeats: int,
-            say=print) -> Profile:
+def _decode_plan(batch: int, context: int) -> StepPlan:
+    return StepPlan([ScheduledChunk(_seq(i, context, context, 1), 1) for i in range(batch)])
+
+
+def measure(loaded, chunks: list[int], positions: list[int], batches: list[int], decode_contexts: list[int],
+            repeats: int, say=print) -> Profile:
+    """Time the real executor on hand-built plans and fit a :class:`Profile` (module docstring).
+
+    Sizes in tokens; ``decode_contexts[0]`` is the context of the batch sweep.
+    """
     from quanta.engine.executor import ModelExecutor
 
-    max_len = max(max(positions) + max(chunks), decode_context + 2) + 1
+    ctx0 = decode_contexts[0]
+    max_len = max(max(positions) + max(chunks), max(decode_contexts) + 2) + 1
     ex = ModelExecutor(loaded.model, max(batches), max_len)
     spread: dict = {"decode": {}, "prefill": {}}
     dec = {}
     for b in batches:
-        ts = _time(ex, lambda b=b: StepPlan([ScheduledChunk(_seq(i, decode_context, decode_context, 1), 1) for i in range(b)]), repeats)
+        ts = _time(ex, lambda b=b: _decode_plan(b, ctx0), repeats)
         dec[b] = statistics.median(ts)
         spread["decode"][str(b)] = [min(ts), dec[b], max(ts)]
         say(f"decode batch {b}: {dec[b] * 1e3:.2f} ms/step (min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
+    bmax, dec_coefs = max(batches), []
+    for c in decode_contexts[1:]:
+        ts = _time(ex, lambda c=c: _decode_plan(bmax, c), repeats)
+        t = statistics.median(ts)
+        spread["decode"][f"{bmax}@{c}"] = [min(ts), t, max(ts)]
+        dec_coefs.append(max(0.0, (t - dec[bmax]) / (bmax * (c - ctx0))))
+        say(f"decode batch {bmax} at context {c}: {t * 1e3:.2f} ms/step")
+    decode_ctx = statistics.mean(dec_coefs) if dec_coefs else 0.0
     if len(batches) > 1:
         mx, my = statistics.mean(batches), statistics.mean(dec.values())
         slope = sum((x - mx) * (dec[x] - my) for x in batches) / sum((x - mx) ** 2 for x in batches)
@@ -85,8 +109,9 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
             spread["prefill"][f"{n}@{pos}"] = [min(ts), pre[n, pos], max(ts)]
             say(f"prefill chunk {n} at position {pos}: {pre[n, pos] / n * 1e3:.3f} ms/token")
     p0 = positions[0]
-    points = [(float(n), max(pre[n, p0] - overhead, 0.0) / n) for n in chunks]
     coefs = [max(0.0, (pre[n, pos] - pre[n, p0]) / (n * (pos - p0))) for n in chunks for pos in positions if pos > p0]
+    prefill_ctx = statistics.mean(coefs) if coefs else 0.0
+    points = [(float(n), max(pre[n, p0] - overhead - prefill_ctx * n * (p0 + (n - 1) / 2), 0.0) / n) for n in chunks]
     meta = {
         "name": f"engine_{loaded.config.model_type if hasattr(loaded.config, 'model_type') else 'model'}",
         "source": ("measured by quanta profile-engine on this machine: ModelExecutor.execute on hand-built plans, "
@@ -94,13 +119,13 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": _machine(), "model": str(getattr(loaded, "name", "") or "embedded SmolLM2-135M-Instruct"),
         "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
-        "measured": {"chunks": chunks, "positions": positions, "batches": batches, "decode_context": decode_context,
+        "measured": {"chunks": chunks, "positions": positions, "batches": batches, "decode_contexts": decode_contexts,
                      "repeats": repeats},
         "spread": spread,
     }
-    return Profile(prefill_points=points, decode_points=[(float(b), dec[b] - overhead) for b in batches],
-                   overhead_s=overhead, prefill_ctx=statistics.mean(coefs) if coefs else 0.0,
-                   decode_ctx=0.0, mixed_decode_factor=1.0, meta=meta)
+    decode_points = [(float(b), max(dec[b] - overhead - decode_ctx * b * ctx0, 0.0)) for b in batches]
+    return Profile(prefill_points=points, decode_points=decode_points, overhead_s=overhead, prefill_ctx=prefill_ctx,
+                   decode_ctx=decode_ctx, mixed_decode_factor=1.0, meta=meta)
 
 
 def _machine() -> dict:
@@ -110,18 +135,54 @@ def _machine() -> dict:
 
 
 def profile_engine_cli(args, parser) -> int:
+    if args.from_bench:
+        return _from_bench(args, parser)
     from quanta.launch import load_model, resolve_dtype
 
     chunks = _ints(args.chunks, "--chunks", parser)
     positions = _ints(args.positions, "--positions", parser)
     batches = _ints(args.batches, "--batches", parser)
-    if args.repeats < 1 or args.decode_context < 1:
-        parser.error("--repeats and --decode-context must be positive integers")
+    contexts = _ints(args.decode_contexts, "--decode-contexts", parser)
+    if args.repeats < 1:
+        parser.error("--repeats must be a positive integer")
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype) if args.dtype else None
     loaded = load_model(args.model, resolve_dtype(dtype))
-    prof = measure(loaded, chunks, positions, batches, args.decode_context, args.repeats)
+    prof = measure(loaded, chunks, positions, batches, contexts, args.repeats)
     assert prof.to_dict()["format"] == FORMAT
     prof.validate()
     prof.save(args.out)
     print(f"wrote {args.out}")
+    return 0
+
+
+def _from_bench(args, parser) -> int:
+    import json
+
+    from quanta.sim.fit import FitError, fit
+
+    traces, applied, machine = [], {}, {}
+    for path in args.from_bench:
+        try:
+            doc = json.loads(open(path, encoding="utf-8").read())
+            conds = [c for c in doc["conditions"] if c.get("valid", True)]
+            traces += [r["trace"] for c in conds for r in c["runs"] if r.get("trace")]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--from-bench: {path} is not a readable quanta bench result: {exc}")
+        applied = applied or next((c.get("applied") for c in conds if c.get("applied")), None) or {}
+        machine = machine or doc.get("machine", {})
+    if not traces:
+        parser.error("--from-bench: the results hold no server trace (was the server quanta?)")
+    meta = {"name": Path(args.out).stem,
+            "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
+                       + ", ".join(args.from_bench) + " (quanta.sim.fit: decode least squares, prefill bins, residual quantiles)"),
+            "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
+    try:
+        prof = fit(traces, meta)
+    except FitError as exc:
+        parser.error(f"--from-bench: {exc}")
+    prof.validate()
+    prof.save(args.out)
+    f = prof.meta["fit"]
+    print(f"fitted {f['steps']} steps ({f['decode_steps']} decode, {f['prefill_steps']} prefill, {f['mixed_steps']} fused) "
+          f"of {len(traces)} runs; wrote {args.out}")
     return 0

@@ -18,6 +18,8 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
         "context_s_per_pos": 0.0                 # extra s per step per context position summed over the batch
       },
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
+      "step_noise": {"factors": [...], "source": "..."},  # optional: each simulated step's cost is
+                                                 # multiplied by a factor drawn uniformly from this list
       "scheduler": {...},                        # knobs of the measured server (informative)
       "published": [...], "assumed": [...],      # which keys are published / assumed (shipped profiles)
       "spread": {...}                            # optional: measured spread (profile engine)
@@ -55,6 +57,10 @@ class Profile:
     mixed_decode_factor: float = 1.0
     moe: dict | None = None
     meta: dict = field(default_factory=dict)
+    #: multiplicative step-time factors (e.g. the quantiles of measured / predicted step time), drawn uniformly
+    #: per simulated step with the run's seed; None: every step takes exactly its predicted time
+    step_noise: list[float] | None = None
+    step_noise_source: str = ""
 
     # ------------------------------------------------------------------ JSON
     @classmethod
@@ -72,7 +78,10 @@ class Profile:
                 decode_ctx=float(dec.get("context_s_per_pos", 0.0)),
                 mixed_decode_factor=float(d.get("mixed_decode_factor", 1.0)),
                 moe=pre.get("moe"),
-                meta={k: v for k, v in d.items() if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor")},
+                meta={k: v for k, v in d.items()
+                      if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor", "step_noise")},
+                step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
+                step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed cost profile: {exc!r}") from exc
@@ -94,6 +103,8 @@ class Profile:
             raise ProfileError("prefill.axis tokens_per_expert needs prefill.moe with num_experts and top_k")
         if self.overhead_s < 0 or self.prefill_ctx < 0 or self.decode_ctx < 0 or not 0 <= self.mixed_decode_factor:
             raise ProfileError("overhead_s, context coefficients and mixed_decode_factor must be >= 0")
+        if self.step_noise is not None and (not self.step_noise or any(not (f > 0 and math.isfinite(f)) for f in self.step_noise)):
+            raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
 
     def to_dict(self) -> dict:
         pre = {"axis": self.prefill_axis, "points": [list(p) for p in self.prefill_points],
@@ -103,6 +114,8 @@ class Profile:
         d = {"format": FORMAT, **{k: v for k, v in self.meta.items()}, "overhead_s": self.overhead_s,
              "prefill": pre, "decode": {"points": [list(p) for p in self.decode_points], "context_s_per_pos": self.decode_ctx},
              "mixed_decode_factor": self.mixed_decode_factor}
+        if self.step_noise:
+            d["step_noise"] = {"factors": list(self.step_noise), "source": self.step_noise_source}
         return d
 
     @classmethod

@@ -10,7 +10,12 @@ client adds no queueing), and the engine's trace is kept as dicts, so
 function apply unchanged.
 
 Prompt lengths: ``prompt_words * tokens_per_word`` tokens (rounded, >= 1) of
-random ids from the workload's seed. Output lengths: ``max_tokens`` exactly
+random ids from the workload's seed, or, with ``prompt_lengths``, the i-th
+request's entry of that list (request ids in scheduling order, as the bench
+client numbers them; entries <= 0 and requests past the end fall back to words).
+With ``send_delays``, request i reaches the engine that many seconds after its
+scheduled time (e.g. the bench client's measured ``sent - scheduled``: a burst's
+requests arrive spread over some milliseconds, not at one instant). Output lengths: ``max_tokens`` exactly
 (the simulated tokens are never EOS, like ``--ignore-eos``), or, with
 ``output_lengths``, replayed from that list (cycled).
 """
@@ -50,13 +55,16 @@ class Simulation:
 
     def __init__(self, profile: Profile, sched: SchedulerConfig, w: Workload, *, tokens_per_word: float = 1.0,
                  max_duration: float = 3600.0, output_lengths: list[int] | None = None,
-                 executor=None, clock=None, prefix_cache: bool = False) -> None:
+                 executor=None, clock=None, prefix_cache: bool = False,
+                 prompt_lengths: list[int] | None = None, send_delays: list[float] | None = None) -> None:
         self.profile, self.sched, self.w = profile, sched, w
         self.tpw, self.max_duration = tokens_per_word, max_duration
         self.output_lengths = output_lengths
+        self.prompt_lengths = prompt_lengths or []
+        self.send_delays = send_delays or []
         self.rng = random.Random(w.seed)
         self.clock = clock or VirtualClock()
-        self.executor = executor or CostModelExecutor(profile, self.clock)
+        self.executor = executor or CostModelExecutor(profile, self.clock, seed=w.seed)
         scheduler = sched.build()
         if prefix_cache:
             scheduler.enable_prefix_cache()
@@ -69,7 +77,10 @@ class Simulation:
         self._hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ helpers
-    def tokens(self, words: int) -> int:
+    def tokens(self, words: int, request_id: int | None = None) -> int:
+        """Prompt tokens of request ``request_id`` given its size in words."""
+        if request_id is not None and request_id < len(self.prompt_lengths) and self.prompt_lengths[request_id] > 0:
+            return self.prompt_lengths[request_id]
         return max(1, round(words * self.tpw))
 
     def schedule(self, t: float, words: int, max_tokens: int, tag: str = "", on_done=None) -> _Req:
@@ -77,8 +88,9 @@ class Simulation:
             max_tokens = next(self._outlen)
         s = RequestSample(id=len(self.samples), scheduled=t, tag=tag, max_tokens=max_tokens)
         self.samples.append(s)
-        r = _Req(s, self.tokens(words), max_tokens, on_done)
-        heapq.heappush(self._pending, (t, next(self._order), r))
+        r = _Req(s, self.tokens(words, s.id), max_tokens, on_done)
+        delay = self.send_delays[s.id] if s.id < len(self.send_delays) else 0.0
+        heapq.heappush(self._pending, (t + max(delay, 0.0), next(self._order), r))
         return r
 
     def _submit(self, r: _Req) -> None:
@@ -91,11 +103,13 @@ class Simulation:
         self._live[seq.seq_id] = r
 
     def cancel(self, r: _Req, reason: str = "client_cancel") -> None:
-        """The client stops reading ``r`` now (the engine aborts it)."""
+        """The client stops reading ``r`` now (the engine aborts it). Like the bench client's, the
+        stream then never gets its usage chunk: token counts unknown (None), so not in throughput."""
         if r.seq_id is not None and r.seq_id in self._live:
             self.engine.abort(r.seq_id)
             self._live.pop(r.seq_id)
             r.sample.done, r.sample.finish_reason = self.clock.t, reason
+            r.sample.prompt_tokens = r.sample.completion_tokens = None
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Validation of `quanta simulate` against the real engine on this machine (issue #6).
+#   1. profile the executor in-process            (quanta profile-engine)
+#   2. calibration runs over HTTP: batched, poisson arrivals, four quanta with long prompts and two
+#      with short prompts and long outputs (decode at short and long contexts) (quanta bench sweep)
+#   3. validation runs over HTTP: the seed 002 grid (scaled) and a probe sweep (quanta bench sweep)
+#   4. fit a profile to the calibration runs' server trace (quanta profile-engine --from-bench)
+#   5. simulate every validation condition with the fitted profile, and with the in-process one,
+#      and compare with what was measured (quanta simulate --compare)
+# The calibration and validation runs share no condition and no workload.
+# Usage: bash benchmarks/sim_validation.sh [OUT_PREFIX]   (about 20 minutes on a quiet 2-core machine)
+set -euo pipefail
+OUT=${1:-benchmarks/results/sim_validation}
+Q=${QUANTA:-quanta}
+NOTE="Simulator validation run: servers run with --no-prefix-cache (the simulated engine has no prefix cache)."
+
+$Q profile-engine --out "${OUT}_profile_inprocess.json" --chunks 8,16,32,64,128,256,512,1024 --positions 0,512 \
+  --batches 1,2,4,8 --decode-contexts 64,512 --repeats 5
+$Q bench sweep --interleave --no-progress \
+  --grid "--scheduler batched --prefill-quantum 16 --mixed-prefill-quantum 16" \
+  --grid "--scheduler batched --prefill-quantum 64 --mixed-prefill-quantum 64" \
+  --grid "--scheduler batched --prefill-quantum 256 --mixed-prefill-quantum 256" \
+  --grid "--scheduler batched --prefill-quantum 1024 --mixed-prefill-quantum 1024" \
+  --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
+  --workload poisson --rate 3 --num-requests 32 --prompt-words 200 --max-tokens 48 \
+  --repeats 2 --warmup 1 --max-duration 300 \
+  --title "calibration runs for the simulator (batched, poisson arrivals)" --note "$NOTE" \
+  --out "${OUT}_calibration"
+$Q bench sweep --interleave --no-progress \
+  --grid "--scheduler batched --prefill-quantum 16 --mixed-prefill-quantum 16" \
+  --grid "--scheduler batched --prefill-quantum 256 --mixed-prefill-quantum 256" \
+  --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
+  --workload poisson --rate 3 --num-requests 32 --prompt-words 24 --max-tokens 128 \
+  --repeats 2 --warmup 1 --max-duration 300 \
+  --title "calibration runs for the simulator (batched, poisson arrivals, short prompts, long outputs)" --note "$NOTE" \
+  --out "${OUT}_calibration_short"
+$Q bench sweep --interleave --no-progress \
+  --grid "--scheduler static" --grid "--scheduler continuous --admit-k 1,2,4,8" --grid "--scheduler chunked --chunk 8,16,32" \
+  --server-flags "--max-num-seqs 8 --max-model-len 256 --no-prefix-cache" \
+  --workload burst --num-requests 32 --prompt-words 32 --max-tokens 64 \
+  --repeats 3 --warmup 2 --baseline static --max-duration 300 \
+  --title "seed 002 grid, scaled (32 requests on 8 slots), for simulator validation" --note "$NOTE" \
+  --out "${OUT}_grid"
+$Q bench sweep --interleave --no-progress \
+  --grid "--scheduler batched --mixed-prefill-quantum 32,128,512" \
+  --server-flags "--max-num-seqs 4 --max-model-len 2048 --no-prefix-cache" \
+  --workload probe --sessions 3 --prompt-words 16 --session-tokens 512 --probe-words 1024 --max-tokens 4 \
+  --repeats 3 --warmup 1 --max-duration 300 \
+  --title "probe: 3 decoding sessions + one 1024-word prompt, batched mixed quantum sweep, for simulator validation" \
+  --note "$NOTE" --out "${OUT}_probe"
+$Q profile-engine --from-bench "${OUT}_calibration.json" --from-bench "${OUT}_calibration_short.json" --out "${OUT}_profile.json"
+$Q simulate --profile "${OUT}_profile.json" --also-profile "${OUT}_profile_inprocess.json" \
+  --compare "${OUT}_grid.json" --compare "${OUT}_probe.json" \
+  --title "quanta simulate vs the real server on this machine" --out "$OUT"

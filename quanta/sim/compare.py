@@ -1,0 +1,257 @@
+"""Simulated vs measured: replay a ``quanta bench`` result on the cost model.
+
+``quanta simulate --profile P --compare BENCH.json`` takes every measured
+condition of a ``quanta bench run|sweep`` result and simulates it with the
+same scheduler configuration (parsed from the condition's ``quanta serve``
+flags by the serve parser itself), the same workload, and, for repeat ``r``,
+the prompt lengths the server reported (``usage.prompt_tokens``) and the send
+delays the client recorded (``sent - scheduled``) for the requests of measured
+repeat ``r``, in request order. It then reports, per
+condition, the measured median (IQR over repeats) and the simulated median of
+each figure and the relative error ``(simulated - measured) / measured``.
+
+Figures: server-trace ITL p50 and p99 (seconds), throughput (output tok/s,
+first scheduled send to last response end) and trace prefill rate (prompt
+tok/s over the union of steps that carry prefill); the step counts (prefill
+calls, decode steps, mixed steps) are reported beside them to show whether
+the simulated schedule is the measured one.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+from quanta.analysis.report import aggregate, repeat_figures
+from quanta.bench.workloads import Workload
+from quanta.config import SchedulerConfig
+from quanta.sim.profile import Profile
+from quanta.sim.run import Simulation
+
+#: (key, column header, display scale) of the compared figures
+FIGURES = [("itl_p50", "ITL p50 ms", 1e3), ("itl_p99", "ITL p99 ms", 1e3),
+           ("throughput", "throughput tok/s", 1.0), ("prefill_rate", "prefill rate tok/s", 1.0)]
+STEPS = ("prefill_calls", "decode_steps", "mixed_steps")
+
+
+class CompareError(ValueError):
+    """A bench result that cannot be replayed (not a bench document, no measured condition)."""
+
+
+def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConfig:
+    """The :class:`SchedulerConfig` ``quanta serve FLAGS`` would run; ``--mixed-prefill-quantum auto``
+    takes the value the server reported applying (``applied``, from its ``/v1/config``).
+
+    Raises:
+        CompareError: flags ``quanta serve`` rejects, or ``auto`` without an applied value.
+    """
+    import contextlib
+    import dataclasses
+    import io
+
+    from quanta.cli import build_parser, configs_from_args
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = build_parser().parse_args(["serve", *flags])
+        sched = configs_from_args(args)[1]
+    except (SystemExit, ValueError) as exc:
+        raise CompareError(f"serve flags {' '.join(flags)!r} cannot be parsed: {exc}") from exc
+    if args.mixed_prefill_quantum == "auto":
+        value = (applied or {}).get("mixed_prefill_quantum")
+        if not isinstance(value, int):
+            raise CompareError(f"serve flags {' '.join(flags)!r}: 'auto' and the server reported no applied mixed_prefill_quantum")
+        sched = dataclasses.replace(sched, knobs={**sched.knobs, "mixed_prefill_quantum": value})
+    return sched
+
+
+def trace_prompt_lengths(records: list[dict]) -> list[int]:
+    """Prompt tokens of every sequence whose prefill the trace holds (tokens computed up to its first
+    emitted token), in order of first appearance."""
+    computed: dict[int, int] = {}
+    done: set[int] = set()
+    order: list[int] = []
+    for r in sorted(records, key=lambda r: r["step"]):
+        for sid, n, e in zip(r["seq_ids"], r["num_new_tokens"], r.get("num_emitted") or [0] * len(r["seq_ids"])):
+            if sid in done:
+                continue
+            if sid not in computed:
+                order.append(sid)
+            computed[sid] = computed.get(sid, 0) + n
+            if e:
+                done.add(sid)
+    return [computed[sid] for sid in order if sid in done]
+
+
+def prompt_lengths(run: dict) -> list[int]:
+    """Prompt tokens per request of one measured repeat, in request-id order.
+
+    From the request's usage; a request without usage (a stream the client cancelled never gets it)
+    takes, in send order, the prompt lengths the server trace shows that no request with usage
+    accounts for (equal lengths are interchangeable); 0 (the workload's word count) when none is left.
+    """
+    samples = sorted(run["samples"], key=lambda s: s["id"])
+    spare = trace_prompt_lengths(run.get("trace") or [])
+    for s in samples:
+        if s.get("prompt_tokens") and s["prompt_tokens"] in spare:
+            spare.remove(s["prompt_tokens"])
+    unknown = sorted((s for s in samples if not s.get("prompt_tokens")), key=lambda s: (s.get("sent") is None, s.get("sent") or 0))
+    fill = {s["id"]: spare[i] for i, s in enumerate(unknown) if i < len(spare)}
+    return [int(s.get("prompt_tokens") or fill.get(s["id"], 0)) for s in samples]
+
+
+def send_delays(run: dict) -> list[float]:
+    """Seconds from scheduled to sent per request of one measured repeat, in request-id order (0 where unsent)."""
+    return [max(0.0, s["sent"] - s["scheduled"]) if s.get("sent") is not None else 0.0
+            for s in sorted(run["samples"], key=lambda s: s["id"])]
+
+
+def applied_config(applied: dict | None) -> SchedulerConfig:
+    """The :class:`SchedulerConfig` a quanta server reported running (``/v1/config``, as ``quanta bench run``
+    records it).
+
+    Raises:
+        CompareError: no applied config (the server was not quanta) or one quanta cannot build.
+    """
+    from quanta.engine.policies import POLICIES
+
+    if not applied or applied.get("scheduler") not in POLICIES:
+        raise CompareError("the condition has neither serve flags nor the server's applied config "
+                           "(a server other than quanta): its scheduler is unknown")
+    knobs = {k: applied[k] for k in POLICIES[applied["scheduler"]][1] if k in applied}
+    try:
+        return SchedulerConfig(applied["scheduler"], int(applied["max_num_seqs"]), knobs)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CompareError(f"the server's applied config cannot be simulated: {exc}") from exc
+
+
+def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_duration: float) -> list[dict]:
+    """One simulated run per measured repeat of ``cond`` (same seed offset and prompt lengths); the scheduler
+    from the condition's serve flags (``bench sweep``) or else the server's applied config (``bench run``)."""
+    flags = cond.get("flags")
+    sched = sched_config(flags, cond.get("applied")) if flags else applied_config(cond.get("applied"))
+    runs = []
+    for r, measured in enumerate(cond["runs"]):
+        w = replace(workload, seed=workload.seed + r)
+        runs.append(Simulation(profile, sched, w, prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
+                               max_duration=max_duration).run())
+    return runs
+
+
+def rel_error(simulated: float, measured: float) -> float:
+    """``(simulated - measured) / measured``; NaN when either is missing or measured is 0."""
+    if measured is None or simulated is None or measured == 0 or math.isnan(measured) or math.isnan(simulated):
+        return math.nan
+    return (simulated - measured) / measured
+
+
+def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float = 3600.0) -> list[dict]:
+    """Rows of simulated vs measured figures for every measured condition of ``docs``
+    (``(source path, bench result document)`` pairs).
+
+    Raises:
+        CompareError: a document that is not a bench result or has no measured condition.
+    """
+    rows = []
+    for path, doc in docs:
+        if "conditions" not in doc or "workload" not in doc:
+            raise CompareError(f"{path}: not a quanta bench result (no conditions/workload)")
+        try:
+            w = Workload(**doc["workload"])
+        except TypeError as exc:
+            raise CompareError(f"{path}: workload {doc['workload']!r} is not one quanta bench knows: {exc}") from exc
+        measured_conds = [c for c in doc["conditions"] if c.get("valid", True) and c.get("runs")]
+        if not measured_conds:
+            raise CompareError(f"{path}: no measured condition to compare")
+        for cond in measured_conds:
+            runs = simulate_condition(profile, cond, w, max_duration)
+            measured = cond.get("figures") or [repeat_figures(r["metrics"]) for r in cond["runs"]]
+            rows.append(row(path, cond["name"], cond["flags"], w, measured, [repeat_figures(r["metrics"]) for r in runs]))
+    return rows
+
+
+def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: list[dict], simulated: list[dict]) -> dict:
+    """One comparison row from per-repeat figures (:func:`repeat_figures`) of both sides:
+    ``measured`` / ``simulated`` hold ``(median, p25, p75)`` per figure, ``rel_error`` the error of the medians."""
+    keys = [k for k, _, _ in FIGURES] + list(STEPS)
+    meas, sim = aggregate(measured), aggregate(simulated)
+    return {"source": source, "condition": name, "flags": flags, "workload": w.describe(),
+            "measured": {k: meas.get(k) for k in keys}, "simulated": {k: sim.get(k) for k in keys},
+            "rel_error": {k: rel_error(sim[k][0], meas[k][0]) for k, _, _ in FIGURES}}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median absolute relative error over all figures and per figure (NaNs left out)."""
+    def med(vals):
+        vals = [abs(v) for v in vals if not math.isnan(v)]
+        return statistics.median(vals) if vals else math.nan
+
+    return {"all": med([r["rel_error"][k] for r in rows for k, _, _ in FIGURES]),
+            **{k: med([r["rel_error"][k] for r in rows]) for k, _, _ in FIGURES}}
+
+
+def _cell(row: dict, key: str, scale: float) -> str:
+    m, lo, hi = row["measured"][key]
+    s = row["simulated"][key][0]
+    return f"{s * scale:.1f} / {m * scale:.1f} ({lo * scale:.1f}-{hi * scale:.1f}) {row['rel_error'][key]:+.0%}"
+
+
+def _steps(row: dict, which: str) -> str:
+    return "/".join(f"{row[which][k][0]:g}" for k in STEPS)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per condition: simulated / measured median (IQR) and the relative error of each figure."""
+    head = "| condition | " + " | ".join(f"{h}: sim / meas (IQR) err" for _, h, _ in FIGURES) + " | steps p/d/m sim vs meas |"
+    lines = [head, "|---|" + "---|" * (len(FIGURES) + 1)]
+    for r in rows:
+        cells = [_cell(r, k, s) for k, _, s in FIGURES]
+        lines.append(f"| {r['condition']} | " + " | ".join(cells) + f" | {_steps(r, 'simulated')} vs {_steps(r, 'measured')} |")
+    return "\n".join(lines)
+
+
+def summary_lines(summ: dict) -> str:
+    per = ", ".join(f"{h} {summ[k]:.0%}" for k, h, _ in FIGURES)
+    return f"Median absolute relative error: **{summ['all']:.0%}** over all figures; per figure: {per}."
+
+
+def _profile_line(label: str, path: str, p: Profile) -> str:
+    dec = ", ".join(f"B={b:g} {t * 1e3:.1f} ms" for b, t in p.decode_points)
+    pre = ", ".join(f"{n:g}: {t * 1e3:.2f}" for n, t in p.prefill_points)
+    return (f"- {label} `{path}` ({p.meta.get('created', 'undated')}): overhead {p.overhead_s * 1e3:.1f} ms/call; decode "
+            f"step net of overhead {dec}; prefill ms/token by chunk {pre}; context {p.prefill_ctx * 1e9:.1f} ns/token/pos "
+            f"(prefill), {p.decode_ctx * 1e9:.1f} ns/pos (decode)")
+
+
+def document(profile_path: str, rows: list[dict], command: str, also: tuple[str, list[dict]] | None = None) -> dict:
+    """The comparison result (written as ``PREFIX.json``)."""
+    from quanta.bench.output import code_version, machine
+    from datetime import datetime, timezone
+
+    doc = {"kind": "sim-compare", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "code": code_version(), "command": command, "profile": profile_path,
+           "rows": rows, "summary": summary(rows)}
+    if also:
+        doc["also_profile"], doc["also_rows"], doc["also_summary"] = also[0], also[1], summary(also[1])
+    return doc
+
+
+def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:
+    """The report: how it was made, the table, the error summary (and the same with the second profile)."""
+    sources = sorted({r["source"] for r in doc["rows"]})
+    out = [f"# {title}", "", f"- date: {doc['created']}", f"- machine: {doc['machine']['cpu']}, "
+           f"{doc['machine']['logical_cores']} logical cores, Python {doc['machine']['python']}",
+           f"- command: `{doc['command']}`", f"- code: quanta {doc['code']}",
+           "- measured: " + ", ".join(f"`{s}`" for s in sources) + " (quanta bench over HTTP; each row's workload is "
+           "that file's; server-trace figures, median over repeats with the IQR)",
+           _profile_line("profile", doc["profile"], profiles[doc["profile"]])]
+    if "also_profile" in doc:
+        out.append(_profile_line("second profile", doc["also_profile"], profiles[doc["also_profile"]]))
+    out += ["", "Each cell: simulated / measured median (measured IQR) relative error. Steps: prefill calls / decode "
+            "steps / mixed steps (median over repeats), simulated vs measured.", "", markdown_table(doc["rows"]), "",
+            summary_lines(doc["summary"])]
+    if "also_profile" in doc:
+        out += ["", f"With the second profile (`{doc['also_profile']}`):", "",
+                markdown_table(doc["also_rows"]), "", summary_lines(doc["also_summary"])]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,154 @@
+"""``quanta simulate --compare``: replaying a bench result on the cost model.
+
+The "measured" documents here are themselves simulated (with a known profile),
+so the expected errors are known exactly: replaying with the same profile
+gives zero error and the same schedule; a profile with every cost doubled
+gives +100% ITL and -50% rates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from quanta import cli
+from quanta.bench import output
+from quanta.bench.workloads import Workload
+from quanta.sim import Profile
+from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, sched_config, summary
+from quanta.sim.run import Simulation, condition
+
+
+def prof(scale: float = 1.0) -> Profile:
+    return Profile(prefill_points=[(8, 3e-3 * scale), (256, 1e-3 * scale)], decode_points=[(1, 0.03 * scale), (8, 0.04 * scale)],
+                   overhead_s=0.005 * scale, prefill_ctx=1e-7 * scale, decode_ctx=1e-6 * scale)
+
+
+GRID = [["--scheduler", "static", "--max-num-seqs", "4"],
+        ["--scheduler", "continuous", "--admit-k", "2", "--max-num-seqs", "4"],
+        ["--scheduler", "chunked", "--chunk", "8", "--max-num-seqs", "4"],
+        ["--scheduler", "batched", "--mixed-prefill-quantum", "16", "--max-num-seqs", "4"]]
+
+
+def bench_doc(profile: Profile, w: Workload, repeats: int = 2) -> dict:
+    """A bench-shaped result whose runs were produced by the simulator with ``profile``,
+    with prompt lengths that differ per request (as a tokenizer's would)."""
+    conds = []
+    for flags in GRID:
+        runs = []
+        for r in range(repeats):
+            lengths = [20 + (7 * i + r) % 13 for i in range(w.total_requests())]
+            runs.append(Simulation(profile, sched_config(flags), replace(w, seed=w.seed + r), prompt_lengths=lengths).run())
+        conds.append(condition(" ".join(flags[:4]), runs, flags))
+    return output.document("sweep", "test", w, repeats, conds, None)
+
+
+BURST = Workload(kind="burst", num_requests=10, prompt_words=24, max_tokens=12)
+
+
+def test_scheduler_config_comes_from_the_serve_parser():
+    s = sched_config(["--scheduler", "chunked", "--chunk", "16", "--max-num-seqs", "4", "--max-model-len", "256"])
+    assert (s.name, s.max_num_seqs, s.knobs["chunk"]) == ("chunked", 4, 16)
+    assert sched_config([]).name == "batched"  # serve's default
+    with pytest.raises(CompareError, match="cannot be parsed"):
+        sched_config(["--scheduler", "static", "--chunk", "8"])
+
+
+def test_prompt_lengths_are_replayed_by_request_id_and_fall_back_to_words():
+    run = Simulation(prof(), sched_config([]), Workload(num_requests=4, prompt_words=10, max_tokens=2),
+                     prompt_lengths=[5, 0, 9]).run()
+    assert [s["prompt_tokens"] for s in run["samples"]] == [5, 10, 9, 10]
+
+
+@pytest.mark.parametrize("w", [BURST, Workload(kind="probe", sessions=2, prompt_words=8, session_tokens=200,
+                                                 probe_words=300, max_tokens=2, probe_delay=0.2)])
+def test_replaying_with_the_measuring_profile_gives_zero_error_and_the_same_schedule(w):
+    rows = compare(prof(), [("m.json", bench_doc(prof(), w))])
+    assert len(rows) == len(GRID)
+    for r in rows:
+        for k, _, _ in FIGURES:
+            assert r["rel_error"][k] == pytest.approx(0.0, abs=1e-9), (r["condition"], k)
+        assert [r["simulated"][k] for k in STEPS] == [r["measured"][k] for k in STEPS]
+    assert summary(rows)["all"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_profile_twice_as_slow_doubles_itl_and_halves_the_rates():
+    rows = compare(prof(2.0), [("m.json", bench_doc(prof(), BURST))])
+    for r in rows:
+        assert r["rel_error"]["itl_p50"] == pytest.approx(1.0, rel=1e-6)
+        assert r["rel_error"]["itl_p99"] == pytest.approx(1.0, rel=1e-6)
+        assert r["rel_error"]["throughput"] == pytest.approx(-0.5, rel=1e-6)
+        assert r["rel_error"]["prefill_rate"] == pytest.approx(-0.5, rel=1e-6)
+    s = summary(rows)
+    assert s["itl_p50"] == pytest.approx(1.0) and s["throughput"] == pytest.approx(0.5)
+
+
+def test_documents_that_are_not_bench_results_are_refused():
+    with pytest.raises(CompareError, match="not a quanta bench result"):
+        compare(prof(), [("x.json", {"kind": "sim-compare"})])
+    doc = bench_doc(prof(), BURST, repeats=1)
+    for c in doc["conditions"]:
+        c["valid"] = False
+    with pytest.raises(CompareError, match="no measured condition"):
+        compare(prof(), [("x.json", doc)])
+
+
+def test_cli_writes_the_comparison_report_with_a_second_profile(tmp_path, capsys):
+    measured, p1, p2 = tmp_path / "m.json", tmp_path / "p1.json", tmp_path / "p2.json"
+    output.write_json(bench_doc(prof(), BURST), measured)
+    prof().save(p1)
+    prof(2.0).save(p2)
+    prefix = tmp_path / "cmp"
+    assert cli.main(["simulate", "--profile", str(p1), "--compare", str(measured), "--also-profile", str(p2),
+                     "--out", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| condition | ITL p50 ms") and "Median absolute relative error: **0%**" in out
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    assert doc["kind"] == "sim-compare" and len(doc["rows"]) == len(GRID) == len(doc["also_rows"])
+    assert doc["summary"]["all"] == pytest.approx(0.0, abs=1e-4)  # the JSON rounds times to microseconds
+    assert doc["also_summary"]["itl_p99"] == pytest.approx(1.0, rel=1e-3)
+    md = prefix.with_suffix(".md").read_text()
+    assert "second profile" in md and md.count("| --scheduler static") == 2 and "+100%" in md
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--compare", "/nonexistent.json"], "cannot read /nonexistent.json"),
+    (["--also-profile", "p.json"], "--also-profile needs --compare"),
+    (["--compare", "{m}", "--sweep", "--scheduler static"], "does not take --sweep"),
+    (["--compare", "{p}"], "not a quanta bench result"),
+])
+def test_cli_rejects_bad_compare_input(tmp_path, capsys, extra, message):
+    measured, p1 = tmp_path / "m.json", tmp_path / "p1.json"
+    output.write_json(bench_doc(prof(), BURST, repeats=1), measured)
+    prof().save(p1)
+    argv = ["simulate", "--profile", str(p1), *[a.format(m=measured, p=p1) for a in extra]]
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+
+def test_auto_quantum_of_a_bench_condition_is_the_value_the_server_applied():
+    flags = ["--scheduler", "batched", "--mixed-prefill-quantum", "auto"]
+    assert sched_config(flags, {"mixed_prefill_quantum": 64}).knobs["mixed_prefill_quantum"] == 64
+    with pytest.raises(CompareError, match="no applied mixed_prefill_quantum"):
+        sched_config(flags, {})
+
+
+def test_a_bench_run_condition_is_simulated_from_the_config_the_server_reported():
+    doc = bench_doc(prof(), BURST, repeats=1)
+    doc["conditions"] = doc["conditions"][2:3]  # chunked C=8 on 4 slots
+    cond = doc["conditions"][0]
+    cond["flags"] = None  # as quanta bench run records it
+    cond["applied"] = {"model": "m", "dtype": "bfloat16", "scheduler": "chunked", "max_num_seqs": 4, "chunk": 8,
+                       "admit_k": 1, "prefill_cap": 4096, "prefix_cache": False}
+    (r,) = compare(prof(), [("run.json", doc)])
+    assert r["rel_error"]["itl_p99"] == pytest.approx(0.0, abs=1e-9)
+    cond["applied"] = None  # another server: no /v1/config
+    with pytest.raises(CompareError, match="scheduler is unknown"):
+        compare(prof(), [("run.json", doc)])
+    doc["workload"]["bogus"] = 1
+    with pytest.raises(CompareError, match="not one quanta bench knows"):
+        compare(prof(), [("run.json", doc)])

@@ -1,0 +1,120 @@
+"""Fitting a cost profile to a server's step trace (``quanta profile-engine --from-bench``).
+
+The traces here come from the simulator run with a known profile, so the fitted
+profile's predictions can be checked against the true step costs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from quanta import cli
+from quanta.bench import output
+from quanta.bench.workloads import Workload
+from quanta.config import SchedulerConfig
+from quanta.sim import Profile
+from quanta.sim.fit import FitError, fit, steps_from_trace
+from quanta.sim.run import condition, simulate
+
+TRUE = Profile(prefill_points=[(8, 3e-3), (64, 1.5e-3), (256, 1e-3)], decode_points=[(1, 0.03), (4, 0.033), (8, 0.04)],
+               overhead_s=0.005, prefill_ctx=1e-7, decode_ctx=1e-6)
+CALIBRATION = Workload(kind="poisson", rate=6.0, num_requests=40, prompt_words=150, max_tokens=24)
+
+
+def calibration_traces(profile: Profile = TRUE) -> list[list[dict]]:
+    out = []
+    for q in (16, 64, 256):
+        sched = SchedulerConfig("batched", 8, {"prefill_quantum": q, "mixed_prefill_quantum": q})
+        out.append(simulate(profile, sched, CALIBRATION)["trace"])
+    return out
+
+
+def rec(step, seq_ids, new, emitted, t0):
+    return {"step": step, "kind": "x", "start": t0, "end": t0 + 0.01, "seq_ids": seq_ids, "num_new_tokens": new,
+            "num_emitted": emitted}
+
+
+def test_steps_are_rebuilt_with_prefill_chunks_and_decode_positions():
+    records = [rec(0, [1], [10], [1], 0.0), rec(1, [1, 2], [1, 4], [1, 0], 0.0101), rec(2, [2], [4], [1], 0.0203),
+               rec(3, [1, 2], [1, 1], [1, 1], 0.5)]
+    steps, gaps = steps_from_trace(records)
+    assert [(s.prefill, s.decode) for s in steps] == [([(0, 10)], []), ([(0, 4)], [10]), ([(4, 4)], []), ([], [11, 8])]
+    assert gaps == pytest.approx([0.0001, 0.0002])  # the step after 0.47 s idle is not back-to-back
+
+
+def test_a_fitted_profile_predicts_the_steps_it_was_fitted_to():
+    traces = calibration_traces()
+    fitted = fit(traces, {"name": "fit"})
+    errs = []
+    for records in traces:
+        steps, _ = steps_from_trace(records)
+        for s in steps:
+            errs.append(abs(fitted.step_cost(s.prefill, s.decode) / TRUE.step_cost(s.prefill, s.decode) - 1))
+    assert statistics.median(errs) < 0.02 and max(errs) < 0.2
+    assert fitted.meta["fit"]["decode_steps"] > 100 and fitted.meta["fit"]["prefill_steps"] > 30
+    assert fitted.step_noise is not None and statistics.median(fitted.step_noise) == pytest.approx(1.0, abs=0.02)
+
+
+def test_a_fitted_profile_predicts_another_workload():
+    fitted = fit(calibration_traces())
+    # inside the calibrated ranges (prefill calls up to ~150 tokens: 8 x 16 here); beyond them the
+    # per-token cost is extrapolated flat and the split of the per-call overhead starts to matter
+    burst = Workload(kind="burst", num_requests=16, prompt_words=16, max_tokens=16)
+    for sched in (SchedulerConfig("static", 8), SchedulerConfig("chunked", 8, {"chunk": 16})):
+        true_run, fit_run = simulate(TRUE, sched, burst), simulate(fitted, sched, burst)
+        for key in ("throughput",):
+            a, b = true_run["metrics"]["client"][key], fit_run["metrics"]["client"][key]
+            assert b == pytest.approx(a, rel=0.05)
+        a, b = true_run["metrics"]["trace"]["itl"]["p50"], fit_run["metrics"]["trace"]["itl"]["p50"]
+        assert b == pytest.approx(a, rel=0.05)
+
+
+def test_step_noise_is_fitted_from_the_spread_and_drawn_by_the_simulator():
+    noisy = Profile(**{**TRUE.__dict__, "step_noise": [0.9, 1.0, 1.0, 1.4]})
+    fitted = fit(calibration_traces(noisy))
+    assert min(fitted.step_noise) < 0.97 and max(fitted.step_noise) > 1.3
+    w = Workload(kind="burst", num_requests=8, prompt_words=16, max_tokens=64)
+    itl = simulate(fitted, SchedulerConfig("static", 8), w)["metrics"]["trace"]["itl"]
+    assert itl["p99"] > 1.2 * itl["p50"]  # jitter reaches the tail; without noise p99 == p50 here
+    plain = simulate(TRUE, SchedulerConfig("static", 8), w)["metrics"]["trace"]["itl"]
+    assert plain["p99"] == pytest.approx(plain["p50"], rel=0.05)
+    again = simulate(fitted, SchedulerConfig("static", 8), w)["metrics"]["trace"]["itl"]
+    assert again == itl  # deterministic given the seed
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(FitError, match="pure decode steps"):
+        fit([[rec(0, [1], [10], [1], 0.0)]])
+
+
+def bench_file(tmp_path, traces) -> str:
+    runs = [{"samples": [], "trace": t, "metrics": None} for t in traces]
+    doc = output.document("sweep", "test", CALIBRATION, 1, [{"name": "c", "flags": [], "valid": True, "runs": runs,
+                                                              "applied": {"model": "m", "dtype": "bfloat16"}}], None)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_profile_engine_from_bench_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "fitted.json"
+    assert cli.main(["profile-engine", "--from-bench", bench_file(tmp_path, calibration_traces()), "--out", str(out)]) == 0
+    assert "fitted" in capsys.readouterr().out
+    p = Profile.load(out)
+    raw = json.loads(out.read_text())
+    assert "fitted by quanta profile-engine --from-bench" in raw["source"] and raw["model"] == "m"
+    assert raw["step_noise"]["factors"] == p.step_noise and "quantiles" in raw["step_noise"]["source"]
+
+
+@pytest.mark.parametrize("content, message", [("{", "not a readable quanta bench result"),
+                                              (None, "no server trace")])
+def test_profile_engine_from_bench_rejects_bad_input(tmp_path, capsys, content, message):
+    path = bench_file(tmp_path, [])
+    if content is not None:
+        open(path, "w").write(content)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["profile-engine", "--from-bench", path, "--out", str(tmp_path / "x.json")])
+    assert info.value.code == 2 and message in capsys.readouterr().err
