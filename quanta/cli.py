@@ -60,10 +60,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
     for flag, text in KNOB_FLAGS.items():
-        p.add_argument(flag, type=_int_or_auto if flag == "--mixed-prefill-quantum" else int, help=text)
+        p.add_argument(flag, type=int_or_auto if flag == "--mixed-prefill-quantum" else int, help=text)
 
 
-def _int_or_auto(text: str) -> int | str:
+def int_or_auto(text: str) -> int | str:
     """``auto`` or an int (argparse reports anything else as an invalid value)."""
     return "auto" if text == "auto" else int(text)
 

@@ -76,8 +76,8 @@ def _flat(pairs: list[tuple[str, str | None]]) -> list[str]:
     return [x for f, v in pairs for x in ((f,) if v is None else (f, v))]
 
 
-def condition_name(pairs: list[tuple[str, str]]) -> str:
-    """``[("--scheduler", "continuous"), ("--admit-k", "4")]`` -> ``"continuous K=4"``."""
+def condition_name(pairs: list[tuple[str, str | None]]) -> str:
+    """``[("--scheduler", "continuous"), ("--admit-k", "4")]`` -> ``"continuous K=4"``; a switch reads as its name."""
     parts = []
     for flag, value in pairs:
         short = _SHORT.get(flag, flag[2:])

@@ -31,7 +31,7 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
 
 def add_commands(sub, register_once) -> None:
     """Register ``simulate`` and ``profile-engine`` on the root CLI's subparsers."""
-    from quanta.cli import KNOB_FLAGS
+    from quanta.cli import KNOB_FLAGS, int_or_auto
     from quanta.engine.policies import POLICIES
 
     sim = sub.add_parser("simulate", help="run a bench workload on the scheduler with a cost profile (virtual clock)")
@@ -39,10 +39,8 @@ def add_commands(sub, register_once) -> None:
     sim.add_argument("--profile", required=True, help="cost profile JSON (profiles/*.json or quanta profile-engine --out)")
     sim.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
     sim.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
-    from quanta.cli import _int_or_auto
-
     for flag, text in KNOB_FLAGS.items():
-        sim.add_argument(flag, type=_int_or_auto if flag == "--mixed-prefill-quantum" else int,
+        sim.add_argument(flag, type=int_or_auto if flag == "--mixed-prefill-quantum" else int,
                          help=text.replace("for the model", "for the profile's cost curve and MoE shape"))
     sim.add_argument("--sweep", action="append", metavar="SPEC",
                      help="grid of scheduler flags with comma lists (as bench sweep --grid); repeatable")

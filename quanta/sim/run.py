@@ -13,11 +13,11 @@ Prompt lengths: ``prompt_words * tokens_per_word`` tokens (rounded, >= 1) of
 random ids from the workload's seed, or, with ``prompt_lengths``, the i-th
 request's entry of that list (request ids in scheduling order, as the bench
 client numbers them; entries <= 0 and requests past the end fall back to words).
-With ``send_delays``, request i reaches the engine that many seconds after its
-scheduled time (e.g. the bench client's measured ``sent - scheduled``: a burst's
-requests arrive spread over some milliseconds, not at one instant). Output lengths: ``max_tokens`` exactly
-(the simulated tokens are never EOS, like ``--ignore-eos``), or, with
-``output_lengths``, replayed from that list (cycled).
+Output lengths: ``max_tokens`` exactly (the simulated tokens are never EOS,
+like ``--ignore-eos``), or, with ``output_lengths``, replayed from that list
+(cycled). With ``send_delays``, request i reaches the engine that many seconds
+after its scheduled time (e.g. the bench client's measured ``sent - scheduled``:
+a burst's requests arrive spread over some milliseconds, not at one instant).
 """
 
 from __future__ import annotations
