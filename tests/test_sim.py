@@ -316,3 +316,25 @@ def test_cancelled_probe_sessions_get_no_usage_like_the_bench_client():
     assert len(sessions) == 2
     assert all(s["completion_tokens"] is None and s["finish_reason"] == "client_cancel" and s["chunks"] for s in sessions)
     assert run["metrics"]["client"]["output_tokens"] == 3  # the probe's, from its usage
+
+
+def test_auto_quantum_never_comes_from_below_the_profiles_measured_range():
+    from quanta.sim.auto import resolve_auto
+
+    # cheapest per token at its first point, flat below it: 'auto' must not pick 1, 2, 4 or 8
+    p = prof(prefill_points=[(16, 1e-4), (256, 2e-3)], overhead_s=0.0)
+    sched, _ = resolve_auto(p, SchedulerConfig("batched", 4, {"mixed_prefill_quantum": 1}))
+    assert sched.knobs["mixed_prefill_quantum"] == 16
+
+
+@pytest.mark.parametrize("raw, message", [
+    ([1, 2], "not a cost profile"),
+    ({"format": "quanta-cost-profile/1", "overhead_s": float("nan"), "prefill": {"points": [[1, 1e-3]]},
+      "decode": {"points": [[1, 0.01]]}}, "finite"),
+    ({"format": "quanta-cost-profile/1", "prefill": {"points": [[1, 1e-3]], "axis": "tokens_per_expert",
+                                                     "moe": {"num_experts": "abc", "top_k": 2}},
+      "decode": {"points": [[1, 0.01]]}}, "integer num_experts"),
+])
+def test_malformed_profiles_are_refused(raw, message):
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_dict(raw)

@@ -52,8 +52,10 @@ def test_scheduler_config_comes_from_the_serve_parser():
     s = sched_config(["--scheduler", "chunked", "--chunk", "16", "--max-num-seqs", "4", "--max-model-len", "256"])
     assert (s.name, s.max_num_seqs, s.knobs["chunk"]) == ("chunked", 4, 16)
     assert sched_config([]).name == "batched"  # serve's default
-    with pytest.raises(CompareError, match="cannot be parsed"):
+    with pytest.raises(CompareError, match="--chunk does not apply"):
         sched_config(["--scheduler", "static", "--chunk", "8"])
+    with pytest.raises(CompareError, match="invalid choice: 'bogus'"):
+        sched_config(["--scheduler", "bogus"])
 
 
 def test_prompt_lengths_are_replayed_by_request_id_and_fall_back_to_words():
@@ -152,3 +154,47 @@ def test_a_bench_run_condition_is_simulated_from_the_config_the_server_reported(
     doc["workload"]["bogus"] = 1
     with pytest.raises(CompareError, match="not one quanta bench knows"):
         compare(prof(), [("run.json", doc)])
+
+
+def test_simulated_malformed_and_truncated_inputs_are_refused():
+    sim_doc = bench_doc(prof(), BURST, repeats=1)
+    sim_doc["kind"] = "simulate"
+    with pytest.raises(CompareError, match="simulated, not measured"):
+        compare(prof(), [("s.json", sim_doc)])
+    broken = bench_doc(prof(), BURST, repeats=1)
+    del broken["conditions"][0]["runs"][0]["samples"]
+    with pytest.raises(CompareError, match="malformed quanta bench result"):
+        compare(prof(), [("b.json", broken)])
+    with pytest.raises(CompareError, match="ran past --max-duration 0.1 s"):
+        compare(prof(), [("m.json", bench_doc(prof(), BURST, repeats=1))], max_duration=0.1)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-requests", "5"], "drop --num-requests"),
+    (["--scheduler", "static"], "drop --scheduler"),
+    (["--compare", "{m}"], "the same file is given twice"),
+])
+def test_cli_compare_refuses_flags_it_would_ignore(tmp_path, capsys, extra, message):
+    measured, p1 = tmp_path / "m.json", tmp_path / "p1.json"
+    output.write_json(bench_doc(prof(), BURST, repeats=1), measured)
+    prof().save(p1)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["simulate", "--profile", str(p1), "--compare", str(measured), *[a.format(m=measured) for a in extra]])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_sweep_refuses_flags_that_are_not_scheduler_flags(tmp_path, capsys):
+    p1 = tmp_path / "p1.json"
+    prof().save(p1)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["simulate", "--profile", str(p1), "--sweep", "--scheduler batched --num-requests 10,20"])
+    assert info.value.code == 2 and "--num-requests belongs outside the grid" in capsys.readouterr().err
+
+
+def test_unwritable_out_is_refused_before_any_work(tmp_path, capsys):
+    p1, blocker = tmp_path / "p1.json", tmp_path / "afile"
+    prof().save(p1)
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["simulate", "--profile", str(p1), "--num-requests", "2", "--out", str(blocker / "x")])
+    assert info.value.code == 2 and "--out: cannot create" in capsys.readouterr().err

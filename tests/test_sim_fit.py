@@ -118,3 +118,23 @@ def test_profile_engine_from_bench_rejects_bad_input(tmp_path, capsys, content, 
     with pytest.raises(SystemExit) as info:
         cli.main(["profile-engine", "--from-bench", path, "--out", str(tmp_path / "x.json")])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_broken_step_records_are_left_out_and_an_all_broken_trace_is_refused():
+    traces = calibration_traces()
+    bad = [dict(r, end=r["start"] - 1.0) if i % 7 == 0 else r for i, r in enumerate(traces[0])]
+    fitted = fit([bad] + traces[1:])
+    assert fitted.meta["fit"]["steps"] < sum(len(t) for t in traces)
+    assert fitted.step_cost([], [100] * 8) == pytest.approx(fit(traces).step_cost([], [100] * 8), rel=0.02)
+    with pytest.raises(FitError):
+        fit([[dict(r, end=r["start"]) for r in traces[0]]])
+
+
+def test_a_simulated_result_is_not_fitted_as_a_measurement(tmp_path, capsys):
+    path = bench_file(tmp_path, calibration_traces())
+    doc = json.loads(open(path).read())
+    doc["kind"] = "simulate"
+    open(path, "w").write(json.dumps(doc))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["profile-engine", "--from-bench", path, "--out", str(tmp_path / "x.json")])
+    assert info.value.code == 2 and "simulated, not measured" in capsys.readouterr().err

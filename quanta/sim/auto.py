@@ -5,8 +5,9 @@ machine's ``quanta profile`` report (:mod:`quanta.moe.auto`). A simulated
 machine has neither, so the same :func:`quanta.moe.advisor.advise` is given
 what the cost profile says: E and K from its ``moe`` block (none for a
 ``chunk_tokens`` profile: the dense rule, the smallest power-of-two quantum
-within 5% of the best per-token cost) and its per-token prefill cost at every
-power of two dividing the prefill cap, shown beside each candidate.
+within 5% of the best per-token cost) and the cost per token of a pure prefill
+call of each power of two dividing the prefill cap (overhead included), shown
+beside each candidate.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from quanta.sim.profile import Profile
 
 
 def advisor_report(profile: Profile, cap: int) -> dict:
-    """The profile's costs in the shape of a ``quanta profile`` report (ms per token by quantum)."""
+    """The profile's costs in the shape of a ``quanta profile`` report: ms per token of a pure prefill call
+    of q tokens, per-call overhead included, for every power of two q dividing the cap (for a
+    ``chunk_tokens`` profile only from its smallest point up: below it the curve is not measured)."""
     moe = profile.moe or {}
     return {
         "model": {"name": profile.meta.get("name", "profile"), "num_experts": moe.get("num_experts"), "top_k": moe.get("top_k")},
         "machine": {"date": profile.meta.get("created", "undated")},
-        "rows": [{"quantum": q, "ms_per_token": {"median": profile.prefill_per_token(q) * 1e3}} for q in power_of_two_divisors(cap)],
+        "rows": [{"quantum": q, "ms_per_token": {"median": profile.step_cost([(0, q)], []) / q * 1e3}}
+                 for q in power_of_two_divisors(cap) if profile.prefill_axis != "chunk_tokens" or q >= profile.prefill_points[0][0]],
         "decode_step_ms": {"median": (profile.overhead_s + profile.decode_cost([0])) * 1e3},
     }
 

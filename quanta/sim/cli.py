@@ -100,13 +100,19 @@ def _sched_config(args, parser, profile):
 
 def _sweep_configs(args, parser, profile) -> list[tuple[str, list[str], object]]:
     from quanta.bench.sweep import GridError, expand
+    from quanta.cli import KNOB_FLAGS
 
     try:
         conds = expand(args.sweep)
     except GridError as exc:
         parser.error(str(exc))
     out = []
+    allowed = {"--scheduler", "--max-num-seqs", *KNOB_FLAGS}
     for c in conds:
+        foreign = [f for f in c.flags if f.startswith("--") and f not in allowed]
+        if foreign:
+            parser.error(f"--sweep takes scheduler flags only (--scheduler, --max-num-seqs, knobs); "
+                         f"{', '.join(foreign)} belongs outside the grid")
         sub = build_sub_parser()
         try:
             ns = sub.parse_args(["--profile", args.profile, *c.flags])
@@ -140,6 +146,8 @@ def _simulate(args, parser, argv) -> int:
         return _compare(args, parser, argv, profile)
     if args.also_profile:
         parser.error("--also-profile needs --compare")
+    if args.out:
+        writable_prefix(args.out, parser)
     if args.sweep:
         grid = _sweep_configs(args, parser, profile)
     else:
@@ -165,6 +173,35 @@ def _simulate(args, parser, argv) -> int:
     return 0
 
 
+def _ignored_by_compare(args) -> list[str]:
+    """Flags given with ``--compare`` that it would ignore (each condition brings its own)."""
+    sub = build_sub_parser()
+    out = []
+    for action in sub._actions:
+        if not action.option_strings or action.dest in ("help", "profile", "compare", "also_profile", "out", "title",
+                                                         "max_duration", "plots"):
+            continue
+        if getattr(args, action.dest, None) != action.default:
+            out.append(action.option_strings[-1])
+    return out
+
+
+def writable_prefix(prefix: str, parser, flag: str = "--out") -> Path:
+    """``prefix`` as a Path whose directory exists (created) and is writable, else exit 2 before any work."""
+    import os
+
+    out = Path(prefix)
+    if not out.name:
+        parser.error(f"{flag} needs a file name prefix, got {prefix!r}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"{flag}: cannot create {out.parent}: {exc.strerror or exc}")
+    if not os.access(out.parent, os.W_OK):
+        parser.error(f"{flag}: {out.parent} is not writable")
+    return out
+
+
 def _compare(args, parser, argv, profile) -> int:
     import json
 
@@ -173,11 +210,18 @@ def _compare(args, parser, argv, profile) -> int:
 
     if args.sweep:
         parser.error("--compare replays the measured conditions; it does not take --sweep")
+    ignored = _ignored_by_compare(args)
+    if ignored:
+        parser.error(f"--compare takes each condition's scheduler and workload from the bench result; "
+                     f"drop {', '.join(ignored)}")
+    if len(set(args.compare)) != len(args.compare):
+        parser.error("--compare: the same file is given twice")
+    out = writable_prefix(args.out, parser) if args.out else None
     docs = []
     for path in args.compare:
         try:
             docs.append((path, json.loads(Path(path).read_text(encoding="utf-8"))))
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:
             parser.error(f"--compare: cannot read {path}: {exc}")
     profiles = {args.profile: profile}
     try:
@@ -186,19 +230,25 @@ def _compare(args, parser, argv, profile) -> int:
         if args.also_profile:
             profiles[args.also_profile] = Profile.load(args.also_profile)
             also = (args.also_profile, compare.compare(profiles[args.also_profile], docs, args.max_duration))
-    except (compare.CompareError, ProfileError) as exc:
-        parser.error(str(exc))
+    except ProfileError as exc:
+        parser.error(f"--also-profile: {exc}")
+    except compare.CompareError as exc:
+        parser.error(f"--compare: {exc}")
     command = "quanta " + shlex.join(argv if argv is not None else sys.argv[1:])
     doc = compare.document(args.profile, rows, command, also)
     print(compare.markdown_table(rows))
     print(compare.summary_lines(doc["summary"]))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if also:
+        print(f"\nWith {args.also_profile}:\n" + compare.markdown_table(also[1]))
+        print(compare.summary_lines(doc["also_summary"]))
+    if out:
         from quanta.bench.output import write_json
 
-        write_json(doc, out.with_name(out.name + ".json"))
         md = out.with_name(out.name + ".md")
-        md.write_text(compare.markdown(doc, profiles, args.title or "quanta simulate vs measured"), encoding="utf-8")
-        print(f"wrote {out.name}.json, {md}", file=sys.stderr)
+        try:
+            write_json(doc, out.with_name(out.name + ".json"))
+            md.write_text(compare.markdown(doc, profiles, args.title or "quanta simulate vs measured"), encoding="utf-8")
+        except OSError as exc:
+            parser.error(f"--out: cannot write {exc.filename}: {exc.strerror or exc}")
+        print(f"wrote {out.with_name(out.name + '.json')}, {md}", file=sys.stderr)
     return 0

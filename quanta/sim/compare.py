@@ -52,12 +52,16 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
 
     from quanta.cli import build_parser, configs_from_args
 
+    err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(err):
             args = build_parser().parse_args(["serve", *flags])
         sched = configs_from_args(args)[1]
-    except (SystemExit, ValueError) as exc:
-        raise CompareError(f"serve flags {' '.join(flags)!r} cannot be parsed: {exc}") from exc
+    except SystemExit as exc:
+        lines = err.getvalue().strip().splitlines()
+        raise CompareError(f"serve flags {' '.join(flags)!r}: {lines[-1] if lines else 'not quanta serve flags'}") from exc
+    except ValueError as exc:
+        raise CompareError(f"serve flags {' '.join(flags)!r}: {exc}") from exc
     if args.mixed_prefill_quantum == "auto":
         value = (applied or {}).get("mixed_prefill_quantum")
         if not isinstance(value, int):
@@ -117,8 +121,8 @@ def applied_config(applied: dict | None) -> SchedulerConfig:
     from quanta.engine.policies import POLICIES
 
     if not applied or applied.get("scheduler") not in POLICIES:
-        raise CompareError("the condition has neither serve flags nor the server's applied config "
-                           "(a server other than quanta): its scheduler is unknown")
+        raise CompareError("a condition has neither serve flags nor the server's applied config "
+                           "(a server other than quanta?): its scheduler is unknown")
     knobs = {k: applied[k] for k in POLICIES[applied["scheduler"]][1] if k in applied}
     try:
         return SchedulerConfig(applied["scheduler"], int(applied["max_num_seqs"]), knobs)
@@ -155,19 +159,40 @@ def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float 
     """
     rows = []
     for path, doc in docs:
-        if "conditions" not in doc or "workload" not in doc:
-            raise CompareError(f"{path}: not a quanta bench result (no conditions/workload)")
+        check_measured(path, doc)
         try:
-            w = Workload(**doc["workload"])
-        except TypeError as exc:
-            raise CompareError(f"{path}: workload {doc['workload']!r} is not one quanta bench knows: {exc}") from exc
-        measured_conds = [c for c in doc["conditions"] if c.get("valid", True) and c.get("runs")]
-        if not measured_conds:
-            raise CompareError(f"{path}: no measured condition to compare")
-        for cond in measured_conds:
-            runs = simulate_condition(profile, cond, w, max_duration)
-            measured = cond.get("figures") or [repeat_figures(r["metrics"]) for r in cond["runs"]]
-            rows.append(row(path, cond["name"], cond["flags"], w, measured, [repeat_figures(r["metrics"]) for r in runs]))
+            rows += _doc_rows(profile, path, doc, max_duration)
+        except CompareError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            raise CompareError(f"{path}: malformed quanta bench result ({type(exc).__name__}: {exc})") from exc
+    return rows
+
+
+def check_measured(path: str, doc) -> None:
+    """Raise :class:`CompareError` unless ``doc`` looks like a measured ``quanta bench`` result."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("conditions"), list) or not isinstance(doc.get("workload"), dict):
+        raise CompareError(f"{path}: not a quanta bench result (no conditions list / workload)")
+    if doc.get("kind") in ("simulate", "sim-compare"):
+        raise CompareError(f"{path}: a {doc['kind']!r} document is simulated, not measured")
+
+
+def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> list[dict]:
+    try:
+        w = Workload(**doc["workload"])
+    except TypeError as exc:
+        raise CompareError(f"{path}: workload {doc['workload']!r} is not one quanta bench knows: {exc}") from exc
+    measured_conds = [c for c in doc["conditions"] if c.get("valid", True) and c.get("runs")]
+    if not measured_conds:
+        raise CompareError(f"{path}: no measured condition to compare")
+    rows = []
+    for cond in measured_conds:
+        runs = simulate_condition(profile, cond, w, max_duration)
+        if any(s.get("error") == "deadline" for r in runs for s in r["samples"]):
+            raise CompareError(f"{path}: condition {cond['name']!r}: the simulation ran past --max-duration "
+                               f"{max_duration:g} s before every request finished; raise it")
+        measured = cond.get("figures") or [repeat_figures(r["metrics"]) for r in cond["runs"]]
+        rows.append(row(path, cond["name"], cond.get("flags"), w, measured, [repeat_figures(r["metrics"]) for r in runs]))
     return rows
 
 

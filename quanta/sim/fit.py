@@ -143,7 +143,7 @@ def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
     steps, gaps = [], []
     for records in traces:
         s, g = steps_from_trace(records)
-        steps += s
+        steps += [x for x in s if math.isfinite(x.t) and x.t > 0]  # a broken record (end <= start, NaN) says nothing
         gaps += g
     gap = statistics.median(gaps) if gaps else 0.0
     for s in steps:
@@ -160,6 +160,8 @@ def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
               for s in steps if s.prefill and s.decode and prof.decode_cost(s.decode) > 0]
     prof.mixed_decode_factor = min(max(statistics.median(ratios), 0.0), 2.0) if ratios else 1.0
     resid = np.array([s.t / c for s in steps if (c := prof.step_cost(s.prefill, s.decode)) > 0])
+    if not len(resid):
+        raise FitError("no step has a positive predicted cost to measure the step-time spread against")
     prof.step_noise = [float(x) for x in np.quantile(resid, (np.arange(100) + 0.5) / 100)]
     prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(resid)} "
                               "fitted steps")

@@ -32,7 +32,7 @@ from pathlib import Path
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.scheduler import ScheduledChunk, StepPlan
 from quanta.engine.sequence import Sequence
-from quanta.sim.profile import FORMAT, Profile
+from quanta.sim.profile import FORMAT, Profile, ProfileError
 
 
 def _ints(text: str, flag: str, parser) -> list[int]:
@@ -135,6 +135,9 @@ def _machine() -> dict:
 
 
 def profile_engine_cli(args, parser) -> int:
+    from quanta.sim.cli import writable_prefix
+
+    writable_prefix(args.out, parser)
     if args.from_bench:
         return _from_bench(args, parser)
     from quanta.launch import load_model, resolve_dtype
@@ -155,21 +158,42 @@ def profile_engine_cli(args, parser) -> int:
     return 0
 
 
-def _from_bench(args, parser) -> int:
+def _bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
+    """The server traces of every measured run of a bench result, its first applied config and machine.
+
+    Raises:
+        ValueError: not a readable, measured quanta bench result.
+    """
     import json
 
+    from quanta.sim.compare import CompareError, check_measured
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        check_measured(path, doc)
+        conds = [c for c in doc["conditions"] if c.get("valid", True)]
+        traces = [r["trace"] for c in conds for r in c.get("runs") or [] if r.get("trace")]
+        applied = next((c.get("applied") for c in conds if c.get("applied")), None) or {}
+    except CompareError as exc:
+        raise ValueError(str(exc)) from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a readable quanta bench result ({type(exc).__name__}: {exc})") from exc
+    return traces, applied, doc.get("machine", {})
+
+
+def _from_bench(args, parser) -> int:
     from quanta.sim.fit import FitError, fit
 
+    if len(set(args.from_bench)) != len(args.from_bench):
+        parser.error("--from-bench: the same file is given twice")
     traces, applied, machine = [], {}, {}
     for path in args.from_bench:
         try:
-            doc = json.loads(open(path, encoding="utf-8").read())
-            conds = [c for c in doc["conditions"] if c.get("valid", True)]
-            traces += [r["trace"] for c in conds for r in c["runs"] if r.get("trace")]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            parser.error(f"--from-bench: {path} is not a readable quanta bench result: {exc}")
-        applied = applied or next((c.get("applied") for c in conds if c.get("applied")), None) or {}
-        machine = machine or doc.get("machine", {})
+            t, a, m = _bench_traces(path)
+        except ValueError as exc:
+            parser.error(f"--from-bench: {exc}")
+        traces += t
+        applied, machine = applied or a, machine or m
     if not traces:
         parser.error("--from-bench: the results hold no server trace (was the server quanta?)")
     meta = {"name": Path(args.out).stem,
@@ -178,9 +202,11 @@ def _from_bench(args, parser) -> int:
             "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
     try:
         prof = fit(traces, meta)
-    except FitError as exc:
+        prof.validate()
+    except (FitError, ProfileError) as exc:
         parser.error(f"--from-bench: {exc}")
-    prof.validate()
+    except (KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"--from-bench: malformed trace record ({type(exc).__name__}: {exc})")
     prof.save(args.out)
     f = prof.meta["fit"]
     print(f"fitted {f['steps']} steps ({f['decode_steps']} decode, {f['prefill_steps']} prefill, {f['mixed_steps']} fused) "

@@ -65,7 +65,8 @@ class Profile:
     # ------------------------------------------------------------------ JSON
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
-        if d.get("format") != FORMAT:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            d = d if isinstance(d, dict) else {}
             raise ProfileError(f"not a cost profile: format is {d.get('format')!r}, expected {FORMAT!r}")
         try:
             pre, dec = d["prefill"], d["decode"]
@@ -101,8 +102,12 @@ class Profile:
             raise ProfileError(f"prefill.axis must be chunk_tokens or tokens_per_expert, got {self.prefill_axis!r}")
         if self.prefill_axis == "tokens_per_expert" and not (self.moe and self.moe.get("num_experts") and self.moe.get("top_k")):
             raise ProfileError("prefill.axis tokens_per_expert needs prefill.moe with num_experts and top_k")
-        if self.overhead_s < 0 or self.prefill_ctx < 0 or self.decode_ctx < 0 or not 0 <= self.mixed_decode_factor:
-            raise ProfileError("overhead_s, context coefficients and mixed_decode_factor must be >= 0")
+        scalars = (self.overhead_s, self.prefill_ctx, self.decode_ctx, self.mixed_decode_factor)
+        if not all(math.isfinite(x) and x >= 0 for x in scalars):
+            raise ProfileError("overhead_s, context coefficients and mixed_decode_factor must be finite and >= 0")
+        if self.moe is not None and not (isinstance(self.moe, dict) and all(
+                isinstance(self.moe.get(k), int) and self.moe[k] >= 1 for k in ("num_experts", "top_k"))):
+            raise ProfileError("prefill.moe needs integer num_experts and top_k >= 1")
         if self.step_noise is not None and (not self.step_noise or any(not (f > 0 and math.isfinite(f)) for f in self.step_noise)):
             raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
 
