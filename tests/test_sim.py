@@ -338,3 +338,11 @@ def test_auto_quantum_never_comes_from_below_the_profiles_measured_range():
 def test_malformed_profiles_are_refused(raw, message):
     with pytest.raises(ProfileError, match=message):
         Profile.from_dict(raw)
+
+
+def test_the_auto_choice_is_recorded_in_the_report(tmp_path, capsys):
+    prefix = tmp_path / "auto"
+    assert cli.main(["simulate", "--profile", str(SEED), "--sweep", "--scheduler batched --mixed-prefill-quantum auto,512",
+                     "--num-requests", "4", "--max-tokens", "4", "--no-plots", "--out", str(prefix)]) == 0
+    q = int(capsys.readouterr().err.split("mixed_prefill_quantum=auto -> ")[1].split(":")[0])
+    assert f"batched mpq=auto: mixed_prefill_quantum=auto ran as {q}" in prefix.with_suffix(".md").read_text()

@@ -155,8 +155,10 @@ def _simulate(args, parser, argv) -> int:
         grid = [(sched.name, None, sched)]
     kw = {k: getattr(args, k) for k in Workload.__dataclass_fields__ if k != "kind" and hasattr(args, k)}
     w = Workload(kind=args.workload, **kw)
-    conds = []
+    conds, autos = [], []
     for name, flags, sched in grid:
+        if "auto" in (flags or []) or args.mixed_prefill_quantum == "auto":
+            autos.append(f"{name}: mixed_prefill_quantum=auto ran as {sched.knobs['mixed_prefill_quantum']}")
         runs = []
         for r in range(args.repeats):
             wr = Workload(**{**w.to_dict(), "seed": w.seed + r})
@@ -164,6 +166,7 @@ def _simulate(args, parser, argv) -> int:
         conds.append(condition(name, runs, flags))
     baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
     note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
+    note += "".join(f" {a}." for a in autos)
     doc = output.document("simulate", "quanta " + shlex.join(argv if argv is not None else sys.argv[1:]), w, args.repeats,
                           conds, baseline, note)
     print(output.headline(doc))
