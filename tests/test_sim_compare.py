@@ -172,6 +172,7 @@ def test_simulated_malformed_and_truncated_inputs_are_refused():
 @pytest.mark.parametrize("extra, message", [
     (["--num-requests", "5"], "drop --num-requests"),
     (["--scheduler", "static"], "drop --scheduler"),
+    (["--scheduler", "batched", "--max-num-seqs", "8"], "drop --max-num-seqs, --scheduler"),  # defaults too
     (["--compare", "{m}"], "the same file is given twice"),
 ])
 def test_cli_compare_refuses_flags_it_would_ignore(tmp_path, capsys, extra, message):
@@ -188,7 +189,7 @@ def test_cli_sweep_refuses_flags_that_are_not_scheduler_flags(tmp_path, capsys):
     prof().save(p1)
     with pytest.raises(SystemExit) as info:
         cli.main(["simulate", "--profile", str(p1), "--sweep", "--scheduler batched --num-requests 10,20"])
-    assert info.value.code == 2 and "--num-requests belongs outside the grid" in capsys.readouterr().err
+    assert info.value.code == 2 and "--max-num-seqs and the knobs), not --num-requests" in capsys.readouterr().err
 
 
 def test_unwritable_out_is_refused_before_any_work(tmp_path, capsys):

@@ -29,9 +29,18 @@ def advisor_report(profile: Profile, cap: int) -> dict:
         "model": {"name": profile.meta.get("name", "profile"), "num_experts": moe.get("num_experts"), "top_k": moe.get("top_k")},
         "machine": {"date": profile.meta.get("created", "undated")},
         "rows": [{"quantum": q, "ms_per_token": {"median": profile.step_cost([(0, q)], []) / q * 1e3}}
-                 for q in power_of_two_divisors(cap) if profile.prefill_axis != "chunk_tokens" or q >= profile.prefill_points[0][0]],
+                 for q in _candidates(profile, cap)],
         "decode_step_ms": {"median": (profile.overhead_s + profile.decode_cost([0])) * 1e3},
     }
+
+
+def _candidates(profile: Profile, cap: int) -> list[int]:
+    qs = power_of_two_divisors(cap)
+    if profile.prefill_axis != "chunk_tokens":
+        return qs
+    lo, hi = profile.prefill_points[0][0], profile.prefill_points[-1][0]
+    inside = [q for q in qs if lo <= q <= hi]
+    return inside or [q for q in qs if q >= lo] or qs
 
 
 def resolve_auto(profile: Profile, sched: SchedulerConfig) -> tuple[SchedulerConfig, Advice]:

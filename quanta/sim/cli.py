@@ -111,8 +111,8 @@ def _sweep_configs(args, parser, profile) -> list[tuple[str, list[str], object]]
     for c in conds:
         foreign = [f for f in c.flags if f.startswith("--") and f not in allowed]
         if foreign:
-            parser.error(f"--sweep takes scheduler flags only (--scheduler, --max-num-seqs, knobs); "
-                         f"{', '.join(foreign)} belongs outside the grid")
+            parser.error(f"--sweep takes scheduler flags only (--scheduler, --max-num-seqs and the knobs), "
+                         f"not {', '.join(foreign)}")
         sub = build_sub_parser()
         try:
             ns = sub.parse_args(["--profile", args.profile, *c.flags])
@@ -176,17 +176,11 @@ def _simulate(args, parser, argv) -> int:
     return 0
 
 
-def _ignored_by_compare(args) -> list[str]:
-    """Flags given with ``--compare`` that it would ignore (each condition brings its own)."""
-    sub = build_sub_parser()
-    out = []
-    for action in sub._actions:
-        if not action.option_strings or action.dest in ("help", "profile", "compare", "also_profile", "out", "title",
-                                                         "max_duration", "plots"):
-            continue
-        if getattr(args, action.dest, None) != action.default:
-            out.append(action.option_strings[-1])
-    return out
+def _ignored_by_compare(argv: list[str]) -> list[str]:
+    """Flags on the command line that ``--compare`` would ignore (each condition brings its own)."""
+    used = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    keep = {"--help", "--profile", "--compare", "--also-profile", "--out", "--title", "--max-duration", "--no-plots"}
+    return sorted(used - keep)
 
 
 def writable_prefix(prefix: str, parser, flag: str = "--out") -> Path:
@@ -213,7 +207,7 @@ def _compare(args, parser, argv, profile) -> int:
 
     if args.sweep:
         parser.error("--compare replays the measured conditions; it does not take --sweep")
-    ignored = _ignored_by_compare(args)
+    ignored = _ignored_by_compare(argv if argv is not None else sys.argv[1:])
     if ignored:
         parser.error(f"--compare takes each condition's scheduler and workload from the bench result; "
                      f"drop {', '.join(ignored)}")
