@@ -8,7 +8,8 @@
 #   5. simulate every validation condition with the fitted profile, and with the in-process one,
 #      and compare with what was measured (quanta simulate --compare)
 # The calibration and validation runs share no condition and no workload.
-# Usage: bash benchmarks/sim_validation.sh [OUT_PREFIX]   (about 20 minutes on a quiet 2-core machine)
+# Usage: QUANTA=.venv/bin/quanta bash benchmarks/sim_validation.sh [OUT_PREFIX]
+#        (about 20 minutes on a quiet 2-core machine; QUANTA defaults to the quanta on PATH)
 set -euo pipefail
 OUT=${1:-benchmarks/results/sim_validation}
 Q=${QUANTA:-quanta}
