@@ -151,7 +151,7 @@ def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
     a, k_dec, by_batch = _fit_decode(steps)
     k_pre, groups = _fit_prefill(steps, a)
     # the decode intercept may hold more than the per-call cost every call pays: no prefill bin may cost less
-    a = min([a] + [float(np.median(t - k_pre * c)) for _, c, t in groups])
+    a = max(0.0, min([a] + [float(np.median(t - k_pre * c)) for _, c, t in groups]))
     decode_points = [(bs, max(float(np.median(net - a)), 0.0)) for bs, net in by_batch.items()]
     prefill_points = [(float(np.median(n)), max(float(np.median((t - a - k_pre * c) / n)), 0.0)) for n, c, t in groups]
     prof = Profile(prefill_points=prefill_points, decode_points=decode_points, overhead_s=a, prefill_ctx=k_pre,
