@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Validation of `quanta simulate` against the real engine on this machine (issue #6).
 #   1. profile the executor in-process            (quanta profile-engine)
-#   2. calibration runs over HTTP: batched, poisson arrivals, four quanta with long prompts and two
-#      with short prompts and long outputs (decode at short and long contexts) (quanta bench sweep)
+#   2. calibration runs over HTTP (quanta bench sweep), batched, poisson arrivals: four quanta on
+#      200-word prompts, two on short prompts with long outputs (decode at short and long contexts),
+#      two on 1000-word prompts (prefill chunks and positions as large as the probe's)
 #   3. validation runs over HTTP: the seed 002 grid (scaled) and a probe sweep (quanta bench sweep)
 #   4. fit a profile to the calibration runs' server trace (quanta profile-engine --from-bench)
 #   5. simulate every validation condition with the fitted profile, and with the in-process one,
@@ -36,6 +37,14 @@ $Q bench sweep --interleave --no-progress \
   --title "calibration runs for the simulator (batched, poisson arrivals, short prompts, long outputs)" --note "$NOTE" \
   --out "${OUT}_calibration_short"
 $Q bench sweep --interleave --no-progress \
+  --grid "--scheduler batched --prefill-quantum 128 --mixed-prefill-quantum 128" \
+  --grid "--scheduler batched --prefill-quantum 512 --mixed-prefill-quantum 512" \
+  --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
+  --workload poisson --rate 0.5 --num-requests 8 --prompt-words 1000 --max-tokens 32 \
+  --repeats 2 --warmup 1 --max-duration 300 \
+  --title "calibration runs for the simulator (batched, poisson arrivals, 1000-word prompts)" --note "$NOTE" \
+  --out "${OUT}_calibration_long"
+$Q bench sweep --interleave --no-progress \
   --grid "--scheduler static" --grid "--scheduler continuous --admit-k 1,2,4,8" --grid "--scheduler chunked --chunk 8,16,32" \
   --server-flags "--max-num-seqs 8 --max-model-len 256 --no-prefix-cache" \
   --workload burst --num-requests 32 --prompt-words 32 --max-tokens 64 \
@@ -49,7 +58,8 @@ $Q bench sweep --interleave --no-progress \
   --repeats 3 --warmup 1 --max-duration 300 \
   --title "probe: 3 decoding sessions + one 1024-word prompt, batched mixed quantum sweep, for simulator validation" \
   --note "$NOTE" --out "${OUT}_probe"
-$Q profile-engine --from-bench "${OUT}_calibration.json" --from-bench "${OUT}_calibration_short.json" --out "${OUT}_profile.json"
+$Q profile-engine --from-bench "${OUT}_calibration.json" --from-bench "${OUT}_calibration_short.json" \
+  --from-bench "${OUT}_calibration_long.json" --out "${OUT}_profile.json"
 $Q simulate --profile "${OUT}_profile.json" --also-profile "${OUT}_profile_inprocess.json" \
   --compare "${OUT}_grid.json" --compare "${OUT}_probe.json" \
   --title "quanta simulate vs the real server on this machine" --out "$OUT"
