@@ -18,46 +18,33 @@ NOTE="Simulator validation run: servers run with --no-prefix-cache (the simulate
 
 $Q profile-engine --out "${OUT}_profile_inprocess.json" --chunks 8,16,32,64,128,256,512,1024 --positions 0,512 \
   --batches 1,2,4,8 --decode-contexts 64,512 --repeats 5
-$Q bench sweep --interleave --no-progress \
-  --grid "--scheduler batched --prefill-quantum 16 --mixed-prefill-quantum 16" \
-  --grid "--scheduler batched --prefill-quantum 64 --mixed-prefill-quantum 64" \
-  --grid "--scheduler batched --prefill-quantum 256 --mixed-prefill-quantum 256" \
-  --grid "--scheduler batched --prefill-quantum 1024 --mixed-prefill-quantum 1024" \
-  --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
-  --workload poisson --rate 3 --num-requests 32 --prompt-words 200 --max-tokens 48 \
-  --repeats 2 --warmup 1 --max-duration 300 \
-  --title "calibration runs for the simulator (batched, poisson arrivals)" --note "$NOTE" \
-  --out "${OUT}_calibration"
-$Q bench sweep --interleave --no-progress \
-  --grid "--scheduler batched --prefill-quantum 16 --mixed-prefill-quantum 16" \
-  --grid "--scheduler batched --prefill-quantum 256 --mixed-prefill-quantum 256" \
-  --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
-  --workload poisson --rate 3 --num-requests 32 --prompt-words 24 --max-tokens 128 \
-  --repeats 2 --warmup 1 --max-duration 300 \
-  --title "calibration runs for the simulator (batched, poisson arrivals, short prompts, long outputs)" --note "$NOTE" \
-  --out "${OUT}_calibration_short"
-$Q bench sweep --interleave --no-progress \
-  --grid "--scheduler batched --prefill-quantum 128 --mixed-prefill-quantum 128" \
-  --grid "--scheduler batched --prefill-quantum 512 --mixed-prefill-quantum 512" \
-  --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
-  --workload poisson --rate 0.5 --num-requests 8 --prompt-words 1000 --max-tokens 32 \
-  --repeats 2 --warmup 1 --max-duration 300 \
-  --title "calibration runs for the simulator (batched, poisson arrivals, 1000-word prompts)" --note "$NOTE" \
-  --out "${OUT}_calibration_long"
-$Q bench sweep --interleave --no-progress \
-  --grid "--scheduler static" --grid "--scheduler continuous --admit-k 1,2,4,8" --grid "--scheduler chunked --chunk 8,16,32" \
+sweep() {  # quanta bench sweep with what every run here shares
+  $Q bench sweep --interleave --no-progress --max-duration 300 --note "$NOTE" "$@"
+}
+calibrate() {  # calibrate SUFFIX TITLE "QUANTA..." WORKLOAD_FLAGS...: batched, pq = mpq = each quantum, Poisson
+  local suffix=$1 title=$2 q grids=()
+  for q in $3; do grids+=(--grid "--scheduler batched --prefill-quantum $q --mixed-prefill-quantum $q"); done
+  shift 3
+  sweep "${grids[@]}" --server-flags "--max-num-seqs 8 --max-model-len 2048 --no-prefix-cache" \
+    --workload poisson --repeats 2 --warmup 1 --title "calibration runs for the simulator ($title)" \
+    --out "${OUT}_calibration$suffix" "$@"
+}
+
+calibrate "" "batched, poisson arrivals" "16 64 256 1024" --rate 3 --num-requests 32 --prompt-words 200 --max-tokens 48
+calibrate _short "batched, poisson arrivals, short prompts, long outputs" "16 256" \
+  --rate 3 --num-requests 32 --prompt-words 24 --max-tokens 128
+calibrate _long "batched, poisson arrivals, 1000-word prompts" "128 512" \
+  --rate 0.5 --num-requests 8 --prompt-words 1000 --max-tokens 32
+sweep --grid "--scheduler static" --grid "--scheduler continuous --admit-k 1,2,4,8" --grid "--scheduler chunked --chunk 8,16,32" \
   --server-flags "--max-num-seqs 8 --max-model-len 256 --no-prefix-cache" \
-  --workload burst --num-requests 32 --prompt-words 32 --max-tokens 64 \
-  --repeats 3 --warmup 2 --baseline static --max-duration 300 \
-  --title "seed 002 grid, scaled (32 requests on 8 slots), for simulator validation" --note "$NOTE" \
-  --out "${OUT}_grid"
-$Q bench sweep --interleave --no-progress \
-  --grid "--scheduler batched --mixed-prefill-quantum 32,128,512" \
+  --workload burst --num-requests 32 --prompt-words 32 --max-tokens 64 --repeats 3 --warmup 2 --baseline static \
+  --title "seed 002 grid, scaled (32 requests on 8 slots), for simulator validation" --out "${OUT}_grid"
+sweep --grid "--scheduler batched --mixed-prefill-quantum 32,128,512" \
   --server-flags "--max-num-seqs 4 --max-model-len 2048 --no-prefix-cache" \
   --workload probe --sessions 3 --prompt-words 16 --session-tokens 512 --probe-words 1024 --max-tokens 4 \
-  --repeats 3 --warmup 1 --max-duration 300 \
+  --repeats 3 --warmup 1 \
   --title "probe: 3 decoding sessions + one 1024-word prompt, batched mixed quantum sweep, for simulator validation" \
-  --note "$NOTE" --out "${OUT}_probe"
+  --out "${OUT}_probe"
 $Q profile-engine --from-bench "${OUT}_calibration.json" --from-bench "${OUT}_calibration_short.json" \
   --from-bench "${OUT}_calibration_long.json" --out "${OUT}_profile.json"
 $Q simulate --profile "${OUT}_profile.json" --also-profile "${OUT}_profile_inprocess.json" \
