@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from quanta.analysis.intervals import Interval, busy_rate, occupancy, overlap_ratio, union_length
 from quanta.analysis.stats import summarize
@@ -60,6 +60,25 @@ def step_counts(records: Iterable[dict]) -> dict[str, int]:
     return counts
 
 
+def trace_entries(records: Iterable[dict]) -> Iterator[tuple[dict, list[tuple[int, int, int, bool, int]]]]:
+    """Each record in step order with its entries ``(seq_id, position, num_new_tokens, is_decode, num_emitted)``.
+
+    ``position``: the sequence's tokens computed in earlier records of the trace; ``is_decode``: the
+    sequence had emitted a token before this record (its tokens are prefill until its first emission).
+    """
+    computed: dict[int, int] = {}
+    decoding: set[int] = set()
+    for r in sorted(records, key=lambda r: r["step"]):
+        row = []
+        for sid, new, emitted in zip(r["seq_ids"], r["num_new_tokens"], r["num_emitted"]):
+            pos = computed.get(sid, 0)
+            row.append((sid, pos, new, sid in decoding, emitted))
+            computed[sid] = pos + new
+            if emitted:
+                decoding.add(sid)
+        yield r, row
+
+
 def phase_split(records: Iterable[dict]) -> dict:
     """Tokens and busy intervals by phase.
 
@@ -67,16 +86,13 @@ def phase_split(records: Iterable[dict]) -> dict:
     phase) and ``prefill_intervals`` / ``decode_intervals`` (``[start, end]``
     of the steps that carried any token of that phase).
     """
-    decoding: set[int] = set()
     out = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_intervals": [], "decode_intervals": []}
-    for r in sorted(records, key=lambda r: r["step"]):
+    for r, row in trace_entries(records):
         has = {"prefill": False, "decode": False}
-        for sid, new, emitted in zip(r["seq_ids"], r["num_new_tokens"], r["num_emitted"]):
-            phase = "decode" if sid in decoding else "prefill"
+        for _, _, new, is_decode, _ in row:
+            phase = "decode" if is_decode else "prefill"
             out[f"{phase}_tokens"] += new
             has[phase] = has[phase] or new > 0
-            if emitted:
-                decoding.add(sid)
         for phase in ("prefill", "decode"):
             if has[phase]:
                 out[f"{phase}_intervals"].append((r["start"], r["end"]))

@@ -24,6 +24,7 @@ import statistics
 from dataclasses import replace
 
 from quanta.analysis.report import aggregate, repeat_figures
+from quanta.analysis.server_trace import trace_entries
 from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
 from quanta.sim.profile import Profile
@@ -73,19 +74,14 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
 def trace_prompt_lengths(records: list[dict]) -> list[int]:
     """Prompt tokens of every sequence whose prefill the trace holds (tokens computed up to its first
     emitted token), in order of first appearance."""
-    computed: dict[int, int] = {}
-    done: set[int] = set()
-    order: list[int] = []
-    for r in sorted(records, key=lambda r: r["step"]):
-        for sid, n, e in zip(r["seq_ids"], r["num_new_tokens"], r.get("num_emitted") or [0] * len(r["seq_ids"])):
-            if sid in done:
-                continue
-            if sid not in computed:
-                order.append(sid)
-            computed[sid] = computed.get(sid, 0) + n
-            if e:
-                done.add(sid)
-    return [computed[sid] for sid in order if sid in done]
+    first: dict[int, int] = {}
+    length: dict[int, int] = {}
+    for _, row in trace_entries(records):
+        for sid, pos, n, is_decode, emitted in row:
+            first.setdefault(sid, len(first))
+            if emitted and not is_decode:
+                length[sid] = pos + n
+    return [length[sid] for sid in sorted(first, key=first.get) if sid in length]
 
 
 def prompt_lengths(run: dict) -> list[int]:

@@ -12,7 +12,8 @@ back-to-back steps (the engine loop's own per-step time, which the simulator
 does not model separately), the prefill chunks ``(start position, tokens)``
 and the decode positions, reconstructed by walking the trace in order (a
 sequence's entries are prefill until it has emitted its first token, decode
-after; positions accumulate ``num_new_tokens``).
+after; positions accumulate ``num_new_tokens``: :func:`trace_entries`, the
+rule of every trace figure).
 
 Fit, in this order (each clamped at 0):
 
@@ -49,6 +50,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from quanta.analysis.server_trace import trace_entries
 from quanta.sim.profile import Profile
 
 #: back-to-back steps: the next step starts within this many seconds of the previous end
@@ -72,19 +74,14 @@ class Step:
 
 def steps_from_trace(records: list[dict]) -> tuple[list[Step], list[float]]:
     """The steps of one run's trace, and the idle gaps between back-to-back steps (seconds)."""
-    computed: dict[int, int] = {}
-    emitted: dict[int, int] = {}
     steps, gaps, prev_end = [], [], None
-    for r in sorted(records, key=lambda r: r["step"]):
+    for r, row in trace_entries(records):
         s = Step(r["end"] - r["start"])
-        for sid, n, e in zip(r["seq_ids"], r["num_new_tokens"], r.get("num_emitted") or [0] * len(r["seq_ids"])):
-            pos = computed.get(sid, 0)
-            if emitted.get(sid, 0) > 0:
+        for _, pos, n, is_decode, _ in row:
+            if is_decode:
                 s.decode.append(pos)
             else:
                 s.prefill.append((pos, n))
-            computed[sid] = pos + n
-            emitted[sid] = emitted.get(sid, 0) + e
         if prev_end is not None and 0 <= r["start"] - prev_end <= BUSY_GAP_S:
             gaps.append(r["start"] - prev_end)
         prev_end = r["end"]
