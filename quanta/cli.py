@@ -101,6 +101,24 @@ def _register_once(p: argparse.ArgumentParser) -> None:
     p.register("action", "store", _Once)
 
 
+def parse_serve_flags(flags: list[str]) -> argparse.Namespace:
+    """``quanta serve FLAGS`` parsed without exiting (for sweeps and replays of other commands).
+
+    Raises:
+        ValueError: flags the serve parser rejects, with argparse's own message.
+    """
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(["serve", *flags])
+    except SystemExit as exc:
+        lines = err.getvalue().strip().splitlines()
+        raise ValueError(lines[-1] if lines else "invalid serve flags") from exc
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SchedulerConfig]:
     """Validated configs; raises ``ValueError`` with a flag-level message."""
     knobs = {}

@@ -13,8 +13,6 @@ server.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import shlex
 import tempfile
@@ -120,15 +118,12 @@ def validate(cond: Condition) -> None:
     Sets ``cond.invalid_reason`` for a configuration quanta rejects (e.g.
     ``--admit-k`` above ``--max-num-seqs``).
     """
-    from quanta.cli import build_parser, configs_from_args
+    from quanta.cli import configs_from_args, parse_serve_flags
 
-    buf = io.StringIO()
     try:
-        with contextlib.redirect_stderr(buf):
-            args = build_parser().parse_args(["serve", *cond.flags])
-    except SystemExit as exc:
-        lines = buf.getvalue().strip().splitlines()
-        raise GridError(f"condition {cond.name!r}: {lines[-1] if lines else 'invalid serve flags'}") from exc
+        args = parse_serve_flags(cond.flags)
+    except ValueError as exc:
+        raise GridError(f"condition {cond.name!r}: {exc}") from exc
     messages: list[str] = []
     try:
         configs_from_args(args)

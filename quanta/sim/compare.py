@@ -47,20 +47,13 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
     Raises:
         CompareError: flags ``quanta serve`` rejects, or ``auto`` without an applied value.
     """
-    import contextlib
     import dataclasses
-    import io
 
-    from quanta.cli import build_parser, configs_from_args
+    from quanta.cli import configs_from_args, parse_serve_flags
 
-    err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
-            args = build_parser().parse_args(["serve", *flags])
+        args = parse_serve_flags(flags)
         sched = configs_from_args(args)[1]
-    except SystemExit as exc:
-        lines = err.getvalue().strip().splitlines()
-        raise CompareError(f"serve flags {' '.join(flags)!r}: {lines[-1] if lines else 'not quanta serve flags'}") from exc
     except ValueError as exc:
         raise CompareError(f"serve flags {' '.join(flags)!r}: {exc}") from exc
     if args.mixed_prefill_quantum == "auto":
