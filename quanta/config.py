@@ -7,7 +7,7 @@ flight, prefill cap (graph boundary) 4096 positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quanta.engine.policies import POLICIES
 from quanta.engine.scheduler import Scheduler
@@ -68,6 +68,14 @@ class SchedulerConfig:
                 f"--max-num-batched-tokens ({self.knobs['max_num_batched_tokens']}) is smaller than --max-num-seqs "
                 f"({self.max_num_seqs}); a step must fit one decode token per resident sequence"
             )
+
+    def with_knob(self, knob: str, value: int) -> "SchedulerConfig":
+        """A validated copy with ``knob`` set to ``value`` (e.g. a resolved ``auto`` quantum).
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        return replace(self, knobs={**self.knobs, knob: value})
 
     def build(self) -> Scheduler:
         """A fresh scheduler instance of this configuration."""

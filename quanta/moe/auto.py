@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -31,7 +30,6 @@ def resolve_auto(model: str | None, sched: SchedulerConfig) -> tuple[SchedulerCo
     cap = sched.knobs["prefill_cap"]
     advice = advise(cfg.num_experts if cfg.is_moe else None, cfg.num_experts_per_tok or None, cap,
                     profile=cached_profile(name), model_name=name)
-    knobs = {**sched.knobs, "mixed_prefill_quantum": advice.quantum}
-    resolved = dataclasses.replace(sched, knobs=knobs)
+    resolved = sched.with_knob("mixed_prefill_quantum", advice.quantum)
     log.info("mixed_prefill_quantum=auto -> %d: %s", advice.quantum, advice.reason)
     return resolved, advice

@@ -12,8 +12,6 @@ beside each candidate.
 
 from __future__ import annotations
 
-import dataclasses
-
 from quanta.config import SchedulerConfig
 from quanta.moe.advisor import Advice, advise
 from quanta.moe.formulas import power_of_two_divisors
@@ -49,4 +47,4 @@ def resolve_auto(profile: Profile, sched: SchedulerConfig) -> tuple[SchedulerCon
     report = advisor_report(profile, cap)
     m = report["model"]
     advice = advise(m["num_experts"], m["top_k"], cap, profile=report, model_name=m["name"])
-    return dataclasses.replace(sched, knobs={**sched.knobs, "mixed_prefill_quantum": advice.quantum}), advice
+    return sched.with_knob("mixed_prefill_quantum", advice.quantum), advice

@@ -47,8 +47,6 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
     Raises:
         CompareError: flags ``quanta serve`` rejects, or ``auto`` without an applied value.
     """
-    import dataclasses
-
     from quanta.cli import configs_from_args, parse_serve_flags
 
     try:
@@ -60,7 +58,7 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
         value = (applied or {}).get("mixed_prefill_quantum")
         if not isinstance(value, int):
             raise CompareError(f"serve flags {' '.join(flags)!r}: 'auto' and the server reported no applied mixed_prefill_quantum")
-        sched = dataclasses.replace(sched, knobs={**sched.knobs, "mixed_prefill_quantum": value})
+        sched = sched.with_knob("mixed_prefill_quantum", value)
     return sched
 
 
