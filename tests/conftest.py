@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from quanta.bench.server import QuantaServer, free_port, start
+from quanta.bench.server import ServerProcess, free_port, start
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -40,7 +40,7 @@ class ServerHandle:
     pid: int
     log_path: Path
     flags: tuple[str, ...]
-    process: QuantaServer = field(repr=False)
+    process: ServerProcess = field(repr=False)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -12,10 +12,10 @@ import argparse
 import json
 import math
 import shlex
-import signal
 import sys
 from pathlib import Path
 
+from quanta.bench import external
 from quanta.bench.workloads import KINDS, Workload
 
 
@@ -107,6 +107,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     sw.add_argument("--server-flags", default="", metavar="FLAGS", help="serve flags shared by every condition, e.g. '--max-num-seqs 16'")
     sw.add_argument("--baseline", help="condition name that throughput is normalized to (default: the first)")
     sw.add_argument("--dry-run", action="store_true", help="list the conditions and exit")
+    external.add_flags(sw)
     sw.add_argument("--interleave", action="store_true", help="keep every condition's server up and measure in rounds "
                     "(round r runs every condition once), so machine drift spreads over all conditions; "
                     "throughput ratios are then paired per round")
@@ -203,7 +204,7 @@ def _run(args, parser, argv) -> int:
 
 def _sweep(args, parser, argv) -> int:
     from quanta.bench import output
-    from quanta.bench.sweep import GridError, Settings, expand, run_sweep, specs_from_args, validate
+    from quanta.bench.sweep import GridError, Settings, expand, run_sweep, sigterm_unwinds, specs_from_args, validate
 
     try:
         specs = specs_from_args(args)
@@ -213,9 +214,10 @@ def _sweep(args, parser, argv) -> int:
         parser.error("bench sweep needs --grid SPEC (repeatable) or knob lists such as --scheduler continuous --admit-k 1,2,4")
     try:
         conds = expand(specs, args.server_flags)
-        for c in conds:
+        server = external.from_args(args, conds)
+        for c in conds if server is None else ():
             validate(c)
-    except GridError as exc:
+    except (GridError, external.TemplateError) as exc:
         parser.error(str(exc))
     names = [c.name for c in conds]
     if args.baseline and args.baseline not in names:
@@ -223,21 +225,22 @@ def _sweep(args, parser, argv) -> int:
     if not args.out and not args.dry_run:
         parser.error("bench sweep needs --out PREFIX for its results")
     for c in conds:
-        _say(f"{c.name}: quanta serve {' '.join(c.flags)}" + (f"  [invalid: {c.invalid_reason}]" if c.invalid_reason else ""))
+        _say(f"{c.name}: " + (external.listing(server, c) if server else f"quanta serve {' '.join(c.flags)}")
+             + (f"  [invalid: {c.invalid_reason}]" if c.invalid_reason else ""))
+    if server:
+        _say(server.describe())
     if args.dry_run:
         return 0
     w = _workload(args)
-    signal.signal(signal.SIGTERM, _exit_on_signal)  # unwind, so every started server is stopped
-    st = Settings(args.repeats, args.warmup, args.scrape, args.max_duration, args.request_timeout, args.progress)
-    results = run_sweep(conds, w, st, interleave=args.interleave, say=_say)
-    doc = output.document("sweep", _command(argv), w, args.repeats, results, args.baseline or names[0], args.note)
+    st = Settings(args.repeats, args.warmup, args.scrape, args.max_duration, args.request_timeout, args.progress,
+                  args.endpoint, args.ignore_eos, server)
+    with sigterm_unwinds():  # every started server is stopped; the caller's handler is back afterwards
+        results = run_sweep(conds, w, st, interleave=args.interleave, say=_say)
+    note = "; ".join(x for x in (args.note, server.describe() if server else "") if x)
+    doc = output.document("sweep", _command(argv), w, args.repeats, results, args.baseline or names[0], note)
     doc["interleaved"] = args.interleave
     _finish(doc, args, args.title or "quanta bench sweep")
     return 0 if any(r["valid"] for r in results) else 1
-
-
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _report(args, parser) -> int:

@@ -7,14 +7,17 @@ plus a ``chunked`` grid was seed 002's). For each condition the sweep starts
 a fresh server, checks that the applied values (``/v1/config`` and the
 startup line) equal the requested ones (else the condition is marked
 invalid and not measured), runs the workload ``repeats`` times and stops the
-server.
+server. Any other server (llama-server, vLLM, ...) is swept through a command
+template instead (:mod:`quanta.bench.external`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import shlex
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +25,7 @@ from pathlib import Path
 from quanta.analysis.report import aggregate, repeat_figures
 from quanta.bench import server as qserver
 from quanta.bench.client import Target
-from quanta.bench.runner import ServerProbe, discover_model, measure
+from quanta.bench.runner import ServerError, ServerProbe, discover_model, measure
 from quanta.bench.workloads import Workload
 
 #: flags that are part of a condition's name when given in its grid spec.
@@ -142,6 +145,25 @@ class Settings:
     max_duration: float = 600.0
     request_timeout: float = 300.0
     progress: bool = True
+    endpoint: str = "completions"
+    ignore_eos: bool = True
+    server: object = None  # QuantaLauncher (default) or external.ExternalServer: start(cond, log_dir), verify(cond, srv)
+
+
+class QuantaLauncher:
+    """Fresh ``quanta serve`` per condition, verified by ``/v1/config`` and the startup line."""
+
+    def start(self, cond: Condition, log_dir: Path) -> qserver.ServerProcess:
+        return qserver.start(cond.flags, log_dir)
+
+    def verify(self, cond: Condition, srv: qserver.ServerProcess) -> tuple[dict, str | None]:
+        """``(result fields, reason)``: the applied config and startup line; the reason when they differ."""
+        sp = ServerProbe(srv.base_url)
+        applied, startup = sp.config(), srv.startup_values()
+        sp.close()
+        requested = qserver.requested_values(cond.flags)
+        reason = (qserver.verify(requested, applied) if applied is not None else None) or qserver.verify(requested, startup)
+        return {"applied": applied, "startup_line": startup}, reason
 
 
 def _new_result(cond: Condition) -> dict:
@@ -154,23 +176,25 @@ def bring_up(cond: Condition, w: Workload, st: Settings, log_dir: Path, result: 
     ``(server, target)``, or ``(None, None)`` with ``result["invalid_reason"]`` set."""
     if cond.invalid_reason:
         return None, None
+    launcher = st.server or QuantaLauncher()
     try:
-        srv = qserver.start(cond.flags, log_dir)
+        srv = launcher.start(cond, log_dir)
     except RuntimeError as exc:
         result["invalid_reason"] = f"server did not start: {str(exc).splitlines()[0]}"
         return None, None
     try:
-        sp = ServerProbe(srv.base_url)
-        applied, startup = sp.config(), srv.startup_values()
-        sp.close()
-        requested = qserver.requested_values(cond.flags)
-        reason = (qserver.verify(requested, applied) if applied is not None else None) or qserver.verify(requested, startup)
-        result.update(applied=applied, startup_line=startup)
+        fields, reason = launcher.verify(cond, srv)
+        result.update(fields)
         if reason:
             result["invalid_reason"] = reason
             srv.stop()
             return None, None
-        target = Target(srv.base_url, discover_model(srv.base_url))
+        try:
+            target = Target(srv.base_url, discover_model(srv.base_url), st.endpoint, st.ignore_eos)
+        except ServerError as exc:
+            result["invalid_reason"] = str(exc)
+            srv.stop()
+            return None, None
         if st.warmup:
             measure(target, Workload(kind="burst", num_requests=st.warmup, prompt_words=w.prompt_words, max_tokens=8),
                     max_duration=st.max_duration, request_timeout=st.request_timeout, progress=False)
@@ -211,7 +235,7 @@ def run_sweep(conds: list[Condition], w: Workload, st: Settings, *, interleave: 
     up: list[tuple[dict, object, Target]] = []
     try:
         for i, (cond, res) in enumerate(zip(conds, results)):
-            say(f"[{i + 1}/{len(conds)}] {cond.name}: quanta serve {' '.join(cond.flags)}")
+            say(f"[{i + 1}/{len(conds)}] {cond.name}: {' '.join(cond.flags)}")
             srv, target = bring_up(cond, w, st, log_dir, res)
             if srv is None:
                 say(f"  invalid: {res['invalid_reason']}")
@@ -239,6 +263,22 @@ def run_sweep(conds: list[Condition], w: Workload, st: Settings, *, interleave: 
     for res in results:
         res["summary"] = aggregate(res["figures"]) if res["valid"] else None
     return results
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """While active, SIGTERM raises ``SystemExit(143)`` so that every ``finally``
+    runs and every started server is stopped; the previous handler is
+    restored on exit (main thread only, as for any ``signal.signal``)."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def specs_from_args(args: argparse.Namespace) -> list[str]:
