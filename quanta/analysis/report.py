@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from quanta.analysis.frontier import pareto_frontier
-from quanta.analysis.stats import fmt_spread, fmt_value, median_iqr
+from quanta.analysis.stats import fmt_spread, fmt_value, known, median_iqr
 
 #: figure name -> (header, scale, digits) for the client-side table.
 CLIENT_COLUMNS = {
@@ -29,6 +29,7 @@ def repeat_figures(metrics: dict) -> dict:
         "e2e_p99": c["e2e"]["p99"], "client_itl_p50": c["itl"]["p50"], "client_itl_p99": c["itl"]["p99"],
         "client_itl_mean": c["itl"]["mean"], "queue_p99": c["queue"]["p99"], "num_failed": c["num_failed"],
         "scrape_overlap": metrics.get("scrape_overlap", math.nan),
+        "prefix_hit_share": c.get("prefix_hit_share", math.nan),
     }
     if t:
         f.update({
@@ -64,7 +65,7 @@ def _count(cond: dict, key: str) -> str:
     if not vals:
         return "n/a"
     med, lo, hi = median_iqr(vals)
-    return f"{med:g}" if lo == hi else f"{med:g} ({lo:g}-{hi:g})"
+    return f"{med:g}" if lo == hi or len(vals) == 1 else f"{med:g} ({lo:g}-{hi:g})"
 
 
 def throughput_ratios(cond: dict, base: dict | None, paired: bool = False) -> list[float]:
@@ -95,31 +96,37 @@ def main_table(conditions: list[dict], baseline: str | None, paired: bool = Fals
         if not c.get("valid", True) or not c.get("figures"):
             lines.append(f"| {c['name']} | " + " | ".join(["invalid: " + c.get("invalid_reason", "no data")] + [""] * (len(head) - 2)) + " |")
             continue
-        p99 = median_iqr(_vals(c, "itl_p99"))
+        p99_vals = _vals(c, "itl_p99")
+        p99 = median_iqr(p99_vals)
+        spread = "n/a" if math.isnan(p99[0]) else "n/a (1 repeat)" if known(p99_vals) == 1 else f"{p99[1] * 1e3:.2f}-{p99[2] * 1e3:.2f}"
         thr = _vals(c, "throughput")
         row = [c["name"], _count(c, "prefill_calls"), _count(c, "decode_steps")] + ([_count(c, "mixed_steps")] if mixed else [])
         row += [fmt_value(median_iqr(_vals(c, "itl_p50"))[0], 1e3), fmt_value(p99[0], 1e3),
-                "n/a" if math.isnan(p99[0]) else f"{p99[1] * 1e3:.2f}-{p99[2] * 1e3:.2f}",
+                spread,
                 fmt_spread(thr, 1.0, 1), fmt_spread(throughput_ratios(c, base, paired), 1.0, 2),
                 _count(c, "num_failed"), "yes" if c["name"] in on_front else ""]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def client_table(conditions: list[dict]) -> str:
-    """Client-side latency figures, median (IQR) over repeats, per condition."""
-    head = ["condition"] + [h for h, _, _ in CLIENT_COLUMNS.values()]
+def client_table(conditions: list[dict], simulated: bool = False) -> str:
+    """Client-side latency figures, median (IQR) over repeats, per condition (a simulation has no
+    client queueing: that column is left out)."""
+    cols = {k: v for k, v in CLIENT_COLUMNS.items() if not (simulated and k == "queue_p99")}
+    head = ["condition"] + [h for h, _, _ in cols.values()]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in conditions:
         if c.get("figures"):
-            lines.append("| " + " | ".join([c["name"]] + [fmt_spread(_vals(c, k), s, d) for k, (_, s, d) in CLIENT_COLUMNS.items()]) + " |")
+            lines.append("| " + " | ".join([c["name"]] + [fmt_spread(_vals(c, k), s, d) for k, (_, s, d) in cols.items()]) + " |")
     return "\n".join(lines)
 
 
-def rates_table(conditions: list[dict]) -> str:
-    """Union-of-intervals rates and overlap per condition (server trace, else n/a)."""
+def rates_table(conditions: list[dict], simulated: bool = False) -> str:
+    """Union-of-intervals rates and overlap per condition (server trace, else n/a; a simulation has
+    no scraped overlap column)."""
     cols = [("prefill_rate", "prefill tok/s (union busy)", 1.0, 0), ("decode_rate", "decode tok/s (union busy)", 1.0, 0),
             ("occupancy", "occupancy", 1.0, 2), ("overlap", "overlap (trace)", 1.0, 2), ("scrape_overlap", "overlap (/metrics)", 1.0, 2)]
+    cols = cols[:-1] if simulated else cols
     head = ["condition"] + [h for _, h, _, _ in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in conditions:

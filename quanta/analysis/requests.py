@@ -9,7 +9,12 @@ seconds since the start of the run on the client's clock:
   the client side is included (no coordinated omission).
 - ``sent``: when the request was actually written.
 - ``chunks``: ``[arrival, characters]`` of each streamed chunk that carried text.
-- ``completion_tokens`` / ``prompt_tokens``: from the server's ``usage``.
+- ``completion_tokens`` / ``prompt_tokens``: from the server's ``usage``;
+  ``cached_tokens`` from its ``prompt_tokens_details`` (prefix-cache hits; None
+  when the server does not report them).
+- ``max_tokens``, ``ignore_eos``, ``prompt_size``: what was asked (the output
+  length, exact when ``ignore_eos``; the prompt size in words, or in tokens
+  for a trace request).
 
 Tokens are counted from ``usage``, not from chunks. When the number of text
 chunks equals the token count each chunk is one token; otherwise (a chunk
@@ -44,6 +49,9 @@ class RequestSample:
     error_detail: str | None = None
     tag: str = ""
     max_tokens: int | None = None
+    ignore_eos: bool | None = None
+    prompt_size: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -116,7 +124,8 @@ def client_metrics(samples: list[RequestSample]) -> dict:
     successful requests; failed ones are counted per condition in
     ``errors`` and ``num_failed``, never silently dropped. ``throughput`` is
     output tokens (usage) of successful requests per second of the run (first
-    scheduled send to last response end).
+    scheduled send to last response end). ``prefix_hit_share`` is cached / prompt tokens of the
+    successful requests whose server reported cached tokens (NaN when none did).
     """
     ok = [s for s in samples if s.ok]
     per = [request_latencies(s) for s in ok]
@@ -124,6 +133,7 @@ def client_metrics(samples: list[RequestSample]) -> dict:
     pooled["itl"] = [g for p in per for g in p["itl"]]
     tokens = sum(s.completion_tokens or 0 for s in ok)
     wall = run_wall(samples)
+    cached = [s for s in ok if s.cached_tokens is not None and s.prompt_tokens]
     return {
         "num_requests": len(samples),
         "num_ok": len(ok),
@@ -133,6 +143,8 @@ def client_metrics(samples: list[RequestSample]) -> dict:
         "num_missing_usage": sum(1 for s in ok if s.completion_tokens is None),
         "output_tokens": tokens,
         "prompt_tokens": sum(s.prompt_tokens or 0 for s in ok),
+        "cached_tokens": sum(s.cached_tokens for s in cached) if cached else None,
+        "prefix_hit_share": sum(s.cached_tokens for s in cached) / sum(s.prompt_tokens for s in cached) if cached else math.nan,
         "wall": wall,
         "throughput": tokens / wall if wall > 0 else math.nan,
         **{k: summarize(v) for k, v in pooled.items()},

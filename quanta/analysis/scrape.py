@@ -6,6 +6,13 @@ overlap ratio is the share of prefill busy time that fell in windows where
 decode was busy too: coarse (a window of 15 s, as seed 000 used, calls most
 prefill "overlapped"), but available without a trace. A ``mixed`` step
 counts as both prefill and decode time.
+
+A window holding both phases counts all its prefill as overlapped, so the
+figure is only meaningful when windows are short against the run: it is
+reported when the run spans at least :data:`MIN_WINDOWS` scrape windows
+(each at most a tenth of the run), else n/a with the reason
+(:func:`resolved_scrape_overlap`). Even then, phases that alternate faster than
+the window are counted as overlapped: the trace's overlap is the exact one.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 STEP_SECONDS = "engine_step_seconds_total"
 STEPS = "engine_steps_total"
+#: scrape windows a run must span before its scraped overlap is reported
+MIN_WINDOWS = 10
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -62,3 +71,35 @@ def scrape_overlap(scrapes: list[dict]) -> float:
     if total <= 0:
         return math.nan
     return sum(w["prefill"] for w in windows if w["decode"] > 0) / total
+
+
+def resolved_scrape_overlap(scrapes: list[dict]) -> tuple[float, str | None]:
+    """``(overlap, None)`` when the scrapes resolve it (:data:`MIN_WINDOWS` windows at least), else
+    ``(NaN, reason)`` naming how many windows there were."""
+    windows = max(0, len(scrapes) - 1)
+    if not scrapes:
+        return math.nan, "no /metrics scrapes (--scrape S, quanta-style step metrics)"
+    if windows < MIN_WINDOWS:
+        span = scrapes[-1]["t"] - scrapes[0]["t"]
+        return math.nan, (f"{windows} scrape window{'s' * (windows != 1)} over {span:.1f} s; at least {MIN_WINDOWS} "
+                          "are needed to tell the phases apart (scrape more often)")
+    value = scrape_overlap(scrapes)
+    return (value, None) if not math.isnan(value) else (value, "no prefill time between the scrapes")
+
+
+def scrapes_from_trace(records: list[dict], every: float) -> list[dict]:
+    """The scrapes of cumulative busy seconds by step kind a scraper every ``every`` seconds would
+    have read (from the first step start to past the last step end), from a trace's step records;
+    a step counts at its end. For checking the scraped figure against the trace's own."""
+    records = sorted(records, key=lambda r: r["end"])
+    if not records:
+        return []
+    t, end, i, busy, out = min(r["start"] for r in records), records[-1]["end"], 0, {}, []
+    while True:
+        while i < len(records) and records[i]["end"] <= t:
+            busy[records[i]["kind"]] = busy.get(records[i]["kind"], 0.0) + records[i]["end"] - records[i]["start"]
+            i += 1
+        out.append({"t": t, "busy": dict(busy)})
+        if t >= end:
+            return out
+        t += every

@@ -44,6 +44,11 @@ def summarize(samples: Sequence[float]) -> dict:
     return out
 
 
+def known(values: Sequence[float]) -> int:
+    """How many of ``values`` are numbers (not None, not NaN)."""
+    return sum(1 for v in values if v is not None and not math.isnan(v))
+
+
 def median_iqr(values: Sequence[float]) -> tuple[float, float, float]:
     """``(median, p25, p75)`` of per-repeat figures, NaNs left out; all NaN if none remain."""
     xs = [v for v in values if v is not None and not math.isnan(v)]
@@ -53,10 +58,13 @@ def median_iqr(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def fmt_spread(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
-    """``"median (p25-p75)"`` of ``values`` times ``scale``; ``"n/a"`` if no value."""
+    """``"median (p25-p75)"`` of ``values`` times ``scale``; the value alone when only one is known
+    (one repeat has no spread); ``"n/a"`` if no value."""
     med, lo, hi = median_iqr(values)
     if math.isnan(med):
         return "n/a"
+    if known(values) == 1:
+        return f"{med * scale:.{digits}f}"
     return f"{med * scale:.{digits}f} ({lo * scale:.{digits}f}-{hi * scale:.{digits}f})"
 
 

@@ -64,6 +64,19 @@ def add_workload_group(p: argparse.ArgumentParser, title: str) -> argparse._Argu
     g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output appended per turn (default 128)")
     g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
     g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed; repeat r uses seed + r (default 0)")
+    g.add_argument("--prompt-dist", default="fixed", metavar="DIST",
+                   help="prompt sizes around --prompt-words: fixed, uniform:R (as vllm --random-range-ratio), "
+                        "lognormal:SIGMA, file:PATH (default fixed)")
+    g.add_argument("--output-dist", default="fixed", metavar="DIST",
+                   help="output lengths around --max-tokens: fixed, uniform:R, lognormal:SIGMA, file:PATH, "
+                        "eos (natural EOS length, --max-tokens caps it) (default fixed)")
+    t = p.add_argument_group("trace workload (--workload trace: a Mooncake JSONL request trace)")
+    t.add_argument("--trace", metavar="FILE", help="trace file: timestamp (ms), input_length, output_length, hash_ids per line")
+    t.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply the trace's arrival gaps (2: half the rate) (default 1)")
+    t.add_argument("--length-scale", type=_positive_float, default=1.0,
+                   help="multiply prompt, output and 512-token block lengths (0.05: 7k-token prompts become 350) (default 1)")
+    t.add_argument("--start", dest="trace_start", type=_nonneg_int, default=0, help="first trace line replayed, 0-based (default 0)")
+    t.add_argument("--limit", dest="trace_limit", type=_positive_int, help="requests replayed (default: to the end of the trace)")
     return g
 
 
@@ -127,10 +140,16 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     return bench
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def workload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
+    """The workload of the shared workload flags, checked (:meth:`Workload.check`): exit 2 on bad input."""
     names = Workload.__dataclass_fields__
     kw = {k: getattr(args, k) for k in names if k not in ("kind",) and hasattr(args, k)}
-    return Workload(kind=args.workload, **kw)
+    w = Workload(kind=args.workload, **kw)
+    try:
+        w.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return w
 
 
 def _command(argv: list[str] | None) -> str:
@@ -169,7 +188,7 @@ def _run(args, parser, argv) -> int:
     from quanta.bench.client import Target
     from quanta.bench.runner import ServerError, ServerProbe, discover_model, measure
 
-    w = _workload(args)
+    w = workload_from_args(args, parser)
     try:
         model = args.model or discover_model(args.base_url)
     except ServerError as exc:
@@ -231,7 +250,7 @@ def _sweep(args, parser, argv) -> int:
         _say(server.describe())
     if args.dry_run:
         return 0
-    w = _workload(args)
+    w = workload_from_args(args, parser)
     st = Settings(args.repeats, args.warmup, args.scrape, args.max_duration, args.request_timeout, args.progress,
                   args.endpoint, args.ignore_eos, server)
     with sigterm_unwinds():  # every started server is stopped; the caller's handler is back afterwards

@@ -61,15 +61,16 @@ class Clock:
         return time.perf_counter() - self.t0
 
 
-def body(target: Target, prompt: str | list[dict], max_tokens: int) -> dict:
-    """The JSON body of one streamed request (temperature 0, usage requested)."""
+def body(target: Target, prompt: str | list[dict], max_tokens: int, ignore_eos: bool = True) -> dict:
+    """The JSON body of one streamed request (temperature 0, usage requested); ``ignore_eos`` is sent
+    when both the target and the request ask for it."""
     b = {"model": target.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
          "stream_options": {"include_usage": True}}
     if target.endpoint == "chat":
         b["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     else:
         b["prompt"] = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-    if target.ignore_eos:
+    if target.ignore_eos and ignore_eos:
         b["ignore_eos"] = True
     return {**b, **target.extra}
 
@@ -98,18 +99,20 @@ def _error_message(raw: bytes) -> str:
 
 
 async def send(client: httpx.AsyncClient, target: Target, sample: RequestSample, prompt, max_tokens: int,
-               clock: Clock, keep_text: list[str] | None = None) -> RequestSample:
+               clock: Clock, keep_text: list[str] | None = None, ignore_eos: bool = True) -> RequestSample:
     """Send one request and fill ``sample`` (its ``scheduled`` already set).
 
     ``keep_text``, when given, receives the streamed text pieces (for
-    multi-turn replay). Cancellation marks the sample ``deadline`` unless it
-    already finished, then re-raises.
+    multi-turn replay). ``ignore_eos`` False lets this request end at EOS even
+    when the target sends ``ignore_eos``. Cancellation marks the sample
+    ``deadline`` unless it already finished, then re-raises.
     """
     sample.max_tokens = max_tokens
+    sample.ignore_eos = target.ignore_eos and ignore_eos
     sample.sent = clock.now()
     got_done = False
     try:
-        async with client.stream("POST", target.url(), json=body(target, prompt, max_tokens)) as resp:
+        async with client.stream("POST", target.url(), json=body(target, prompt, max_tokens, ignore_eos)) as resp:
             if resp.status_code != 200:
                 sample.error, sample.error_detail = f"http_{resp.status_code}", _error_message(await resp.aread())
                 return sample
@@ -143,6 +146,9 @@ async def send(client: httpx.AsyncClient, target: Target, sample: RequestSample,
                 if isinstance(usage, dict):
                     sample.prompt_tokens = usage.get("prompt_tokens", sample.prompt_tokens)
                     sample.completion_tokens = usage.get("completion_tokens", sample.completion_tokens)
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        sample.cached_tokens = details["cached_tokens"]
         if not got_done and sample.finish_reason is None:
             sample.error, sample.error_detail = "truncated", f"stream closed after {len(sample.chunks)} text chunks"
     except asyncio.CancelledError:

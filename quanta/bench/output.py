@@ -33,10 +33,35 @@ HOW_MEASURED = """\
   last response end).
 - **Busy rates**: tokens / length of the *union* of the step intervals of that phase (no double
   counting); occupancy = busy / wall. **Overlap**: share of prefill time during which another request was
-  decoding, from the trace and from `quanta:engine_step_seconds_total` scraped every `--scrape` seconds.
+  decoding, from the trace and from `quanta:engine_step_seconds_total` scraped every `--scrape` seconds
+  (the scraped figure only when the run spans enough scrape windows to tell the phases apart, else n/a).
+- **Lengths**: each request's prompt size and output length are drawn as the workload says and recorded
+  per request (`max_tokens`, `ignore_eos`, `prompt_size` in the JSON); prompt and output tokens below are
+  the server's `usage` counts. **Prefix hits**: `usage.prompt_tokens_details.cached_tokens` / prompt tokens.
 - **Failed requests** are excluded from latency samples but counted per condition (column `failed`,
   section Errors); none is dropped silently.
 """
+
+
+HOW_SIMULATED = """\
+- **Simulated**: quanta's own scheduler and Engine ran every step; only the executor is a cost model
+  (the profile below gives each step's seconds) and the clock is virtual. Each emitted token is one
+  streamed chunk arriving at the end of its step; ITL is the server-trace ITL of the simulated trace.
+- **Repeats**: every figure is the median over the repeats with the IQR (p25-p75) in parentheses (one
+  repeat: the value alone); repeat r uses seed + r.
+- **Throughput**: output tokens / simulated wall time (first scheduled request to last end).
+- **Busy rates, overlap**: as for a measured run, from the simulated trace.
+- **Lengths**: prompt sizes and output lengths drawn as the workload says, recorded per request.
+"""
+
+#: what a run of quanta simulate leaves out (printed in its report)
+NOT_SIMULATED = (
+    "HTTP, the client and its queueing (a request reaches the engine at its scheduled time, or after a replayed send delay)",
+    "tokenization, detokenization and the server's event loop between steps",
+    "other load on the machine (the profile's step times, with its step noise if it has one, are all there is)",
+    "end-of-sequence: outputs have exactly the planned length (as with ignore_eos)",
+    "KV memory beyond the slot count, and /metrics scrapes (no scraped overlap)",
+)
 
 
 def machine() -> dict:
@@ -80,8 +105,13 @@ def _clean(x):
 
 
 def document(kind: str, command: str, workload, repeats: int, conditions: list[dict], baseline: str | None, note: str = "") -> dict:
-    """The result document written as JSON."""
-    return {"kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    """The result document written as JSON (a trace workload's own block reuse in ``trace_reuse``)."""
+    extra = {}
+    if workload.kind == "trace":
+        from quanta.bench.mooncake import reuse
+
+        extra["trace_reuse"] = reuse(workload.trace_requests(), workload.block_tokens())
+    return {**extra, "kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
             "command": command, "workload": workload.to_dict(), "workload_text": workload.describe(), "repeats": repeats,
             "baseline": baseline, "note": note, "code": code_version(), "conditions": conditions}
 
@@ -156,33 +186,104 @@ def _load(doc: dict) -> str:
     return f"{min(loads):.2f}-{max(loads):.2f}" if loads else "n/a"
 
 
+def _machine_lines(doc: dict) -> list[str]:
+    """Where the figures come from: this machine and its load, or a simulation's profile."""
+    if doc.get("kind") != "simulate":
+        m = doc["machine"]
+        return [f"- machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['platform']}, Python {m['python']}",
+                f"- 1-minute load average around the repeats: {_load(doc)} (other work on the machine inflates latencies)"]
+    p = doc.get("profile") or {}
+    m = p.get("machine")
+    where = (f"{m.get('cpu')}, {m.get('logical_cores')} logical cores" if isinstance(m, dict) else m) or "not stated"
+    lines = [f"- simulated on cost profile `{p.get('path', 'see note')}` ({p.get('name') or 'unnamed'}; model {p.get('model') or 'n/a'}), "
+             f"whose step times were measured on: {where}"]
+    if "prefix_cache" in doc:
+        lines.append(f"- prefix cache: {'on' if doc['prefix_cache'] else 'off'} (quanta serve's default is on)")
+    return lines
+
+
+def _pooled(c: dict, key: str) -> list[int]:
+    return [s[key] for r in c.get("runs", []) for s in r["samples"] if s.get(key) is not None and not s.get("error")]
+
+
+def _lengths_section(doc: dict) -> str:
+    """Per condition: the per-request prompt and output tokens (usage) pooled over repeats, min / p50 / max."""
+    from quanta.analysis.stats import percentile
+
+    rows = ["| condition | requests ok | prompt tokens min / p50 / max | output tokens min / p50 / max | exact outputs (ignore_eos) |",
+            "|---|---|---|---|---|"]
+    for c in doc["conditions"]:
+        p, o = _pooled(c, "prompt_tokens"), _pooled(c, "completion_tokens")
+        if not p or not o:
+            continue
+        eos = [s.get("ignore_eos") for r in c["runs"] for s in r["samples"] if not s.get("error")]
+        known = [e for e in eos if e is not None]
+        exact = f"{sum(known)}/{len(known)}" if known else "n/a"
+        fmt = lambda xs: f"{min(xs)} / {percentile(xs, 50):g} / {max(xs)}"  # noqa: E731
+        rows.append(f"| {c['name']} | {len(o)} | {fmt(p)} | {fmt(o)} | {exact} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def _trace_section(doc: dict) -> str:
+    """A trace run: the window's own block reuse beside the prefix-hit share each condition got."""
+    reuse = doc.get("trace_reuse")
+    if not reuse:
+        return ""
+    lines = [f"The window's own reuse: {reuse['repeated_blocks']} of {reuse['blocks']} prompt blocks "
+             f"({reuse['block_reuse']:.1%}) repeat a block an earlier request of the window sent; an unbounded "
+             f"prefix cache could serve {reuse['prefix_reuse']:.1%} of the prompt tokens (leading repeated blocks of "
+             f"{reuse['block_tokens']} tokens). The share a server got is cached / prompt tokens of its `usage`.", "",
+             "| condition | prefix-hit share (median over repeats) | vs the window's prefix reuse |", "|---|---|---|"]
+    for c in doc["conditions"]:
+        if c.get("figures"):
+            vals = [f.get("prefix_hit_share") for f in c["figures"]]
+            med = median_iqr([math.nan if v is None else v for v in vals])[0]
+            ratio = "n/a" if math.isnan(med) or not reuse["prefix_reuse"] else f"{med / reuse['prefix_reuse']:.2f}"
+            lines.append(f"| {c['name']} | {fmt_spread([math.nan if v is None else v for v in vals], 100, 1)}% | {ratio} |")
+    return "\n".join(lines)
+
+
+def _scrape_notes(doc: dict) -> str:
+    notes = {}
+    for c in doc["conditions"]:
+        for r in c.get("runs", []):
+            why = r.get("metrics", {}).get("scrape_overlap_note")
+            if why and doc.get("kind") != "simulate":
+                notes.setdefault(why, []).append(c["name"])
+    return "\n".join(f"- overlap (/metrics) n/a in {len(set(v))} condition(s) ({', '.join(dict.fromkeys(v))}): {k}"
+                     for k, v in notes.items())
+
+
 def markdown(doc: dict, plot_files: dict[str, str], title: str) -> str:
     """The report: context, how measured, headline table, frontier, other tables, errors, plots."""
-    m = doc["machine"]
-    parts = [f"# {title}", "",
-             f"- date: {doc['created']}",
-             f"- machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['platform']}, Python {m['python']}",
-             f"- 1-minute load average around the repeats: {_load(doc)} (other work on the machine inflates latencies)",
+    simulated = doc.get("kind") == "simulate"
+    parts = [f"# {title}", "", f"- date: {doc['created']}", *_machine_lines(doc),
              f"- command: `{doc['command']}`",
              f"- code: quanta {doc.get('code') or 'unknown'}",
              f"- workload: {doc['workload_text']}",
              f"- repeats: {doc['repeats']} per condition"
              + (", interleaved: all servers up, round r measures every condition once (ratios to the baseline paired per round)"
-                if doc.get("interleaved") else ", one condition after the other")
+                if doc.get("interleaved") else "" if simulated else ", one condition after the other")
              + f"; baseline for throughput ratios: {doc.get('baseline') or 'none'}"]
     if doc.get("note"):
         parts.append(f"- note: {doc['note']}")
     src = {f.get("itl_source") for c in doc["conditions"] for f in c.get("figures", [])}
-    parts += ["", "## How it was measured", "", HOW_MEASURED,
+    how = (["", "## How it was simulated", "", HOW_SIMULATED, "## What a simulation does not model", "",
+            *[f"- {x}" for x in NOT_SIMULATED], ""] if simulated else ["", "## How it was measured", "", HOW_MEASURED])
+    parts += [*how,
               f"## Results (ITL source: {', '.join(sorted(s for s in src if s)) or 'n/a'}; median over repeats, IQR p25-p75)", "",
               main_table(doc["conditions"], doc.get("baseline"), bool(doc.get("interleaved"))), "",
               "## Pareto frontier (throughput up, p99 ITL down; non-dominated conditions)", "", frontier_lines(doc["conditions"]), "",
-              "## Client-side latency (median (IQR) over repeats)", "", client_table(doc["conditions"]), "",
+              "## Client-side latency (median (IQR) over repeats)", "", client_table(doc["conditions"], simulated), "",
               "## Busy time, rates and overlap (server trace / scrapes; n/a for servers without them)", "",
-              rates_table(doc["conditions"]), ""]
-    probe = _probe_section(doc)
-    if probe:
-        parts += ["## Probe", "", probe, ""]
+              rates_table(doc["conditions"], simulated), ""]
+    notes = _scrape_notes(doc)
+    if notes:
+        parts += [notes, ""]
+    for heading, text in (("Request lengths (tokens from usage, pooled over repeats)", _lengths_section(doc)),
+                          ("Trace prefix reuse", _trace_section(doc)), ("Probe", _probe_section(doc))):
+        if text:
+            parts += [f"## {heading}", "", text, ""]
     invalid = [c for c in doc["conditions"] if not c.get("valid", True)]
     if invalid:
         parts += ["## Invalid conditions (not measured)", ""] + [f"- {c['name']}: {c.get('invalid_reason')}" for c in invalid] + [""]

@@ -23,6 +23,15 @@ WORDS = (
 ).split()
 
 
+#: hex characters of the probe's nonce (a full UUID's worth)
+PROBE_NONCE_CHARS = 32
+
+
+def nonce_tokens(hex_chars: int) -> int:
+    """Tokens a nonce of ``hex_chars`` hex characters adds, about 4 characters a BPE token (the simulator's estimate)."""
+    return hex_chars // 4
+
+
 def text(num_words: int, rng: random.Random) -> str:
     """``num_words`` words drawn from :data:`WORDS` with ``rng`` (reproducible)."""
     return " ".join(rng.choice(WORDS) for _ in range(num_words))

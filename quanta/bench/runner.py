@@ -18,7 +18,7 @@ import httpx
 
 from quanta.analysis.intervals import busy_rate, overlap_ratio
 from quanta.analysis.requests import RequestSample, client_intervals, client_metrics, probe_metrics
-from quanta.analysis.scrape import STEP_SECONDS, STEPS, by_kind, parse_prometheus, scrape_overlap
+from quanta.analysis.scrape import STEP_SECONDS, STEPS, by_kind, parse_prometheus, resolved_scrape_overlap
 from quanta.analysis.server_trace import trace_metrics
 from quanta.bench.client import Clock, Target
 from quanta.bench.workloads import Workload, execute
@@ -165,13 +165,15 @@ def compute_metrics(samples: list[RequestSample], trace: list[dict] | None, scra
     """Every figure of one run from its raw data (pure; used again by ``bench report``)."""
     p_iv, d_iv = client_intervals(samples)
     cm = client_metrics(samples)
+    scraped, why = resolved_scrape_overlap(scrapes)
     out = {
         "client": cm,
         "client_busy": {"prefill_rate_lower_bound": busy_rate(cm["prompt_tokens"], p_iv),
                         "decode_rate": busy_rate(cm["output_tokens"], d_iv),
                         "overlap": overlap_ratio(p_iv, d_iv) if p_iv else math.nan},
         "trace": trace_metrics(trace) if trace else None,
-        "scrape_overlap": scrape_overlap(scrapes) if len(scrapes) > 1 else math.nan,
+        "scrape_overlap": scraped,
+        "scrape_overlap_note": why,
     }
     if kind == "probe":
         probes = [s for s in samples if s.tag == "probe"]

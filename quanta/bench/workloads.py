@@ -5,11 +5,19 @@
   gamma(``burstiness``) inter-arrival gaps (open loop).
 - ``concurrency``: N requests, ``concurrency`` in flight (closed loop; a
   request is scheduled when the one before it in that lane finishes).
+- ``trace``: a window of a Mooncake request trace (:mod:`quanta.bench.mooncake`):
+  its arrival times, exact lengths and shared prefix blocks, scaled.
 - ``probe``: ``sessions`` streams decoding continuously, then one cold
   prompt of ``probe_words`` words starting with a per-run unique prefix.
 - ``replay``: ``sessions`` multi-turn agents started ``stagger`` seconds
   apart; every turn resends the whole conversation plus a tool output of
   ``tool_words`` words.
+
+The requests of burst, poisson, gamma, concurrency and trace are planned once
+by :func:`plan` (send time, prompt size, output length, shared blocks), which
+the bench client and the simulator (:mod:`quanta.sim.run`) both execute, so
+the two send the same requests. Prompt and output lengths of the synthetic
+kinds come from ``prompt_dist`` / ``output_dist`` (:mod:`quanta.bench.lengths`).
 
 Every request's latency counts from its scheduled time, so waiting on the
 client side is included. Every loop is bounded by the request count and the
@@ -25,15 +33,22 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from quanta.analysis.requests import RequestSample
-from quanta.bench import prompts
+from quanta.bench import lengths, mooncake, prompts
 from quanta.bench.client import Clock, Target, send
 
-KINDS = ("burst", "poisson", "gamma", "concurrency", "probe", "replay")
+KINDS = ("burst", "poisson", "gamma", "concurrency", "trace", "probe", "replay")
+#: kinds whose requests :func:`plan` lays out (the others react to responses)
+PLANNED = ("burst", "poisson", "gamma", "concurrency", "trace")
 
 
 @dataclass
 class Workload:
-    """One workload's parameters (sizes in words ~ tokens, times in seconds)."""
+    """One workload's parameters (sizes in words ~ tokens, times in seconds).
+
+    ``prompt_dist`` / ``output_dist``: length distributions around ``prompt_words`` /
+    ``max_tokens`` (see :mod:`quanta.bench.lengths`). ``trace`` .. ``trace_limit``: the
+    ``trace`` kind's file, scaling and window (see :mod:`quanta.bench.mooncake`).
+    """
 
     kind: str = "burst"
     num_requests: int = 64
@@ -50,21 +65,70 @@ class Workload:
     tool_words: int = 128
     stagger: float = 15.0
     seed: int = 0
+    prompt_dist: str = "fixed"
+    output_dist: str = "fixed"
+    trace: str | None = None
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    trace_start: int = 0
+    trace_limit: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Workload":
+        """A workload from :meth:`to_dict` output (keys of older results tolerated)."""
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def check(self) -> None:
+        """Refuse flags that do not apply and unusable files, before any work.
+
+        Raises:
+            ValueError: (:class:`~quanta.bench.lengths.LengthError`, :class:`~quanta.bench.mooncake.TraceError`)
+                with a one-line message naming the flag.
+        """
+        for flag, spec in (("--prompt-dist", self.prompt_dist), ("--output-dist", self.output_dist)):
+            lengths.parse(spec, allow_eos=flag == "--output-dist")
+            if spec != "fixed" and self.kind not in PLANNED[:4]:
+                raise ValueError(f"{flag} applies to burst/poisson/gamma/concurrency, not --workload {self.kind}"
+                                 + (" (the trace gives every length)" if self.kind == "trace" else ""))
+        if self.kind == "trace":
+            if not self.trace:
+                raise ValueError("--workload trace needs --trace FILE (Mooncake JSONL)")
+            self.trace_requests()
+        elif self.trace or self.trace_start or self.trace_limit is not None or (self.time_scale, self.length_scale) != (1.0, 1.0):
+            raise ValueError("--trace, --start, --limit, --time-scale and --length-scale need --workload trace")
+
+    def trace_requests(self) -> tuple[mooncake.TraceRequest, ...]:
+        """The replayed trace window (``trace`` kind); raises :class:`~quanta.bench.mooncake.TraceError`."""
+        return mooncake.load(self.trace, self.trace_start, self.trace_limit, self.time_scale, self.length_scale)
+
+    def block_tokens(self) -> int:
+        return mooncake.block_tokens(self.length_scale)
+
+    def _lengths(self) -> str:
+        p = lengths.describe(self.prompt_dist, self.prompt_words, "words")
+        o = lengths.describe(self.output_dist, self.max_tokens, "tokens")
+        return f"prompts {p}, outputs {o}"
+
     def describe(self) -> str:
-        """One line saying what was sent."""
+        """One line saying what was sent (with the scaling of a trace)."""
         k = self.kind
-        common = f"max_tokens={self.max_tokens}"
         if k == "burst":
-            return f"burst: {self.num_requests} requests at once, {self.prompt_words}-word prompts, {common}"
+            return f"burst: {self.num_requests} requests at once, {self._lengths()}"
         if k in ("poisson", "gamma"):
             shape = f", burstiness {self.burstiness}" if k == "gamma" else ""
-            return f"{k}: {self.num_requests} requests at {self.rate}/s{shape}, {self.prompt_words}-word prompts, {common}"
+            return f"{k}: {self.num_requests} requests at {self.rate}/s{shape}, {self._lengths()}"
         if k == "concurrency":
-            return f"concurrency: {self.num_requests} requests, {self.concurrency} in flight, {self.prompt_words}-word prompts, {common}"
+            return f"concurrency: {self.num_requests} requests, {self.concurrency} in flight, {self._lengths()}"
+        if k == "trace":
+            reqs = self.trace_requests()
+            end = reqs[-1].index + 1
+            return (f"trace: {len(reqs)} requests of {self.trace} (lines {reqs[0].index + 1}-{end}), arrival gaps x{self.time_scale:g} "
+                    f"(window {reqs[-1].t:.1f} s), prompt and output lengths x{self.length_scale:g} "
+                    f"({self.block_tokens()}-token blocks for the trace's 512), exact outputs (ignore_eos)")
+        common = f"max_tokens={self.max_tokens}"
         if k == "probe":
             return (f"probe: {self.sessions} sessions decoding (max {self.session_tokens} tokens), then one unique "
                     f"{self.probe_words}-word prompt after {self.probe_delay} s, {common}")
@@ -77,7 +141,50 @@ class Workload:
             return self.sessions + 1
         if self.kind == "replay":
             return self.sessions * self.turns
+        if self.kind == "trace":
+            return len(self.trace_requests())
         return self.num_requests
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One planned request.
+
+    Attributes:
+        scheduled: send time (s into the run); None in a closed loop (sent when a lane frees).
+        prompt_size: words (synthetic kinds) or tokens (``trace``: ``trace_request`` is set).
+        max_tokens: output tokens (exact with ``ignore_eos``, else a cap).
+        ignore_eos: the output length is exact.
+        trace_request: the trace entry this request replays, or None.
+    """
+
+    scheduled: float | None
+    prompt_size: int
+    max_tokens: int
+    ignore_eos: bool = True
+    trace_request: mooncake.TraceRequest | None = None
+
+    @property
+    def tag(self) -> str:
+        return f"trace#{self.trace_request.index}" if self.trace_request else ""
+
+
+def plan(w: Workload) -> list[RequestSpec]:
+    """The requests of a planned kind (:data:`PLANNED`), in request-id order.
+
+    Raises:
+        ValueError: ``w.kind`` is not planned (probe and replay react to responses).
+    """
+    if w.kind == "trace":
+        return [RequestSpec(r.t, r.prompt_tokens, r.output_tokens, True, r) for r in w.trace_requests()]
+    if w.kind not in PLANNED:
+        raise ValueError(f"{w.kind} is not a planned workload")
+    n = w.num_requests
+    times = [None] * n if w.kind == "concurrency" else arrival_times(w.kind, n, w.rate, w.burstiness, random.Random(w.seed))
+    sizes = lengths.draw(w.prompt_dist, w.prompt_words, n, w.seed, "prompt")
+    outs = lengths.draw(w.output_dist, w.max_tokens, n, w.seed, "output")
+    eos = w.output_dist != "eos"
+    return [RequestSpec(t, p, o, eos) for t, p, o in zip(times, sizes, outs)]
 
 
 def arrival_times(kind: str, n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -116,8 +223,16 @@ class Run:
         self.samples.append(s)
         return s
 
-    async def request(self, sample: RequestSample, prompt, max_tokens: int, keep_text=None) -> RequestSample:
-        await send(self.client, self.target, sample, prompt, max_tokens, self.clock, keep_text)
+    def text(self, spec: RequestSpec, salt: str) -> str:
+        """The prompt text of a planned request (a trace request's blocks salted by ``salt``)."""
+        if spec.trace_request is not None:
+            return mooncake.prompt_text(spec.trace_request, self.w.block_tokens(), salt)
+        return prompts.prompt(spec.prompt_size, self.rng)
+
+    async def request(self, sample: RequestSample, prompt, max_tokens: int, keep_text=None, ignore_eos: bool = True,
+                      prompt_size: int | None = None) -> RequestSample:
+        sample.prompt_size = prompt_size
+        await send(self.client, self.target, sample, prompt, max_tokens, self.clock, keep_text, ignore_eos)
         self.on_done(sample)
         return sample
 
@@ -128,28 +243,27 @@ class Run:
             await asyncio.sleep(delay)
 
 
-async def _open_loop(run: Run) -> None:
+async def _planned(run: Run) -> None:
+    """Every planned kind: open loop at the planned times, or ``concurrency`` lanes in a closed loop."""
     w = run.w
-    times = arrival_times(w.kind, w.num_requests, w.rate, w.burstiness, run.rng)
-    texts = [prompts.prompt(w.prompt_words, run.rng) for _ in times]
+    specs = plan(w)
+    salt = prompts.unique_prefix()  # one run's trace blocks never hit an earlier run's cache
+    texts = iter([(s, run.text(s, salt)) for s in specs])
 
-    async def one(t: float, text: str) -> None:
-        sample = run.new_sample(t)
-        await run.at(t)
-        await run.request(sample, text, w.max_tokens)
-
-    await asyncio.gather(*(one(t, p) for t, p in zip(times, texts)))
-
-
-async def _closed_loop(run: Run) -> None:
-    w = run.w
-    texts = iter([prompts.prompt(w.prompt_words, run.rng) for _ in range(w.num_requests)])
+    async def one(spec: RequestSpec, text: str) -> None:
+        sample = run.new_sample(spec.scheduled, spec.tag)
+        await run.at(spec.scheduled)
+        await run.request(sample, text, spec.max_tokens, ignore_eos=spec.ignore_eos, prompt_size=spec.prompt_size)
 
     async def lane() -> None:
-        for text in texts:  # shared iterator: each request is taken by exactly one lane
-            await run.request(run.new_sample(run.clock.now()), text, w.max_tokens)
+        for spec, text in texts:  # shared iterator: each request is taken by exactly one lane
+            sample = run.new_sample(run.clock.now(), spec.tag)
+            await run.request(sample, text, spec.max_tokens, ignore_eos=spec.ignore_eos, prompt_size=spec.prompt_size)
 
-    await asyncio.gather(*(lane() for _ in range(min(w.concurrency, w.num_requests))))
+    if w.kind == "concurrency":
+        await asyncio.gather(*(lane() for _ in range(min(w.concurrency, w.num_requests))))
+    else:
+        await asyncio.gather(*(one(s, t) for s, t in texts))
 
 
 async def _probe(run: Run) -> None:
@@ -161,7 +275,7 @@ async def _probe(run: Run) -> None:
         await asyncio.sleep(0.01)
     await asyncio.sleep(w.probe_delay)
     probe = run.new_sample(run.clock.now(), "probe")
-    await run.request(probe, prompts.prompt(w.probe_words, run.rng, nonce_chars=32), w.max_tokens)
+    await run.request(probe, prompts.prompt(w.probe_words, run.rng, nonce_chars=prompts.PROBE_NONCE_CHARS), w.max_tokens)
     await asyncio.sleep(w.probe_delay)
     for t in tasks:
         t.cancel()
@@ -189,8 +303,7 @@ async def _replay(run: Run) -> None:
     await asyncio.gather(*(agent(i) for i in range(w.sessions)))
 
 
-_RUNNERS = {"burst": _open_loop, "poisson": _open_loop, "gamma": _open_loop,
-            "concurrency": _closed_loop, "probe": _probe, "replay": _replay}
+_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay}
 
 
 async def execute(client: httpx.AsyncClient, target: Target, w: Workload, max_duration: float, on_done=None,

@@ -27,6 +27,8 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", help="output prefix: PREFIX.json, PREFIX.md, PREFIX-*.png")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     g.add_argument("--title", help="report title")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="no prefix reuse across slots (quanta serve --no-prefix-cache); default on, as quanta serve")
 
 
 def add_commands(sub, register_once) -> None:
@@ -134,6 +136,7 @@ def build_sub_parser() -> argparse.ArgumentParser:
 
 def _simulate(args, parser, argv) -> int:
     from quanta.bench import output
+    from quanta.bench.cli import workload_from_args
     from quanta.bench.workloads import Workload
     from quanta.sim.profile import Profile, ProfileError
     from quanta.sim.run import condition, simulate
@@ -146,15 +149,17 @@ def _simulate(args, parser, argv) -> int:
         return _compare(args, parser, argv, profile)
     if args.also_profile:
         parser.error("--also-profile needs --compare")
-    if args.out:
-        writable_prefix(args.out, parser)
+    w = workload_from_args(args, parser)
+    if w.output_dist == "eos":
+        parser.error("--output-dist eos: simulated tokens never end at EOS; give the measured lengths "
+                     "as --output-dist file:PATH instead")
     if args.sweep:
         grid = _sweep_configs(args, parser, profile)
     else:
         sched = _sched_config(args, parser, profile)
         grid = [(sched.name, None, sched)]
-    kw = {k: getattr(args, k) for k in Workload.__dataclass_fields__ if k != "kind" and hasattr(args, k)}
-    w = Workload(kind=args.workload, **kw)
+    if args.out:
+        writable_prefix(args.out, parser)
     conds, autos = [], []
     for name, flags, sched in grid:
         if "auto" in (flags or []) or args.mixed_prefill_quantum == "auto":
@@ -162,13 +167,17 @@ def _simulate(args, parser, argv) -> int:
         runs = []
         for r in range(args.repeats):
             wr = Workload(**{**w.to_dict(), "seed": w.seed + r})
-            runs.append(simulate(profile, sched, wr, tokens_per_word=args.tokens_per_word, max_duration=args.max_duration))
+            runs.append(simulate(profile, sched, wr, tokens_per_word=args.tokens_per_word, max_duration=args.max_duration,
+                                 prefix_cache=args.prefix_cache))
         conds.append(condition(name, runs, flags))
     baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
     note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
     note += "".join(f" {a}." for a in autos)
     doc = output.document("simulate", "quanta " + shlex.join(argv if argv is not None else sys.argv[1:]), w, args.repeats,
                           conds, baseline, note)
+    doc["profile"] = {"path": args.profile, "name": profile.meta.get("name"), "machine": profile.meta.get("machine"),
+                      "model": profile.meta.get("model"), "source": profile.meta.get("source")}
+    doc["prefix_cache"] = args.prefix_cache
     print(output.headline(doc))
     if args.out:
         for path in output.write_outputs(doc, Path(args.out), args.title or "quanta simulate", args.plots):

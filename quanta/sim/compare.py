@@ -166,7 +166,7 @@ def check_measured(path: str, doc) -> None:
 
 def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> list[dict]:
     try:
-        w = Workload(**doc["workload"])
+        w = Workload.from_dict(doc["workload"])
     except TypeError as exc:
         raise CompareError(f"{path}: workload {doc['workload']!r} is not one quanta bench knows: {exc}") from exc
     measured_conds = [c for c in doc["conditions"] if c.get("valid", True) and c.get("runs")]

@@ -9,15 +9,23 @@ client adds no queueing), and the engine's trace is kept as dicts, so
 :func:`quanta.bench.runner.compute_metrics` and every ``quanta.analysis``
 function apply unchanged.
 
-Prompt lengths: ``prompt_words * tokens_per_word`` tokens (rounded, >= 1) of
-random ids from the workload's seed, or, with ``prompt_lengths``, the i-th
-request's entry of that list (request ids in scheduling order, as the bench
-client numbers them; entries <= 0 and requests past the end fall back to words).
-Output lengths: ``max_tokens`` exactly (the simulated tokens are never EOS,
-like ``--ignore-eos``), or, with ``output_lengths``, replayed from that list
-(cycled). With ``send_delays``, request i reaches the engine that many seconds
-after its scheduled time (e.g. the bench client's measured ``sent - scheduled``:
-a burst's requests arrive spread over some milliseconds, not at one instant).
+Requests: the planned kinds (burst, poisson, gamma, concurrency, trace) run
+:func:`quanta.bench.workloads.plan`, the same requests the bench client sends
+(send times, prompt sizes and output lengths drawn from the workload's
+distributions, a trace's shared blocks); probe and replay react to responses
+as the bench client's do. Prompt lengths: ``prompt_size * tokens_per_word``
+tokens (rounded, >= 1; a trace's sizes are tokens already) of random ids from
+the workload's seed (a trace's blocks: equal hash ids give equal ids), or,
+with ``prompt_lengths``, the i-th request's entry of that list (request ids in
+scheduling order, as the bench client numbers them; entries <= 0 and requests
+past the end fall back to the plan). Output lengths: the planned ``max_tokens``
+exactly (the simulated tokens are never EOS, like ``--ignore-eos``), or, with
+``output_lengths``, the i-th request's entry (e.g. a measured run's completion
+tokens; entries <= 0 fall back). With ``send_delays``, request i reaches the
+engine that many seconds after its scheduled time (e.g. the bench client's
+measured ``sent - scheduled``: a burst's requests arrive spread over some
+milliseconds, not at one instant). ``prefix_cache``: the engine reuses
+prefixes across slots as ``quanta serve`` does by default.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from quanta.analysis.requests import RequestSample
-from quanta.bench.workloads import Workload, arrival_times
+from quanta.bench import mooncake, prompts
+from quanta.bench.workloads import PLANNED, RequestSpec, Workload, plan
 from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.sampling import SamplingParams
@@ -48,6 +57,7 @@ class _Req:
     max_tokens: int
     on_done: Callable[["_Req"], None] | None = None
     seq_id: int | None = None
+    trace_request: mooncake.TraceRequest | None = None
 
 
 class Simulation:
@@ -59,7 +69,7 @@ class Simulation:
                  prompt_lengths: list[int] | None = None, send_delays: list[float] | None = None) -> None:
         self.profile, self.sched, self.w = profile, sched, w
         self.tpw, self.max_duration = tokens_per_word, max_duration
-        self.output_lengths = output_lengths
+        self.output_lengths = output_lengths or []
         self.prompt_lengths = prompt_lengths or []
         self.send_delays = send_delays or []
         self.rng = random.Random(w.seed)
@@ -73,29 +83,39 @@ class Simulation:
         self._pending: list[tuple[float, int, _Req]] = []
         self._order = itertools.count()
         self._live: dict[int, _Req] = {}
-        self._outlen = itertools.cycle(output_lengths) if output_lengths else None
         self._hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ helpers
-    def tokens(self, words: int, request_id: int | None = None) -> int:
-        """Prompt tokens of request ``request_id`` given its size in words."""
+    def tokens(self, size: int, request_id: int | None = None, in_tokens: bool = False) -> int:
+        """Prompt tokens of request ``request_id`` given its size in words (or tokens, ``in_tokens``)."""
         if request_id is not None and request_id < len(self.prompt_lengths) and self.prompt_lengths[request_id] > 0:
             return self.prompt_lengths[request_id]
-        return max(1, round(words * self.tpw))
+        return size if in_tokens else max(1, round(size * self.tpw))
 
-    def schedule(self, t: float, words: int, max_tokens: int, tag: str = "", on_done=None) -> _Req:
-        if self._outlen is not None:
-            max_tokens = next(self._outlen)
-        s = RequestSample(id=len(self.samples), scheduled=t, tag=tag, max_tokens=max_tokens)
+    def schedule(self, t: float, size: int, max_tokens: int, tag: str = "", on_done=None,
+                 trace_request: mooncake.TraceRequest | None = None) -> _Req:
+        """Request a prompt of ``size`` words (a trace request's: tokens) at ``t`` with ``max_tokens`` outputs."""
+        i = len(self.samples)
+        if i < len(self.output_lengths) and self.output_lengths[i] > 0:
+            max_tokens = self.output_lengths[i]
+        s = RequestSample(id=i, scheduled=t, tag=tag, max_tokens=max_tokens, ignore_eos=True, prompt_size=size)
         self.samples.append(s)
-        r = _Req(s, self.tokens(words, s.id), max_tokens, on_done)
-        delay = self.send_delays[s.id] if s.id < len(self.send_delays) else 0.0
+        r = _Req(s, self.tokens(size, i, trace_request is not None), max_tokens, on_done, trace_request=trace_request)
+        delay = self.send_delays[i] if i < len(self.send_delays) else 0.0
         heapq.heappush(self._pending, (t + max(delay, 0.0), next(self._order), r))
         return r
 
+    def schedule_spec(self, spec: RequestSpec, t: float, on_done=None) -> _Req:
+        """Request a planned request at ``t`` (its planned time, or now in a closed loop)."""
+        return self.schedule(t, spec.prompt_size, spec.max_tokens, spec.tag, on_done, spec.trace_request)
+
     def _submit(self, r: _Req) -> None:
         r.sample.sent = self.clock.t
-        ids = [self.rng.randrange(1, VOCAB) for _ in range(r.prompt_len)]
+        tr = r.trace_request
+        if tr is not None and r.prompt_len == tr.prompt_tokens:
+            ids = mooncake.prompt_ids(tr, self.w.block_tokens(), self.w.seed, VOCAB)
+        else:
+            ids = [self.rng.randrange(1, VOCAB) for _ in range(r.prompt_len)]
         seq = self.engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
         r.seq_id = seq.seq_id
         r.sample.prompt_tokens = r.prompt_len
@@ -129,6 +149,7 @@ class Simulation:
                     for _ in out.token_ids:
                         r.sample.chunks.append([out.time, 1.0])
                     r.sample.completion_tokens = out.num_output_tokens
+                    r.sample.cached_tokens = out.num_cached_tokens
                     if out.finished:
                         r.sample.done, r.sample.finish_reason = out.time, out.finish_reason
                         self._live.pop(out.seq_id)
@@ -152,19 +173,19 @@ class Simulation:
 # ---------------------------------------------------------------------- workloads
 
 
-def _open_loop(sim: Simulation) -> None:
+def _planned(sim: Simulation) -> None:
+    """The planned kinds: every request at its planned time, or ``concurrency`` lanes in a closed loop."""
     w = sim.w
-    for t in arrival_times(w.kind, w.num_requests, w.rate, w.burstiness, sim.rng):
-        sim.schedule(t, w.prompt_words, w.max_tokens)
-
-
-def _closed_loop(sim: Simulation) -> None:
-    w = sim.w
-    left = itertools.count()
+    specs = iter(plan(w))
+    if w.kind != "concurrency":
+        for spec in specs:
+            sim.schedule_spec(spec, spec.scheduled)
+        return
 
     def next_one(_r=None) -> None:
-        if next(left) < w.num_requests:
-            sim.schedule(sim.clock.t, w.prompt_words, w.max_tokens, on_done=next_one)
+        spec = next(specs, None)
+        if spec is not None:
+            sim.schedule_spec(spec, sim.clock.t, on_done=next_one)
 
     for _ in range(min(w.concurrency, w.num_requests)):
         next_one()
@@ -177,7 +198,7 @@ def _probe(sim: Simulation) -> None:
 
     def hook() -> None:
         if state["probe"] is None and all(s.sample.chunks or s.sample.done is not None for s in sessions):
-            state["probe"] = sim.schedule(sim.clock.t + w.probe_delay, w.probe_words + 32 // 4, w.max_tokens, "probe", on_done=done)
+            state["probe"] = sim.schedule(sim.clock.t + w.probe_delay, w.probe_words + prompts.nonce_tokens(prompts.PROBE_NONCE_CHARS), w.max_tokens, "probe", on_done=done)
         if state["stop_at"] is not None and sim.clock.t >= state["stop_at"]:
             for s in sessions:
                 sim.cancel(s)
@@ -205,8 +226,7 @@ def _replay(sim: Simulation) -> None:
         turn(i, 0, w.prompt_words, i * w.stagger)
 
 
-_WORKLOADS = {"burst": _open_loop, "poisson": _open_loop, "gamma": _open_loop,
-              "concurrency": _closed_loop, "probe": _probe, "replay": _replay}
+_WORKLOADS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay}
 
 
 def simulate(profile: Profile, sched: SchedulerConfig, w: Workload, **kw) -> dict:
