@@ -4,6 +4,11 @@ The engine thread owns the engine: requests and aborts reach it through a
 command queue, and outputs return to each caller's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. A caller that stops iterating (a client that
 disconnected) aborts its request, which frees its slot.
+
+A request that fails, alone (an output with ``error``, see
+:meth:`Engine.step`) or with its whole step (the executor raised), ends its
+stream with :class:`RequestFailed`; the message names an error id under which
+the log holds the traceback, never the raw exception text.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +30,11 @@ log = logging.getLogger("quanta.engine")
 
 class QueueFullError(RuntimeError):
     """More than ``max_queue`` requests are waiting."""
+
+
+class RequestFailed(RuntimeError):
+    """The request failed inside the engine; ``str()`` is a short message for the
+    client naming the error id that the server log carries with the traceback."""
 
 
 @dataclass
@@ -107,22 +118,27 @@ class AsyncEngine:
                 if self.engine.has_work():
                     self._step()
         except BaseException as exc:  # the engine thread must report, not vanish
-            log.exception("engine loop failed")
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("engine loop failed (error id %s)", error_id)
             self.error = exc
+            failure = RequestFailed(f"the engine stopped (error id {error_id}; details are in the server log)")
             for sub in list(self._routes.values()):
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, exc)
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failure)
 
     def _step(self) -> None:
         """One engine step; a failing step fails only the requests resident in it."""
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; aborting the %d resident requests", len(self.engine.scheduler.running))
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("engine step failed (error id %s); aborting the %d resident requests",
+                          error_id, len(self.engine.scheduler.running))
+            failure = RequestFailed(f"the engine step failed (error id {error_id}; details are in the server log)")
             for seq in list(self.engine.scheduler.running):
                 self.engine.abort(seq.seq_id)
                 sub = self._routes.pop(seq.seq_id, None)
                 if sub is not None:
-                    sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, exc)
+                    sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failure)
             return
         for out in outputs:
             self._deliver(out)
@@ -166,13 +182,17 @@ class AsyncEngine:
 
     def _deliver(self, out: RequestOutput) -> None:
         if self.on_output is not None:
-            self.on_output(out)
+            try:
+                self.on_output(out)
+            except Exception:  # an observer (metrics) must not lose the output
+                log.exception("output listener failed")
         sub = self._routes.get(out.seq_id)
         if sub is None:
             return
         if out.finished:
             del self._routes[out.seq_id]
-        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+        item = RequestFailed(out.error) if out.error is not None else out
+        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
 
 
 def _resolve(future: asyncio.Future) -> None:
@@ -191,6 +211,11 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The next output.
+
+        Raises:
+            RequestFailed: the request failed inside the engine.
+        """
         if self.finished:
             raise StopAsyncIteration
         try:
@@ -200,7 +225,7 @@ class RequestStream:
             raise
         if isinstance(out, BaseException):
             self.finished = True
-            raise RuntimeError(f"engine failed: {out}") from out
+            raise out
         self.finished = out.finished
         return out
 

@@ -9,16 +9,20 @@ virtual clock.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+import uuid
 from collections.abc import Callable
 
 from quanta.engine.executor import Executor
 from quanta.engine.output import RequestOutput, TextState
-from quanta.engine.sampling import SamplingParams
+from quanta.engine.sampling import FailedSample, SamplingParams
 from quanta.engine.scheduler import Scheduler
 from quanta.engine.sequence import Sequence, SequenceStatus
 from quanta.engine.trace import StepRecord, Trace
 from quanta.model.tokenizer import Tokenizer
+
+log = logging.getLogger("quanta.engine")
 
 
 class Engine:
@@ -92,7 +96,14 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns an output per sequence that emitted or finished."""
+        """Run one scheduled step; returns an output per sequence that emitted or finished.
+
+        A failure that belongs to one sequence (its sampling, detokenization
+        or stop check) finishes that sequence alone with ``finish_reason
+        "error"`` (:meth:`_fail`); the others in the step go on. An exception
+        from the executor itself (the batched forward pass) propagates: no
+        single request can be blamed for it.
+        """
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -102,18 +113,39 @@ class Engine:
         end = self.clock()
         outputs = []
         for chunk, token in zip(plan.chunks, sampled, strict=True):
-            chunk.seq.num_computed_tokens += chunk.num_new_tokens
-            if token is not None:
-                outputs.append(self._append_token(chunk.seq, token, end))
+            try:
+                chunk.seq.num_computed_tokens += chunk.num_new_tokens
+                if isinstance(token, FailedSample):
+                    raise token.error
+                if token is not None:
+                    outputs.append(self._append_token(chunk.seq, token, end))
+            except Exception as exc:  # this request's own failure: it alone ends
+                outputs.append(self._fail(chunk.seq, exc, end))
         rec = self.trace.record(
             kind, start, end,
             [c.seq.seq_id for c in plan.chunks],
             [c.num_new_tokens for c in plan.chunks],
-            [int(t is not None) for t in sampled],
+            [int(t is not None and not isinstance(t, FailedSample)) for t in sampled],
         )
         for listener in self.step_listeners:
-            listener(rec)
+            try:
+                listener(rec)
+            except Exception:  # an observer must not fail the requests it observes
+                log.exception("step listener %r failed", listener)
         return outputs
+
+    def _fail(self, seq: Sequence, exc: Exception, now: float) -> RequestOutput:
+        """End ``seq`` with ``finish_reason "error"``; the traceback goes to the
+        log under a short id that the output's ``error`` message names."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request %d failed in the engine (error id %s)", seq.seq_id, error_id, exc_info=exc)
+        seq.finish_reason = "error"
+        if seq.seq_id in self.sequences:
+            self._release(seq)
+        out = self._output(seq, [], "", now)
+        out.finished = True
+        out.error = f"the request failed inside the engine (error id {error_id}; details are in the server log)"
+        return out
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.output_token_ids.append(token)

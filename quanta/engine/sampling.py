@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Temperatures in (0, 0.01) sample as 0.01: dividing float32 logits by less
+#: overflows them to inf and the softmax to NaN (vLLM clamps the same way).
+MIN_TEMPERATURE = 1e-2
+
+#: Seeds are 64-bit signed integers, as in vLLM (``torch.Generator`` refuses more).
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -18,11 +25,12 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (0-2).
+        temperature: 0 means greedy; otherwise logits are divided by it (0-2;
+            values below :data:`MIN_TEMPERATURE` act as it).
         top_p: nucleus mass kept, (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens below ``min_p * p_max``, [0, 1].
-        seed: makes sampling reproducible per request.
+        seed: makes sampling reproducible per request (in :data:`SEED_RANGE`).
         stop: strings that end generation; the stop string is not returned.
         stop_token_ids: token ids that end generation, besides EOS.
         ignore_eos: keep generating past EOS (benchmarks use it for fixed lengths).
@@ -54,6 +62,7 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be between 0 and 1"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed must be a 64-bit signed integer"),
         ]
         for ok, message in checks:
             if not ok:
@@ -62,6 +71,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class FailedSample(int):
+    """A sampled token that is not one: the row's sampling raised ``error``.
+
+    Its value (-1) is no token id; :meth:`quanta.engine.engine.Engine.step`
+    fails the row's request alone when it sees one.
+    """
+
+    error: Exception
+
+    def __new__(cls, error: Exception) -> "FailedSample":
+        self = super().__new__(cls, -1)
+        self.error = error
+        return self
 
 
 class Sampler:
@@ -80,24 +104,30 @@ class Sampler:
             keys: N sequence ids; a seeded request keeps its generator under its key.
 
         Returns:
-            N token ids.
+            N token ids; a row whose sampling raised is a :class:`FailedSample`
+            carrying the exception, so that its request fails alone.
         """
         greedy = logits.argmax(dim=-1).tolist()
-        out = []
+        out: list[int] = []
         for i, p in enumerate(params):
-            if p.greedy and not (p.presence_penalty or p.frequency_penalty):
-                out.append(greedy[i])
-                continue
-            row = _penalize(logits[i].clone(), histories[i], p)
-            out.append(int(row.argmax()) if p.greedy else self._draw(row, p, keys[i]))
+            try:
+                out.append(self._sample_row(logits[i], greedy[i], p, histories[i], keys[i]))
+            except Exception as exc:  # this row's request fails alone (Engine.step)
+                out.append(FailedSample(exc))
         return out
+
+    def _sample_row(self, raw: torch.Tensor, greedy: int, p: SamplingParams, history: list[int], key: int) -> int:
+        if p.greedy and not (p.presence_penalty or p.frequency_penalty):
+            return greedy
+        row = _penalize(raw.clone(), history, p)
+        return int(row.argmax()) if p.greedy else self._draw(row, p, key)
 
     def forget(self, key: int) -> None:
         """Drop the generator of a finished sequence."""
         self._generators.pop(key, None)
 
     def _draw(self, row: torch.Tensor, p: SamplingParams, key: int) -> int:
-        probs = _filtered_probs(row / p.temperature, p)
+        probs = _filtered_probs(row / max(p.temperature, MIN_TEMPERATURE), p)
         gen = None
         if p.seed is not None:
             gen = self._generators.get(key)
