@@ -39,6 +39,7 @@ def test_median_iqr_and_format():
     # seconds -> ms, "median (p25-p75)"
     assert fmt_spread([0.00751, 0.00821, 0.01130, 0.00790, 0.00900], 1e3) == "8.21 (7.90-9.00)"
     assert fmt_spread([]) == "n/a"
+    assert fmt_spread([0.0082], 1e3) == "8.20" and fmt_spread([0.0082, math.nan], 1e3) == "8.20"  # one repeat: no range
     assert fmt_value(math.nan) == "n/a" and fmt_value(0.5, 1e3, 0) == "500"
 
 

@@ -82,3 +82,50 @@ def test_empty_trace_and_trace_files(tmp_path):
     wrapped = tmp_path / "t.json"
     wrapped.write_text(json.dumps({"records": STALL_TRACE}))
     assert load_trace_file(str(wrapped)) == STALL_TRACE
+
+
+# --------------------------------------------------------------------------- scraped overlap vs the trace's
+
+
+def _static_trace():
+    """8 requests prefilled in one 2-s call, then 180 decode steps of 0.1 s: nothing decodes during prefill."""
+    recs = [rec(0, "prefill", 0.0, 2.0, list(range(8)), [32] * 8, [1] * 8)]
+    for i in range(180):
+        recs.append(rec(i + 1, "decode", 2.0 + 0.1 * i, 2.1 + 0.1 * i, list(range(8)), [1] * 8, [1] * 8))
+    return recs
+
+
+def _interleaved_trace():
+    """A decodes for 20 s; 10 other requests' 0.2-s prefills land between its decode steps (all overlapped)."""
+    recs, t, step = [rec(0, "prefill", 0.0, 0.2, [0], [16], [1])], 0.2, 1
+    for i in range(180):
+        recs.append(rec(step, "decode", t, t + 0.1, [0], [1], [1]))
+        t, step = t + 0.1, step + 1
+        if i % 18 == 9:
+            recs.append(rec(step, "prefill", t, t + 0.2, [100 + i], [16], [1]))
+            recs.append(rec(step + 1, "decode", t + 0.2, t + 0.3, [0, 100 + i], [1, 1], [1, 1]))
+            t, step = t + 0.3, step + 2
+    return recs
+
+
+@pytest.mark.parametrize("make, truth", [(_static_trace, 0.0), (_interleaved_trace, 10 / 11)])
+def test_scraped_overlap_is_reported_only_when_enough_windows_resolve_it(make, truth):
+    from quanta.analysis.scrape import MIN_WINDOWS, resolved_scrape_overlap, scrapes_from_trace
+
+    records = make()
+    assert trace_metrics(records)["overlap"] == pytest.approx(truth)
+    coarse, why = resolved_scrape_overlap(scrapes_from_trace(records, 15.0))  # seed 000's 15 s over a ~20 s run
+    assert math.isnan(coarse) and why.startswith("2 scrape windows over") and f"at least {MIN_WINDOWS}" in why
+    fine, why = resolved_scrape_overlap(scrapes_from_trace(records, 1.0))
+    assert why is None and fine == pytest.approx(truth, abs=0.1)  # an upper bound: a window with both phases counts whole
+
+
+def test_the_report_says_why_the_scraped_overlap_is_missing():
+    from quanta.analysis.requests import RequestSample
+    from quanta.analysis.scrape import scrapes_from_trace
+    from quanta.bench.runner import compute_metrics
+
+    s = RequestSample(id=0, scheduled=0.0, sent=0.0, chunks=[[2.0, 1.0], [2.1, 1.0]], done=2.1, completion_tokens=2)
+    m = compute_metrics([s], _static_trace(), scrapes_from_trace(_static_trace(), 15.0), "burst")
+    assert math.isnan(m["scrape_overlap"]) and "2 scrape windows" in m["scrape_overlap_note"]
+    assert compute_metrics([s], None, [], "burst")["scrape_overlap_note"].startswith("no /metrics scrapes")

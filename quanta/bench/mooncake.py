@@ -164,20 +164,23 @@ def reuse(reqs: tuple[TraceRequest, ...] | list[TraceRequest], block: int) -> di
     unbounded prefix cache could serve (each request's leading blocks already seen, capped at its
     prompt length - 1, as a server must compute at least one token).
     """
-    seen: set[int] = set()
+    seen: dict[int, int] = {}  # hash id -> most tokens of that block any earlier request sent
     blocks = repeated = reusable = prompt = 0
     for r in reqs:
         lead, leading, sent = 0, True, []
         for h, n in _blocks(r, block):
             if h is None:
                 continue
-            sent.append(h)
+            sent.append((h, n))
             blocks += 1
-            hit = h in seen
-            repeated += hit
-            leading = leading and hit
-            lead += n if leading else 0
-        seen.update(sent)
+            repeated += h in seen
+            if leading and h in seen:
+                lead += min(n, seen[h])
+                leading = seen[h] >= n  # a block seen only in part ends the reusable prefix
+            else:
+                leading = False
+        for h, n in sent:
+            seen[h] = max(n, seen.get(h, 0))
         reusable += min(lead, r.prompt_tokens - 1)
         prompt += r.prompt_tokens
     return {"requests": len(reqs), "blocks": blocks, "repeated_blocks": repeated,

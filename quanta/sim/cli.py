@@ -158,6 +158,9 @@ def _simulate(args, parser, argv) -> int:
     else:
         sched = _sched_config(args, parser, profile)
         grid = [(sched.name, None, sched)]
+    names = [name for name, _, _ in grid]
+    if args.baseline and args.baseline not in names:
+        parser.error(f"--baseline {args.baseline!r} is not a condition of the grid ({', '.join(names)})")
     if args.out:
         writable_prefix(args.out, parser)
     conds, autos = [], []
