@@ -17,6 +17,7 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.policies import POLICIES
 from quanta.moe import commands as moe_commands
 from quanta.moe.auto import AUTO_PLACEHOLDER, resolve_auto
+from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("quanta")
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429 (default: unbounded)")
     serve.add_argument("--served-model-name", help="model id clients send (default: the model file's name)")
+    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
     gen = sub.add_parser("generate", help="generate a completion offline")
@@ -143,6 +146,8 @@ def _check_command_args(args: argparse.Namespace) -> None:
     """The command's own flags that need no model to validate (else they fail after the load)."""
     if args.command == "serve" and not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.command == "serve" and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be a positive integer, got {args.max_request_bytes}")
     if args.command == "generate":
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from quanta.server.run import serve
 
-        return serve(engine_cfg, sched_cfg, args.host, args.port)
+        return serve(engine_cfg, sched_cfg, args.host, args.port, args.max_request_bytes)
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

@@ -1,1 +1,6 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn)."""
+
+#: Default ``--max-request-bytes`` (:class:`quanta.server.limits.BodyLimit`): 16 MiB,
+#: far above what ``max_model_len`` tokens of text or token ids take in JSON
+#: for the contexts quanta serves. Here so the CLI needs no server imports.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20

@@ -32,20 +32,16 @@ from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
 from quanta.server.app import ServerState, check_model, submit, until_disconnect
-from quanta.server.errors import APIError
-
-#: HTTP status -> Anthropic error type.
-ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-    500: "api_error", 503: "overloaded_error",
-}
+from quanta.engine.async_engine import RequestFailed
+from quanta.server.errors import APIError, anthropic_error_body, internal_error_message, log_internal_error
+from quanta.server.limits import PromptError
+from quanta.server.protocol import NullMeansDefault, StrictFlag, check_stop_strings, integer, number
 
 
 class AnthropicError(Exception):
@@ -57,7 +53,7 @@ class AnthropicError(Exception):
 
     @property
     def body(self) -> dict:
-        return {"type": "error", "error": {"type": ERROR_TYPES.get(self.status, "api_error"), "message": self.message}}
+        return anthropic_error_body(self.status, self.message)
 
 
 class ContentBlock(BaseModel):
@@ -78,7 +74,7 @@ class Message(BaseModel):
         return _text(self.content, where)
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(NullMeansDefault):
     """``POST /v1/messages/count_tokens``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -91,12 +87,17 @@ class CountTokensRequest(BaseModel):
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages`` (ranges as Anthropic documents them)."""
 
-    max_tokens: Annotated[int, Field(ge=1)]
+    max_tokens: integer(ge=1)
     stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    stream: StrictFlag = False
+    temperature: number(ge=0.0, le=1.0) = 1.0
+    top_p: number(gt=0.0, le=1.0) | None = None
+    top_k: integer(ge=0) | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _bounded_stop(cls, stop):
+        return stop if stop is None else check_stop_strings(stop, "stop_sequences")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -117,14 +118,16 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
     return "".join(b.text for b in content)
 
 
-def render_prompt(state: ServerState, body: CountTokensRequest) -> list[int]:
-    """Prompt token ids: the chat template over ``system`` and ``messages``.
+async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[int]:
+    """Prompt token ids: the chat template over ``system`` and ``messages``,
+    rendered and tokenized off the event loop (:class:`quanta.server.limits.PromptWork`).
 
     A final ``assistant`` message is continued: the template renders the
     turns before it with the generation prompt, then its text follows.
 
     Raises:
-        AnthropicError: 400 for tools, non-text content or a template failure.
+        AnthropicError: 400 for tools, non-text content, lone surrogates, a
+            prompt too long for the context or a template failure.
     """
     if body.tools:
         raise AnthropicError(400, "tools: tool use is not supported by this server yet")
@@ -132,13 +135,17 @@ def render_prompt(state: ServerState, body: CountTokensRequest) -> list[int]:
     if body.system:
         chat.append({"role": "system", "content": _text(body.system, "system")})
     chat += [{"role": m.role, "content": m.text(f"messages.{i}.content")} for i, m in enumerate(body.messages)]
+    try:
+        state.prompts.check((m["content"] for m in chat), "messages")
+    except PromptError as exc:
+        raise AnthropicError(400, str(exc)) from exc
     prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else None
     try:
-        ids = state.tokenizer.apply_chat_template(chat)
+        ids = await state.prompts.run(state.tokenizer.apply_chat_template, chat)
     except Exception as exc:  # the model's own template may reject a conversation
         raise AnthropicError(400, f"chat template failed: {exc}") from exc
     if prefill:
-        ids += state.tokenizer.encode(prefill, add_special_tokens=False)
+        ids += await state.prompts.run(state.tokenizer.encode, prefill, False)
     return ids
 
 
@@ -147,6 +154,8 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         data = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as exc:
         raise AnthropicError(400, f"malformed JSON body: {exc}") from exc
+    except RecursionError as exc:
+        raise AnthropicError(400, "malformed JSON body: nested too deeply") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -212,8 +221,9 @@ async def _events(msg_id: str, model: str, stream: RequestStream):
         yield _event("content_block_stop", {"index": 0})
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
         yield _event("message_stop", {})
-    except RuntimeError as exc:  # the engine failed after the response began
-        yield _event("error", {"error": {"type": "api_error", "message": str(exc)}})
+    except Exception as exc:  # the response began: the error goes in the stream
+        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
+        yield _event("error", anthropic_error_body(500, message))
     finally:
         stream.abort()
 
@@ -237,13 +247,13 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     async def count_tokens(request: Request) -> dict:
         body = await _parse(request, CountTokensRequest)
         _check_model(state, body.model)
-        return {"input_tokens": len(render_prompt(state, body))}
+        return {"input_tokens": len(await render_prompt(state, body))}
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         body = await _parse(request, MessagesRequest)
         _check_model(state, body.model)
-        prompt = render_prompt(state, body)
+        prompt = await render_prompt(state, body)
         try:
             stream = await submit(state, prompt, body.max_tokens, body.sampling_params)
         except APIError as exc:

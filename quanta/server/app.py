@@ -14,16 +14,17 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
+from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestFailed, RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.errors import APIError, install_error_handlers
+from quanta.server.errors import APIError, error_body, install_error_handlers, internal_error_message, log_internal_error
+from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, PromptError, PromptWork
 from quanta.server.metrics import EngineMetrics
 from quanta.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -38,6 +39,12 @@ class ServerState:
     max_model_len: int
     config: dict
     metrics: EngineMetrics
+    #: request bodies over this many bytes get HTTP 413; None: no limit
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
+    prompts: PromptWork = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptWork(self.tokenizer, self.max_model_len)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -45,6 +52,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="quanta", version="0.1.0")
     app.state.quanta = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -71,7 +79,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = body.prompt if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+        if isinstance(body.prompt, list):
+            prompt = body.prompt
+        else:
+            try:
+                prompt = await state.prompts.encode(body.prompt, "prompt")
+            except PromptError as exc:
+                raise APIError(400, str(exc), exc.param) from exc
         _check_token_ids(prompt, state.tokenizer.vocab_size)
         return await _serve(state, request, body, prompt, _CompletionFormat())
 
@@ -79,7 +93,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = state.tokenizer.apply_chat_template(messages)
+            state.prompts.check((m["content"] for m in messages), "messages")
+            prompt = await state.prompts.run(state.tokenizer.apply_chat_template, messages)
+        except PromptError as exc:
+            raise APIError(400, str(exc), exc.param) from exc
         except Exception as exc:  # the model's own template may reject a conversation
             raise APIError(400, f"chat template failed: {exc}", "messages") from exc
         return await _serve(state, request, body, prompt, _ChatFormat())
@@ -178,9 +195,12 @@ async def _sse(fmt: "_Format", meta: _Meta, stream: RequestStream, include_usage
                 yield event(fmt.chunk(meta, out.text, out.finish_reason if out.finished else None))
         if include_usage:
             yield f"data: {json.dumps(fmt.usage_chunk(meta, out))}\n\n"
-        yield "data: [DONE]\n\n"
+    except Exception as exc:  # the response began: the error goes in the stream, then [DONE], as vLLM sends it
+        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
+        yield f"data: {json.dumps(error_body(500, message))}\n\n"
     finally:
         stream.abort()
+    yield "data: [DONE]\n\n"
 
 
 def _usage(out: RequestOutput) -> dict:

@@ -3,6 +3,12 @@
 Ranges follow the OpenAI API reference; ``top_k``, ``min_p`` and
 ``ignore_eos`` are the extensions vLLM and llama.cpp's server accept. Unknown
 fields are ignored, as vLLM does.
+
+Types are strict, as OpenAI's API is: ``"4"``, ``4.0`` or ``true`` is no
+integer, ``"0.5"`` no number, ``NaN`` and ``Infinity`` are refused; ``seed``
+is a 64-bit signed integer (as in vLLM). ``null`` means the default, for every
+field. At most :data:`MAX_STOP` stop strings of at most
+:data:`MAX_STOP_CHARS` characters each.
 """
 
 from __future__ import annotations
@@ -11,13 +17,54 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from quanta.engine.sampling import SamplingParams
+from quanta.engine.sampling import SEED_RANGE, SamplingParams
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
+#: Stop strings per request and characters per stop string. OpenAI takes 4;
+#: these leave room for agents' lists while bounding the per-request matcher
+#: (:class:`quanta.engine.output.StopMatcher`) built on the engine thread.
+MAX_STOP, MAX_STOP_CHARS = 32, 256
+
+
+def number(**ranges):
+    """A finite JSON number (an integer is allowed) within ``ranges`` (``ge``, ``le``, ``gt``)."""
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, **ranges)]
+
+
+def integer(**ranges):
+    """A JSON integer (no string, float or boolean) within ``ranges``."""
+    return Annotated[int, Field(strict=True, **ranges)]
+
+
+StrictFlag = Annotated[bool, Field(strict=True)]
+TokenId = Annotated[int, Field(strict=True)]
+
+
+def check_stop_strings(stop: list[str], param: str) -> list[str]:
+    """Raise ``ValueError`` (naming ``param``) beyond :data:`MAX_STOP` strings or :data:`MAX_STOP_CHARS` characters."""
+    if len(stop) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} {param} strings are accepted, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARS:
+            raise ValueError(f"{param}[{i}] has {len(text)} characters; at most {MAX_STOP_CHARS} are accepted")
+    return stop
+
+
+class NullMeansDefault(BaseModel):
+    """A body in which ``null`` for a field means the field's default, as OpenAI allows
+    (``max_tokens: null`` is the same as leaving it out)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictFlag = False
 
 
 class TextPart(BaseModel):
@@ -36,32 +83,31 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(NullMeansDefault):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
+    temperature: number(ge=0.0, le=2.0) = 1.0
+    top_p: number(gt=0.0, le=1.0) = 1.0
+    top_k: integer(ge=-1) = 0
+    min_p: number(ge=0.0, le=1.0) = 0.0
+    seed: integer(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictFlag = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    ignore_eos: bool = False
+    n: integer(ge=1) = 1
+    presence_penalty: number(ge=-2.0, le=2.0) = 0.0
+    frequency_penalty: number(ge=-2.0, le=2.0) = 0.0
+    ignore_eos: StrictFlag = False
 
-    @model_validator(mode="before")
+    @field_validator("stop")
     @classmethod
-    def _null_means_default(cls, data):
-        """OpenAI allows ``null`` for optional fields; it means the default."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in ("max_tokens", "seed", "stop")}
-        return data
+    def _bounded_stop(cls, stop):
+        if stop is not None:
+            check_stop_strings([stop] if isinstance(stop, str) else stop, "stop")
+        return stop
 
     @field_validator("n")
     @classmethod
@@ -84,10 +130,20 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt, as text or token ids.
 
-    prompt: str | list[int] | list[str]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    ``max_tokens`` defaults to 16, as in OpenAI's API and vLLM.
+    """
+
+    prompt: str | list[TokenId] | list[str]
+    max_tokens: integer(ge=1) = 16
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_boolean_ids(cls, prompt):
+        if isinstance(prompt, list) and any(isinstance(t, bool) for t in prompt):
+            raise ValueError("token ids must be integers, not booleans")
+        return prompt
 
     @field_validator("prompt")
     @classmethod
@@ -102,11 +158,16 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``.
+
+    Without ``max_tokens`` (or ``max_completion_tokens``) the answer may fill
+    the rest of the context: up to ``max_model_len`` minus the prompt's
+    tokens, as in vLLM.
+    """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
 
     @model_validator(mode="after")
     def _one_limit(self):

@@ -1,0 +1,173 @@
+"""Input limits that keep one request from stalling the server.
+
+* :class:`BodyLimit`: an ASGI middleware answering HTTP 413 to a request body
+  over ``--max-request-bytes`` before any of it is parsed (chunked bodies
+  included: it stops reading at the limit).
+* :class:`PromptWork`: tokenization and chat templating on a small thread
+  pool, never on the event loop (Hugging Face's fast tokenizer releases the
+  GIL, so ``/health`` and other streams keep being served), after two cheap
+  checks on the text: no lone UTF-16 surrogates (``"a\\ud800b"`` is valid JSON
+  but no text; the tokenizer cannot take it), and no more characters than
+  ``max_model_len`` tokens could span, so an oversized prompt is refused
+  before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from quanta.model.tokenizer import Tokenizer
+from quanta.server import DEFAULT_MAX_REQUEST_BYTES
+from quanta.server.errors import route_error_body
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "PromptError", "PromptWork"]
+
+#: Threads that tokenize and render chat templates.
+PROMPT_WORKERS = 2
+
+T = TypeVar("T")
+
+
+class BodyLimit:
+    """ASGI middleware: HTTP 413 for a request body over ``max_bytes`` bytes.
+
+    The body is read here (up to the limit) and handed on to the app
+    unchanged; the 413 carries the error body of the route's API.
+
+    Args:
+        app: the wrapped ASGI app.
+        max_bytes: the largest body accepted; None disables the limit.
+    """
+
+    def __init__(self, app, max_bytes: int | None) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.max_bytes is None:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _refuse(self, scope, send, size: int | None) -> None:
+        got = f"{size} bytes" if size is not None else "more"
+        message = f"the request body has {got}; this server accepts at most {self.max_bytes} bytes (--max-request-bytes)"
+        body = json.dumps(route_error_body(scope.get("path", ""), 413, message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that yields ``body`` once, then the client's later messages (disconnects)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class PromptError(ValueError):
+    """A prompt refused before or while tokenizing it; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptWork:
+    """Checks prompt text, then tokenizes it on a thread pool.
+
+    Args:
+        tokenizer: the served model's tokenizer.
+        max_model_len: context length in tokens; a prompt must leave room for
+            one output token.
+        workers: threads of the pool.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, workers: int = PROMPT_WORKERS) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_model_len - 1
+        #: no token of the vocabulary decodes to more characters than this
+        self.max_token_chars = max_token_chars(tokenizer)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="quanta-prompt")
+
+    @property
+    def max_chars(self) -> int:
+        """Characters beyond which a prompt cannot fit in ``max_prompt_tokens`` tokens."""
+        return self.max_prompt_tokens * self.max_token_chars
+
+    def check(self, texts: Iterable[str], param: str) -> None:
+        """Refuse lone surrogates and text longer than any fitting prompt.
+
+        ``texts`` are parts of one prompt (message contents): their total is bounded.
+
+        Raises:
+            PromptError: naming ``param``.
+        """
+        total = 0
+        for text in texts:
+            _check_surrogates(text, param)
+            total += len(text)
+        if total > self.max_chars:
+            raise PromptError(
+                f"{param}: the prompt has {total} characters, more than {self.max_prompt_tokens} tokens "
+                f"(max_model_len - 1) can hold: no token of this model spans more than {self.max_token_chars} characters",
+                param,
+            )
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the pool (tokenizing, templating); its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """:meth:`check` then ``tokenizer.encode`` off the event loop."""
+        self.check([text], param)
+        return await self.run(self.tokenizer.encode, text)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token id decodes to, over the whole vocabulary
+    (special tokens included; a partial UTF-8 byte decodes to one character)."""
+    return max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
+
+
+def _check_surrogates(text: str, param: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(
+            f"{param}: the text has a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}; "
+            "send valid Unicode",
+            param,
+        ) from None
