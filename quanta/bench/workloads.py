@@ -33,12 +33,14 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from quanta.analysis.requests import RequestSample
-from quanta.bench import lengths, mooncake, prompts
+from quanta.bench import lengths, mooncake, prompts, sessions
 from quanta.bench.client import Clock, Target, send
 
 KINDS = ("burst", "poisson", "gamma", "concurrency", "trace", "probe", "replay")
 #: kinds whose requests :func:`plan` lays out (the others react to responses)
 PLANNED = ("burst", "poisson", "gamma", "concurrency", "trace")
+#: kinds only the HTTP client runs (``quanta bench``; the simulator does not model them)
+CLIENT_ONLY = ("sessions",)
 
 
 @dataclass
@@ -72,14 +74,22 @@ class Workload:
     length_scale: float = 1.0
     trace_start: int = 0
     trace_limit: int | None = None
+    sessions_file: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Workload":
-        """A workload from :meth:`to_dict` output (keys of older results tolerated)."""
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        """A workload from :meth:`to_dict` output; keys missing (older results) take their defaults.
+
+        Raises:
+            TypeError: a key no workload has.
+        """
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown workload field(s) {', '.join(unknown)}")
+        return cls(**d)
 
     def check(self) -> None:
         """Refuse flags that do not apply and unusable files, before any work.
@@ -93,6 +103,11 @@ class Workload:
             if spec != "fixed" and self.kind not in PLANNED[:4]:
                 raise ValueError(f"{flag} applies to burst/poisson/gamma/concurrency, not --workload {self.kind}"
                                  + (" (the trace gives every length)" if self.kind == "trace" else ""))
+        if (self.kind == "sessions") != bool(self.sessions_file):
+            raise ValueError("--workload sessions needs --sessions-file FILE (written by quanta record)"
+                             if self.kind == "sessions" else "--sessions-file needs --workload sessions")
+        if self.sessions_file:
+            sessions.load(self.sessions_file)  # SessionFileError: a bad file, before anything is sent
         if self.kind == "trace":
             if not self.trace:
                 raise ValueError("--workload trace needs --trace FILE (Mooncake JSONL)")
@@ -128,6 +143,8 @@ class Workload:
             return (f"trace: {len(reqs)} requests of {self.trace} (lines {reqs[0].index + 1}-{end}), arrival gaps x{self.time_scale:g} "
                     f"(window {reqs[-1].t:.1f} s), prompt and output lengths x{self.length_scale:g} "
                     f"({self.block_tokens()}-token blocks for the trace's 512), exact outputs (ignore_eos)")
+        if k == "sessions":
+            return sessions.describe(self.sessions_file)
         common = f"max_tokens={self.max_tokens}"
         if k == "probe":
             return (f"probe: {self.sessions} sessions decoding (max {self.session_tokens} tokens), then one unique "
@@ -143,6 +160,8 @@ class Workload:
             return self.sessions * self.turns
         if self.kind == "trace":
             return len(self.trace_requests())
+        if self.kind == "sessions":
+            return len(sessions.replayed(self.sessions_file))
         return self.num_requests
 
 
@@ -303,7 +322,7 @@ async def _replay(run: Run) -> None:
     await asyncio.gather(*(agent(i) for i in range(w.sessions)))
 
 
-_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay}
+_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay, "sessions": sessions.replay}
 
 
 async def execute(client: httpx.AsyncClient, target: Target, w: Workload, max_duration: float, on_done=None,

@@ -26,6 +26,9 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-duration", type=_positive_float, default=3600.0, help="simulated seconds at most (default 3600)")
     g.add_argument("--out", help="output prefix: PREFIX.json, PREFIX.md, PREFIX-*.png")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    g.add_argument("--no-raw", dest="raw", action="store_false",
+                   help="PREFIX.json without per-token chunks and step traces (figures and per-request lengths kept; "
+                        "the simulation is deterministic, rerun the command for the rest)")
     g.add_argument("--title", help="report title")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="no prefix reuse across slots (quanta serve --no-prefix-cache); default on, as quanta serve")
@@ -185,7 +188,18 @@ def _simulate(args, parser, argv) -> int:
     if args.out:
         for path in output.write_outputs(doc, Path(args.out), args.title or "quanta simulate", args.plots):
             print(f"wrote {path}", file=sys.stderr)
+        if not args.raw:
+            output.write_json(_without_raw(doc), Path(args.out).with_name(Path(args.out).name + ".json"))
     return 0
+
+
+def _without_raw(doc: dict) -> dict:
+    """``doc`` with every run's step trace and every sample's token chunks dropped (``raw: false``)."""
+    runs = [{**r, "trace": None, "samples": [{**s, "chunks": []} for s in r["samples"]]}
+            for c in doc["conditions"] for r in c["runs"]]
+    it = iter(runs)
+    conds = [{**c, "runs": [next(it) for _ in c["runs"]]} for c in doc["conditions"]]
+    return {**doc, "conditions": conds, "raw": False}
 
 
 def _ignored_by_compare(argv: list[str]) -> list[str]:

@@ -6,7 +6,8 @@ same scheduler configuration (parsed from the condition's ``quanta serve``
 flags by the serve parser itself), the same workload, and, for repeat ``r``,
 the prompt lengths the server reported (``usage.prompt_tokens``) and the send
 delays the client recorded (``sent - scheduled``) for the requests of measured
-repeat ``r``, in request order. It then reports, per
+repeat ``r``, in request order (and, for a run whose outputs ended at EOS,
+their measured output lengths). It then reports, per
 condition, the measured median (IQR over repeats) and the simulated median of
 each figure and the relative error ``(simulated - measured) / measured``.
 
@@ -92,6 +93,12 @@ def prompt_lengths(run: dict) -> list[int]:
     return [int(s.get("prompt_tokens") or fill.get(s["id"], 0)) for s in samples]
 
 
+def output_lengths(run: dict) -> list[int]:
+    """Output tokens per request of one measured repeat, in request-id order (0 where unknown): what a run
+    with natural EOS lengths (``--output-dist eos``) produced, for the simulator to replay."""
+    return [int(s.get("completion_tokens") or 0) for s in sorted(run["samples"], key=lambda s: s["id"])]
+
+
 def send_delays(run: dict) -> list[float]:
     """Seconds from scheduled to sent per request of one measured repeat, in request-id order (0 where unsent)."""
     return [max(0.0, s["sent"] - s["scheduled"]) if s.get("sent") is not None else 0.0
@@ -125,8 +132,9 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
     runs = []
     for r, measured in enumerate(cond["runs"]):
         w = replace(workload, seed=workload.seed + r)
+        outs = output_lengths(measured) if workload.output_dist == "eos" else None
         runs.append(Simulation(profile, sched, w, prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
-                               max_duration=max_duration).run())
+                               output_lengths=outs, max_duration=max_duration).run())
     return runs
 
 
