@@ -101,6 +101,28 @@ def _cases(model: str) -> list[tuple[str, str, object, int, list[str], str | Non
         ("empty-prompt-string", "completions", comp(prompt=""), 400, ["empty"], None),
         ("empty-prompt-ids", "completions", comp(prompt=[]), 400, ["empty"], None),
         ("empty-prompt-in-list", "completions", comp(prompt=[""]), 400, ["empty"], None),
+        # issue 12: each of these once reached the engine (a 500, or a step that failed every request)
+        ("seed-2-64", "completions", comp(seed=2**64), 400, ["seed"], "seed"),
+        ("seed-below-int64", "chat/completions", chat(seed=-(2**63) - 1), 400, ["seed"], "seed"),
+        ("temperature-nan", "completions", f'{{"model": "{model}", "prompt": "hi", "temperature": NaN}}', 400, ["temperature", "finite"], "temperature"),
+        ("top-p-infinity", "chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "top_p": Infinity}}', 400, ["top_p"], "top_p"),
+        ("temperature-string", "completions", comp(temperature="0.5"), 400, ["temperature"], "temperature"),
+        ("top-k-float", "completions", comp(top_k=2.5), 400, ["top_k"], "top_k"),
+        ("min-p-above-1", "chat/completions", chat(min_p=1.5), 400, ["min_p"], "min_p"),
+        ("presence-penalty-3", "completions", comp(presence_penalty=3), 400, ["presence_penalty"], "presence_penalty"),
+        ("frequency-penalty-neg", "chat/completions", chat(frequency_penalty=-2.5), 400, ["frequency_penalty"], "frequency_penalty"),
+        ("max-tokens-digit-string", "completions", comp(max_tokens="4"), 400, ["max_tokens"], "max_tokens"),
+        ("max-tokens-bool", "chat/completions", chat(max_tokens=True), 400, ["max_tokens"], "max_tokens"),
+        ("max-completion-tokens-string", "chat/completions", chat(max_completion_tokens="4"), 400, ["max_completion_tokens"], "max_completion_tokens"),
+        ("stream-string", "completions", comp(stream="yes"), 400, ["stream"], "stream"),
+        ("token-ids-booleans", "completions", comp(prompt=[True, False]), 400, ["prompt", "boolean"], "prompt"),
+        ("too-many-stop-strings", "completions", comp(stop=["x" * 60] * 20_000), 400, ["stop", "32"], "stop"),
+        ("stop-string-too-long", "chat/completions", chat(stop=["end", "x" * 257]), 400, ["stop[1]", "256"], "stop"),
+        ("lone-surrogate-prompt", "completions", f'{{"model": "{model}", "prompt": "a\\ud800b"}}', 400, ["surrogate"], "prompt"),
+        ("lone-surrogate-chat", "chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "a\\udc00"}}]}}', 400, ["surrogate"], "messages"),
+        ("prompt-chars-beyond-context", "completions", comp(prompt="word " * 20_000), 400, ["100000 characters", str(MAX_MODEL_LEN - 1)], "prompt"),
+        ("nested-json-completions", "completions", '{"model": "m", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, [], None),
+        ("nested-json-chat", "chat/completions", "[" * 100_000 + "]" * 100_000, 400, [], None),
     ]
 
 
