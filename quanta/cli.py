@@ -1,4 +1,4 @@
-"""``quanta`` command line: ``serve`` and ``generate``.
+"""``quanta`` command line: ``serve`` and ``generate`` (``bench``, ``record``, ``simulate`` and the MoE tools are registered from their packages).
 
 Every flag may be given once: in the seed study a duplicated flag silently
 overrode the intended value and spoiled a whole measurement, so a repeat is
@@ -13,6 +13,7 @@ import logging
 import sys
 
 from quanta.bench.cli import add_bench_parser
+from quanta.bench import record as record_command
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.policies import POLICIES
 from quanta.moe import commands as moe_commands
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_bench_parser(sub)
+    record_command.add_parser(sub, _register_once)
     moe_commands.add_commands(sub, _register_once)
     from quanta.sim import cli as sim_commands
 
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         from quanta.bench.cli import run_bench
 
         return run_bench(args, parser, argv)
+    if args.command == "record":
+        return record_command.main(args, parser)
     if args.command in moe_commands.COMMANDS:
         return moe_commands.main(args, parser)
     if args.command in ("simulate", "profile-engine"):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from quanta.bench import external
-from quanta.bench.workloads import KINDS, Workload
+from quanta.bench.workloads import CLIENT_ONLY, KINDS, Workload
 
 
 def _number_type(parse, accept, what: str):
@@ -46,10 +46,10 @@ def _base_url(s: str) -> str:
     return s.rstrip("/").removesuffix("/v1")
 
 
-def add_workload_group(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str, ...] = KINDS) -> argparse._ArgumentGroup:
     """The workload flags shared by ``quanta bench`` and ``quanta simulate``; returns the group."""
     g = p.add_argument_group(title)
-    g.add_argument("--workload", choices=KINDS, default="burst", help="arrival pattern (default burst)")
+    g.add_argument("--workload", choices=kinds, default="burst", help="arrival pattern (default burst)")
     g.add_argument("--num-requests", type=_positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
     g.add_argument("--prompt-words", type=_positive_int, default=32, help="prompt size (default 32)")
     g.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
@@ -81,7 +81,8 @@ def add_workload_group(p: argparse.ArgumentParser, title: str) -> argparse._Argu
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
-    add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)")
+    g = add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)", (*KINDS, *CLIENT_ONLY))
+    g.add_argument("--sessions-file", metavar="FILE", help="sessions: agent sessions recorded by quanta record (JSONL), replayed identically")
     m = p.add_argument_group("measurement")
     m.add_argument("--repeats", type=_positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
     m.add_argument("--warmup", type=_nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")
