@@ -30,6 +30,7 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
                    help="PREFIX.json without per-token chunks and step traces (figures and per-request lengths kept; "
                         "the simulation is deterministic, rerun the command for the rest)")
     g.add_argument("--title", help="report title")
+    g.add_argument("--note", default="", help="a sentence for the report (e.g. how the workload was scaled)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="no prefix reuse across slots (quanta serve --no-prefix-cache); default on, as quanta serve")
 
@@ -179,6 +180,7 @@ def _simulate(args, parser, argv) -> int:
     baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
     note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
     note += "".join(f" {a}." for a in autos)
+    note = f"{args.note} {note}" if args.note else note
     doc = output.document("simulate", "quanta " + shlex.join(argv if argv is not None else sys.argv[1:]), w, args.repeats,
                           conds, baseline, note)
     doc["profile"] = {"path": args.profile, "name": profile.meta.get("name"), "machine": profile.meta.get("machine"),
