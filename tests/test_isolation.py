@@ -37,7 +37,7 @@ POISON_TOP_K = 4242  # the engine gives such a request the seed 2**64
 CRASH_SEED = 4343  # submit raises an unexpected exception carrying SECRET
 SECRET = "secret-detail-7f3a"
 MAX_MODEL_LEN = 256
-MAX_REQUEST_BYTES = 64 * 1024
+MAX_REQUEST_BYTES = 2 * 2**20
 HEALTHY_TOKENS = 24
 
 
@@ -261,10 +261,72 @@ def test_a_chunked_body_over_the_limit_gets_413(live):
 
     def chunks():
         yield b'{"model": "' + model.encode() + b'", "prompt": "'
-        for _ in range(MAX_REQUEST_BYTES // 1024 + 2):
-            yield b"a" * 1024
+        for _ in range(MAX_REQUEST_BYTES // 2**16 + 2):
+            yield b"a" * 2**16
         yield b'"}'
 
     resp = httpx.post(base + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
     assert resp.status_code == 413
     assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def _anthropic_cases(model: str) -> list[tuple[str, str, object, list[str]]]:
+    """(id, path, body (str = raw bytes), message fragments) answered 400 with Anthropic's body."""
+    msg = lambda **kw: {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **kw}  # noqa: E731
+    deep = "[" * 100_000 + "]" * 100_000
+    return [
+        ("nested-json-messages", "/v1/messages", deep, ["nested too deeply"]),
+        ("nested-json-count-tokens", "/v1/messages/count_tokens", deep, ["nested too deeply"]),
+        ("nested-json-in-a-field", "/v1/messages", '{"model": "m", "max_tokens": 4, "messages": ' + deep + "}", ["nested too deeply"]),
+        ("lone-surrogate-message", "/v1/messages",
+         f'{{"model": "{model}", "max_tokens": 4, "messages": [{{"role": "user", "content": "a\\ud800b"}}]}}', ["surrogate"]),
+        ("lone-surrogate-system", "/v1/messages/count_tokens",
+         f'{{"model": "{model}", "system": "\\udfff", "messages": [{{"role": "user", "content": "hi"}}]}}', ["surrogate"]),
+        ("too-many-stop-sequences", "/v1/messages", msg(stop_sequences=["x" * 60] * 20_000), ["stop_sequences", "32"]),
+        ("max-tokens-digit-string", "/v1/messages", msg(max_tokens="4"), ["max_tokens"]),
+        ("max-tokens-null", "/v1/messages", msg(max_tokens=None), ["max_tokens", "required"]),
+        ("temperature-nan", "/v1/messages",
+         f'{{"model": "{model}", "max_tokens": 4, "temperature": NaN, "messages": [{{"role": "user", "content": "hi"}}]}}', ["temperature"]),
+        ("top-k-bool", "/v1/messages", msg(top_k=True), ["top_k"]),
+        ("prompt-chars-beyond-context", "/v1/messages", msg(messages=[{"role": "user", "content": "word " * 10_000}]),
+         ["50000 characters", str(MAX_MODEL_LEN - 1)]),
+    ]
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in _anthropic_cases("m")])
+def test_bad_anthropic_requests_get_400_with_anthropics_body(live, case_id):
+    base, model, _ = live
+    _, path, body, fragments = {c[0]: c for c in _anthropic_cases(model)}[case_id]
+    if isinstance(body, str):
+        resp = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        resp = httpx.post(base + path, json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    payload = resp.json()
+    assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error", payload
+    for fragment in fragments:
+        assert fragment in payload["error"]["message"], payload
+
+
+def test_max_tokens_null_means_the_default_on_completions(live):
+    base, model, _ = live
+    counts = []
+    for extra in ({}, {"max_tokens": None}):
+        resp = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": "Count:", "temperature": 0, "ignore_eos": True, **extra})
+        assert resp.status_code == 200, resp.text
+        counts.append(resp.json()["usage"]["completion_tokens"])
+    assert counts == [16, 16]
+
+
+def test_a_tiny_temperature_samples_like_the_smallest_one(live):
+    """temperature 1e-40 once overflowed the logits (a 500 that failed the whole step); it now samples as 0.01."""
+    base, model, _ = live
+    texts = []
+    for temperature in (1e-40, 0.01):
+        resp = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": temperature,
+            "seed": 7, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        texts.append(resp.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]

@@ -29,6 +29,11 @@ __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "PromptError", "PromptWork"
 #: Threads that tokenize and render chat templates.
 PROMPT_WORKERS = 2
 
+#: Bytes of an oversized body read and discarded before the 413 goes out, so
+#: that the client, still sending, reads the answer instead of a connection
+#: reset (closing a socket with unread data resets it).
+DRAIN_BYTES = 64 * 2**20
+
 T = TypeVar("T")
 
 
@@ -36,7 +41,9 @@ class BodyLimit:
     """ASGI middleware: HTTP 413 for a request body over ``max_bytes`` bytes.
 
     The body is read here (up to the limit) and handed on to the app
-    unchanged; the 413 carries the error body of the route's API.
+    unchanged; the 413 carries the error body of the route's API. The rest
+    of an oversized body is read and dropped (up to :data:`DRAIN_BYTES`)
+    before answering; memory never holds more than ``max_bytes`` of it.
 
     Args:
         app: the wrapped ASGI app.
@@ -52,7 +59,8 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, send, int(declared))
+            if await _drain(receive, DRAIN_BYTES):
+                await self._refuse(scope, send, int(declared))
             return
         chunks, size = [], 0
         while True:
@@ -62,7 +70,9 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._refuse(scope, send, None)
+                chunks.clear()
+                if not message.get("more_body", False) or await _drain(receive, DRAIN_BYTES):
+                    await self._refuse(scope, send, None)
                 return
             if not message.get("more_body", False):
                 break
@@ -76,6 +86,20 @@ class BodyLimit:
                    (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive, limit: int) -> bool:
+    """Read and drop body messages until the body ends (True) or ``limit``
+    bytes went by; False when the client disconnected."""
+    dropped = 0
+    while dropped <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return True
 
 
 def _replay(body: bytes, receive):
