@@ -196,3 +196,75 @@ def test_record_refuses_an_existing_file_and_an_unreachable_upstream(tmp_path, c
     missing = tmp_path / "new.jsonl"
     assert main(["record", "--upstream", f"http://127.0.0.1:{free_port()}", "--out", str(missing)]) == 1
     assert "cannot reach upstream" in capsys.readouterr().err and not missing.exists()
+
+
+# --- the recorder's parts, without a server ---
+
+def test_observed_parses_streams_split_anywhere():
+    from quanta.bench.record import Observed
+
+    openai_sse = (b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+                  b'data: {"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"length"}]}\n\n'
+                  b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
+                  b"data: [DONE]\n\n")
+    anthropic_sse = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":3,'
+                     b'"cache_read_input_tokens":5,"output_tokens":0}}}\n\n'
+                     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}\n\n'
+                     b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"output_tokens":1}}\n\n')
+    for raw, expected in [(openai_sse, ("Hello", 7, 2, 4, "length")), (anthropic_sse, ("Hi", 8, 1, 5, "max_tokens"))]:
+        obs = Observed("chat")
+        obs.sse = True
+        for i in range(0, len(raw), 7):  # 7-byte pieces cut lines and JSON in half
+            obs.feed(raw[i:i + 7], now=float(i))
+        obs.close(now=999.0)
+        assert (obs.reply(), obs.prompt_tokens, obs.completion_tokens, obs.cached_tokens, obs.finish) == expected
+        assert obs.first is not None and obs.first < 999.0
+    obs = Observed("chat")  # a JSON body
+    obs.feed(b'{"choices":[{"message":{"content":"Yes"},"finish_reason":"stop"}],"usage":{"prompt_tokens":4,"completion_tokens":1}}', 1.0)
+    obs.close(2.0)
+    assert (obs.reply(), obs.prompt_tokens, obs.first) == ("Yes", 4, 2.0)
+
+
+def test_record_text_keeps_text_and_the_replay_sends_it(tmp_path):
+    from quanta.bench.record import Observed, Recorder
+    from quanta.bench.sessions import _Replay, replayed
+    from quanta.bench.workloads import Workload
+
+    out = tmp_path / "text.jsonl"
+    rec = Recorder(out, "http://up", record_text=True)
+    h = rec.begin("chat", "/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
+                                                                {"role": "user", "content": "Hi there"}], "stream": True})
+    obs = Observed("chat")
+    obs.sse = True
+    obs.feed(b'data: {"choices":[{"delta":{"content":"Hello!"}}],"usage":{"prompt_tokens":12,"completion_tokens":3}}\n\n', rec.now())
+    rec.finish(h, 200, obs, complete=True)
+    h2 = rec.begin("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "unfinished"}]})
+    rec.close()  # still running at shutdown: written, incomplete
+    header, recs = _records(out)
+    assert header["record_text"] is True
+    assert [s["text"] for s in recs[0]["segments"]] == ["Be brief.", "Hi there"] and recs[0]["reply"] == "Hello!"
+    assert sum(s["tokens"] for s in recs[0]["segments"]) == 12
+    assert recs[1]["id"] == h2 and recs[1]["complete"] is False and recs[1]["status"] is None
+    assert [r.id for r in replayed(str(out))] == [0]
+
+    class FakeRun:
+        w = Workload(kind="sessions", sessions_file=str(out))
+
+    msgs = _Replay(FakeRun(), replayed(str(out))).messages(replayed(str(out))[0])
+    assert msgs[0]["role"] == "system" and msgs[0]["content"].endswith(" Be brief.") and msgs[1] == {"role": "user", "content": "Hi there"}
+
+
+def test_upstream_failure_is_a_502_in_the_api_s_error_shape_and_recorded(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from quanta.bench.record import Recorder, build_app
+
+    out = tmp_path / "fail.jsonl"
+    rec = Recorder(out, "http://127.0.0.1:1", record_text=False)
+    with TestClient(build_app(f"http://127.0.0.1:{free_port()}", rec)) as client:
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 502 and r.json()["error"]["message"].startswith("upstream")
+        r = client.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 502 and r.json()["type"] == "error"
+    _, recs = _records(out)
+    assert [(r["status"], r["complete"], r["api"]) for r in recs] == [(502, False, "chat"), (502, False, "messages")]
