@@ -138,22 +138,24 @@ def _blocks(r: TraceRequest, block: int) -> list[tuple[int | None, int]]:
     return pieces
 
 
-def prompt_ids(r: TraceRequest, block: int, salt, vocab: int) -> list[int]:
-    """Token ids (1..vocab-1) of the prompt of ``r``: equal hash ids give equal blocks under one ``salt``."""
-    ids: list[int] = []
+def _draw(r: TraceRequest, block: int, salt, pick) -> list:
+    """``pick(rng)`` once per prompt token of ``r``; a block's generator is seeded by ``(salt, hash id)``, so
+    equal ids draw equal blocks (a partial block is the start of the full one)."""
+    out: list = []
     for h, n in _blocks(r, block):
         rng = random.Random(f"{salt}:{h}" if h is not None else f"{salt}:unique:{r.index}")
-        ids += [rng.randrange(1, vocab) for _ in range(block if h is not None else n)][:n]
-    return ids
+        out += [pick(rng) for _ in range(n)]
+    return out
+
+
+def prompt_ids(r: TraceRequest, block: int, salt, vocab: int) -> list[int]:
+    """Token ids (1..vocab-1) of the prompt of ``r``: equal hash ids give equal blocks under one ``salt``."""
+    return _draw(r, block, salt, lambda rng: rng.randrange(1, vocab))
 
 
 def prompt_text(r: TraceRequest, block: int, salt) -> str:
     """The prompt of ``r`` as words (about one token each): equal hash ids give equal word blocks."""
-    words: list[str] = []
-    for h, n in _blocks(r, block):
-        rng = random.Random(f"{salt}:{h}" if h is not None else f"{salt}:unique:{r.index}")
-        words += [rng.choice(WORDS) for _ in range(block if h is not None else n)][:n]
-    return " ".join(words)
+    return " ".join(_draw(r, block, salt, lambda rng: rng.choice(WORDS)))
 
 
 def reuse(reqs: tuple[TraceRequest, ...] | list[TraceRequest], block: int) -> dict:
