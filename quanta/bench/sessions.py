@@ -248,7 +248,7 @@ class _Replay:
             self.sent[r.id].set()
             sample = self.run.new_sample(scheduled, f"session{r.session}/turn{r.turn}")
             pieces: list[str] = []
-            await self.run.request(sample, msgs, r.completion_tokens, pieces)
+            await self.run.request(sample, msgs, r.completion_tokens, pieces, prompt_size=r.prompt_tokens)
             reply = "".join(pieces) if sample.ok else _words(r.completion_tokens, f"{self.run.w.seed}:{r.id}:reply")
             self.contexts[r.id] = msgs + [{"role": "assistant", "content": reply}]
         finally:
