@@ -63,7 +63,7 @@ def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str,
     g.add_argument("--turns", type=_positive_int, default=3, help="replay: turns per session (default 3)")
     g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output appended per turn (default 128)")
     g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
-    g.add_argument("--seed", type=int, default=0, help="prompt/arrival RNG seed; repeat r uses seed + r (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="prompt/arrival/length RNG seed (simulate: repeat r uses seed + r) (default 0)")
     g.add_argument("--prompt-dist", default="fixed", metavar="DIST",
                    help="prompt sizes around --prompt-words: fixed, uniform:R (as vllm --random-range-ratio), "
                         "lognormal:SIGMA, file:PATH (default fixed)")

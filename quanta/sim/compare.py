@@ -6,8 +6,9 @@ same scheduler configuration (parsed from the condition's ``quanta serve``
 flags by the serve parser itself), the same workload, and, for repeat ``r``,
 the prompt lengths the server reported (``usage.prompt_tokens``) and the send
 delays the client recorded (``sent - scheduled``) for the requests of measured
-repeat ``r``, in request order (and, for a run whose outputs ended at EOS,
-their measured output lengths). It then reports, per
+repeat ``r``, in request order, and each request's output length (the
+``max_tokens`` it was sent with; for a run whose outputs ended at EOS, what
+it produced). It then reports, per
 condition, the measured median (IQR over repeats) and the simulated median of
 each figure and the relative error ``(simulated - measured) / measured``.
 
@@ -93,10 +94,12 @@ def prompt_lengths(run: dict) -> list[int]:
     return [int(s.get("prompt_tokens") or fill.get(s["id"], 0)) for s in samples]
 
 
-def output_lengths(run: dict) -> list[int]:
-    """Output tokens per request of one measured repeat, in request-id order (0 where unknown): what a run
-    with natural EOS lengths (``--output-dist eos``) produced, for the simulator to replay."""
-    return [int(s.get("completion_tokens") or 0) for s in sorted(run["samples"], key=lambda s: s["id"])]
+def output_lengths(run: dict, exact: bool = True) -> list[int]:
+    """Output lengths per request of one measured repeat, in request-id order (0 where unknown): the
+    ``max_tokens`` each request was sent with (``exact``: ignore_eos, so that is its length), else what it
+    produced before EOS (``completion_tokens``); the simulator replays them request by request."""
+    key = "max_tokens" if exact else "completion_tokens"
+    return [int(s.get(key) or 0) for s in sorted(run["samples"], key=lambda s: s["id"])]
 
 
 def send_delays(run: dict) -> list[float]:
@@ -132,7 +135,7 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
     runs = []
     for r, measured in enumerate(cond["runs"]):
         w = replace(workload, seed=workload.seed + r)
-        outs = output_lengths(measured) if workload.output_dist == "eos" else None
+        outs = output_lengths(measured, exact=workload.output_dist != "eos")
         runs.append(Simulation(profile, sched, w, prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
                                output_lengths=outs, max_duration=max_duration).run())
     return runs
