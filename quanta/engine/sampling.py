@@ -1,13 +1,18 @@
 """Sampling parameters and the sampler that turns logits into next tokens.
 
-Order of logit processing follows vLLM: penalties, temperature, then top-k,
-top-p and min-p filters; greedy (argmax) when ``temperature == 0``.
+Order of logit processing follows vLLM: a request's grammar mask
+(:class:`TokenConstraint`), penalties, temperature, then top-k, top-p and
+min-p filters; greedy (argmax) when ``temperature == 0``. Log-probabilities
+(``SamplingParams.logprobs``) are taken from the raw logits, as vLLM returns
+them by default. Rows without a constraint or penalties that sample greedily
+take the batch's argmax and skip all of this.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,6 +41,12 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks use it for fixed lengths).
         presence_penalty / frequency_penalty: OpenAI penalties on generated
             tokens, each in [-2, 2].
+        constraint: a :class:`TokenConstraint` (grammar) masking each step's
+            logits and told each sampled token; None samples freely.
+        logprobs: record the sampled token's log-probability and this many
+            top alternatives (0-20) per step into ``logprob_records``; None: off.
+        logprob_records: filled by the sampler, one :class:`TokenLogprob` per
+            sampled token (the server creates the list).
 
     Raises:
         ValueError: a value out of its range.
@@ -52,6 +63,9 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    constraint: "TokenConstraint | None" = None
+    logprobs: int | None = None
+    logprob_records: list["TokenLogprob"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +77,7 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
             (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed must be a 64-bit signed integer"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs must be between 0 and 20"),
         ]
         for ok, message in checks:
             if not ok:
@@ -71,6 +86,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class TokenConstraint(Protocol):
+    """Per-request token filter (a grammar matcher, :mod:`quanta.engine.grammar`)."""
+
+    def mask(self, row: torch.Tensor) -> None:
+        """Set the logits of tokens not allowed next to ``-inf``, in place (``row``: ``[vocab]``)."""
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled ``token``."""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One sampled token's natural-log probability under the model's raw
+    distribution, and the ``top`` most likely ``(token_id, logprob)`` pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class FailedSample(int):
@@ -117,10 +152,19 @@ class Sampler:
         return out
 
     def _sample_row(self, raw: torch.Tensor, greedy: int, p: SamplingParams, history: list[int], key: int) -> int:
-        if p.greedy and not (p.presence_penalty or p.frequency_penalty):
-            return greedy
-        row = _penalize(raw.clone(), history, p)
-        return int(row.argmax()) if p.greedy else self._draw(row, p, key)
+        if p.greedy and not (p.presence_penalty or p.frequency_penalty) and p.constraint is None:
+            token = greedy
+        else:
+            row = raw.clone()
+            if p.constraint is not None:
+                p.constraint.mask(row)
+            row = _penalize(row, history, p)
+            token = int(row.argmax()) if p.greedy else self._draw(row, p, key)
+        if p.constraint is not None:
+            p.constraint.accept(token)
+        if p.logprobs is not None:
+            p.logprob_records.append(_logprob(raw, token, p.logprobs))
+        return token
 
     def forget(self, key: int) -> None:
         """Drop the generator of a finished sequence."""
@@ -134,6 +178,15 @@ class Sampler:
             if gen is None:
                 gen = self._generators[key] = torch.Generator().manual_seed(p.seed)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _logprob(raw: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    pairs = []
+    if top:
+        values, ids = torch.topk(logp, top)
+        pairs = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logp[token]), pairs)
 
 
 def _penalize(row: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:

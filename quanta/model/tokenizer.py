@@ -88,12 +88,28 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template text (None if it ships none)."""
+        template = self._hf.chat_template
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default") or next(iter(template.values()), None)
+        return template or None
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The underlying Hugging Face tokenizer (for grammar engines that build their own vocabulary)."""
+        return self._hf
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Prompt ids for a chat: ``messages`` rendered with the model's own Jinja
         template, ending with the assistant generation prompt.
 
         Args:
-            messages: ``[{"role": "user", "content": "..."}, ...]``.
+            messages: ``[{"role": "user", "content": "..."}, ...]`` (assistant
+                messages may carry ``tool_calls``, as Hugging Face templates take them).
+            tools: OpenAI-style function tools, passed to the template as its
+                ``tools`` variable (templates that do not read it ignore them).
 
         Raises:
             ValueError: the model ships no chat template.
@@ -102,7 +118,7 @@ class Tokenizer:
             raise ValueError(
                 "this model has no chat template; use plain completions instead of chat"
             )
-        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self._hf.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
         # The template writes BOS and other specials itself.
         return self.encode(text, add_special_tokens=False)
 

@@ -1,0 +1,269 @@
+"""OpenAI chat and text completions over the engine: prompts with tools,
+constraints, and the response shapes (JSON and SSE).
+
+- Tools reach the model through its chat template (:mod:`quanta.server.tools`);
+  with ``tool_choice`` ``auto`` the output is parsed for calls in the model's
+  native format; ``required`` or a named function is enforced by a grammar.
+- ``response_format`` and the ``guided_*`` fields become a grammar
+  (:mod:`quanta.engine.grammar`); an invalid schema or regex is a 400 naming it.
+- ``logprobs`` come from the sampler's records (:mod:`quanta.server.logprobs`).
+- Streamed tool calls: text before the call marker streams as ``content``;
+  each call then arrives as two ``delta.tool_calls`` chunks, the first with
+  ``id``, ``type`` and ``function.name`` (``arguments: ""``), the second with
+  the ``arguments`` text, once the output is complete (quanta does not yet
+  split a call's arguments over several chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from quanta.engine.async_engine import RequestFailed, RequestStream
+from quanta.engine.grammar import Grammar, GrammarError
+from quanta.engine.output import RequestOutput
+from quanta.engine.sampling import SamplingParams, TokenLogprob
+from quanta.server.errors import APIError, error_body, internal_error_message, log_internal_error
+from quanta.server.limits import PromptError
+from quanta.server.logprobs import LogprobFormatter
+from quanta.server.openai_requests import ChatRequest, CompletionsRequest
+from quanta.server.tools import ToolCall, ToolStream, render_for_template, template_reads_tools
+
+
+async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """Prompt ids of OpenAI-shaped ``messages`` and ``tools`` through the model's
+    template, rendered off the event loop (:class:`quanta.server.limits.PromptWork`).
+
+    Raises:
+        APIError: 400 for lone surrogates, a prompt too long for the context,
+            or when the template rejects the conversation.
+    """
+    native = template_reads_tools(state.tokenizer.chat_template)
+    msgs, template_tools = render_for_template(messages, tools, native)
+    try:
+        state.prompts.check((m["content"] for m in msgs), "messages")
+        return await state.prompts.run(state.tokenizer.apply_chat_template, msgs, template_tools)
+    except PromptError as exc:
+        raise APIError(400, str(exc), exc.param) from exc
+    except Exception as exc:  # the model's own template may reject a conversation
+        raise APIError(400, f"chat template failed: {exc}", "messages") from exc
+
+
+def constrain(state, params: SamplingParams, grammar: Grammar | None, param: str | None) -> SamplingParams:
+    """``params`` with a fresh matcher of ``grammar`` (unchanged if None).
+
+    Raises:
+        APIError: 400 naming ``param`` when the grammar does not compile.
+    """
+    if grammar is None:
+        return params
+    try:
+        return replace(params, constraint=state.grammars.constraint(grammar))
+    except GrammarError as exc:
+        raise APIError(400, f"{param}: cannot enforce it: {exc}", param) from exc
+
+
+def _request_grammar(state, body) -> tuple[Grammar | None, str | None]:
+    try:
+        guided = body.guided_grammar()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    if guided is not None:
+        return guided
+    if isinstance(body, ChatRequest):
+        forced = body.forced_tools()
+        if forced:
+            return state.tool_parser.grammar(forced, body.parallel_tool_calls), "tool_choice"
+        if body.response_format is not None:
+            return body.response_format.grammar(), "response_format"
+    return None, None
+
+
+async def serve_chat(state, request: Request, body: ChatRequest) -> Response:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.use_tools else None
+    prompt = await chat_prompt(state, [m.as_dict() for m in body.messages], tools)
+    fmt = ChatFormat(LogprobFormatter(state.tokenizer), ToolStream(state.tool_parser) if tools else None)
+    return await _serve(state, request, body, prompt, fmt)
+
+
+async def serve_completion(state, request: Request, body: CompletionsRequest) -> Response:
+    if isinstance(body.prompt, list):
+        prompt = body.prompt
+    else:
+        try:
+            prompt = await state.prompts.encode(body.prompt, "prompt")
+        except PromptError as exc:
+            raise APIError(400, str(exc), exc.param) from exc
+    bad = [t for t in prompt if not 0 <= t < state.tokenizer.vocab_size]
+    if bad:
+        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{state.tokenizer.vocab_size - 1})", "prompt")
+    return await _serve(state, request, body, prompt, CompletionFormat(LogprobFormatter(state.tokenizer)))
+
+
+async def _serve(state, request: Request, body, prompt: list[int], fmt: "_Format") -> Response:
+    from quanta.server.app import check_model, submit, until_disconnect
+
+    check_model(state, body.model)
+    grammar, param = _request_grammar(state, body)
+    made: list[SamplingParams] = []
+
+    def make_params(max_tokens: int) -> SamplingParams:
+        params = replace(body.sampling_params(max_tokens), logprobs=body.num_logprobs)
+        made.append(constrain(state, params, grammar, param))
+        return made[-1]
+
+    max_tokens = body.max_tokens if body.max_tokens is not None else state.max_model_len - len(prompt)
+    stream = await submit(state, prompt, max_tokens, make_params)
+    fmt.meta = _Meta(fmt.prefix + uuid.uuid4().hex, int(time.time()), body.model)
+    records = made[0].logprob_records if body.num_logprobs is not None else None
+    if body.stream:
+        return StreamingResponse(_sse(fmt, stream, body.include_usage, records), media_type="text/event-stream")
+    return await until_disconnect(request, _collect(fmt, stream, records), stream)
+
+
+@dataclass
+class _Meta:
+    id: str
+    created: int
+    model: str
+
+
+async def _collect(fmt: "_Format", stream: RequestStream, records: list | None) -> Response:
+    texts, last = [], None
+    async for out in stream:
+        texts.append(out.text)
+        last = out
+    return JSONResponse(fmt.full("".join(texts), last, records))
+
+
+async def _sse(fmt: "_Format", stream: RequestStream, include_usage: bool, records: list | None):
+    def event(payload: dict) -> str:
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    seen = 0
+    try:
+        for opening in fmt.opening():
+            yield event(opening)
+        async for out in stream:
+            mine = None
+            if records is not None:
+                mine, seen = records[seen:seen + len(out.token_ids)], seen + len(out.token_ids)
+            for payload in fmt.chunks(out, mine):
+                yield event(payload)
+        if include_usage:
+            yield f"data: {json.dumps(fmt.usage_chunk(out))}\n\n"
+    except Exception as exc:  # the response began: the error goes in the stream, then [DONE], as vLLM sends it
+        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
+        yield f"data: {json.dumps(error_body(500, message))}\n\n"
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
+
+def usage(out: RequestOutput) -> dict:
+    """OpenAI's ``usage`` object of a (finished) output."""
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+class _Format:
+    """Response shapes of one endpoint, for one request."""
+
+    prefix: str
+    object: str
+    chunk_object: str
+    meta: _Meta
+
+    def __init__(self, logprobs: LogprobFormatter) -> None:
+        self.logprobs = logprobs
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.meta.id, "object": obj, "created": self.meta.created, "model": self.meta.model, "choices": choices}
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        return {**self.envelope(self.chunk_object, []), "usage": usage(out)}
+
+
+class CompletionFormat(_Format):
+    prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def _lp(self, records: list[TokenLogprob] | None) -> dict | None:
+        return self.logprobs.completion(records) if records is not None else None
+
+    def full(self, text: str, last: RequestOutput, records: list | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self._lp(records), "finish_reason": last.finish_reason}
+        return {**self.envelope(self.object, [choice]), "usage": usage(last)}
+
+    def chunks(self, out: RequestOutput, records: list | None) -> list[dict]:
+        if not (out.text or out.finished or records):
+            return []
+        finish = out.finish_reason if out.finished else None
+        choice = {"index": 0, "text": out.text, "logprobs": self._lp(records), "finish_reason": finish}
+        return [self.envelope(self.chunk_object, [choice])]
+
+
+class ChatFormat(_Format):
+    prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, logprobs: LogprobFormatter, tools: ToolStream | None) -> None:
+        super().__init__(logprobs)
+        self.tools = tools
+
+    def _lp(self, records: list[TokenLogprob] | None) -> dict | None:
+        return self.logprobs.chat(records) if records is not None else None
+
+    def opening(self) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self.envelope(self.chunk_object, [choice])]
+
+    def full(self, text: str, last: RequestOutput, records: list | None) -> dict:
+        message: dict = {"role": "assistant", "content": text}
+        finish = last.finish_reason
+        if self.tools is not None:
+            parsed = self.tools.parser.parse(text)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]}
+                finish = _tool_finish(finish)
+        choice = {"index": 0, "message": message, "logprobs": self._lp(records), "finish_reason": finish}
+        return {**self.envelope(self.object, [choice]), "usage": usage(last)}
+
+    def _chunk(self, delta: dict, finish: str | None = None, records: list | None = None) -> dict:
+        return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": self._lp(records), "finish_reason": finish}])
+
+    def chunks(self, out: RequestOutput, records: list | None) -> list[dict]:
+        finish = out.finish_reason if out.finished else None
+        if self.tools is None:
+            if not (out.text or out.finished or records):
+                return []
+            return [self._chunk({"content": out.text} if out.text else {}, finish, records)]
+        text = self.tools.feed(out.text)
+        calls: list[ToolCall] = []
+        if out.finished:
+            rest, calls = self.tools.finish()
+            text += rest
+        chunks = [self._chunk({"content": text}, None, records)] if text or records else []
+        for i, call in enumerate(calls):
+            chunks.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
+            chunks.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}))
+        if out.finished:
+            chunks.append(self._chunk({}, _tool_finish(finish) if calls else finish))
+        return chunks
+
+
+def _tool_finish(finish: str | None) -> str | None:
+    """``tool_calls`` when the model ended after its calls (a cut-off output keeps ``length``)."""
+    return "tool_calls" if finish == "stop" else finish

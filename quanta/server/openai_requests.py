@@ -1,0 +1,247 @@
+"""The OpenAI request fields beyond sampling: tools, structured output,
+logprobs, guided decoding, and the fields quanta refuses.
+
+:class:`ChatRequest` and :class:`CompletionsRequest` extend the sampling
+bodies of :mod:`quanta.server.protocol`. Every field is either honoured or
+refused with HTTP 400 naming it: ``logit_bias``, ``echo``, ``suffix``,
+``best_of`` > 1, ``n`` > 1, the legacy ``functions``/``function_call``,
+audio, predicted outputs, web search and non-text content parts (images,
+audio, files). Fields that change nothing about the output (``user``,
+``metadata``, ``store``, ``service_tier``) are accepted.
+
+Guided decoding (vLLM's extension fields, sent with ``extra_body``):
+``guided_json`` (a JSON schema), ``guided_regex``, ``guided_choice`` (a list of
+strings); one constraint per request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from quanta.engine.grammar import Grammar
+from quanta.server.protocol import ChatCompletionRequest, CompletionRequest
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+#: refused field -> what to do instead (a value equal to the default is allowed)
+_REFUSED = {
+    "logit_bias": "logit_bias is not supported",
+    "echo": "echo is not supported; the prompt is not returned",
+    "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of > 1 is not supported; send separate requests",
+    "functions": "functions is not supported; use tools",
+    "function_call": "function_call is not supported; use tool_choice",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs (prediction) are not supported",
+    "web_search_options": "web search is not supported",
+    "modalities": "only the text modality is supported",
+}
+_HARMLESS = (None, False, {}, [], "", 1, ["text"])
+
+
+class _Refusals(BaseModel):
+    """Fields that exist in OpenAI's API but not in quanta: any non-default value is a 400."""
+
+    logit_bias: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    modalities: Any = None
+
+    @field_validator(*_REFUSED, mode="before")
+    @classmethod
+    def _refuse(cls, value, info):
+        if any(value == ok and type(value) is type(ok) for ok in _HARMLESS):
+            return value
+        raise ValueError(_REFUSED[info.field_name])
+
+
+class _Guided(BaseModel):
+    """vLLM's guided-decoding fields."""
+
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+
+    def guided_grammar(self) -> tuple[Grammar, str] | None:
+        """(grammar, the field it came from) of the one guided field given, else None.
+
+        Raises:
+            ValueError: more than one guided field, or ``guided_json`` that is not JSON.
+        """
+        given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one guided decoding field, not {' and '.join(given)}")
+        if not given:
+            return None
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                import json
+
+                schema = json.loads(schema)
+            return Grammar.json_schema(schema), "guided_json"
+        if self.guided_regex is not None:
+            return Grammar.regex(self.guided_regex), "guided_regex"
+        return Grammar.choice(self.guided_choice), "guided_choice"
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An ``assistant`` message's earlier call."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"part {i}: content parts of type {part.type!r} are not supported (text only)")
+        return content
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+    def as_dict(self) -> dict:
+        """The OpenAI-shaped dict :func:`quanta.server.tools.render_for_template` takes."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _Named(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: _Named
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+    def grammar(self) -> Grammar | None:
+        if self.type == "json_object":
+            return Grammar.json_object()
+        if self.type == "json_schema":
+            return Grammar.json_schema(self.json_schema.schema_)
+        return None
+
+
+class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
+    """``POST /v1/chat/completions`` with tools, ``response_format`` and logprobs."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        guided = any(getattr(self, f) is not None for f in ("guided_json", "guided_regex", "guided_choice"))
+        if sum((forced, formatted, guided)) > 1:
+            raise ValueError("give one constraint: a forced tool_choice, response_format or a guided_* field")
+        return self
+
+    @property
+    def use_tools(self) -> bool:
+        """Tools reach the prompt and the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[dict] | None:
+        """The tools a call must be made from (``required``: all; named: that one), else None."""
+        if self.tool_choice == "required":
+            return [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t.model_dump(exclude_none=True) for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionsRequest(_Refusals, _Guided, CompletionRequest):
+    """``POST /v1/completions`` with ``logprobs`` (0-5 alternatives)."""
+
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

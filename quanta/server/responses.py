@@ -1,0 +1,331 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (text and function calls).
+
+Served: ``input`` (a string, or items: messages with ``input_text``/``output_text``
+parts, ``function_call`` and ``function_call_output``), ``instructions``,
+function ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a named
+function), ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
+``top_p``, ``text.format`` (``text``, ``json_object``, ``json_schema``) and
+``stream``. Nothing is stored: ``previous_response_id`` is refused (send the
+whole conversation, as Codex-style clients with ``store: false`` do), and so
+are built-in tools (web search, file search, computer use) and non-text inputs.
+
+Streaming sends the API's events, each with a ``sequence_number``:
+``response.created``, ``response.in_progress``, per output item
+``response.output_item.added`` / ``.done``, for text
+``response.content_part.added``, ``response.output_text.delta`` /
+``.done``, ``response.content_part.done``, for calls
+``response.function_call_arguments.delta`` / ``.done``, then
+``response.completed`` (or ``response.incomplete`` when ``max_output_tokens``
+cut it), or ``error`` if the engine failed mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from quanta.engine.async_engine import RequestFailed, RequestStream
+from quanta.engine.sampling import SamplingParams
+from quanta.server.chat import chat_prompt, constrain
+from quanta.server.errors import APIError, internal_error_message, log_internal_error
+from quanta.server.openai_requests import ResponseFormat
+from quanta.server.tools import ToolCall, ToolStream
+
+
+class InputPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class InputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _function_only(cls, kind: str) -> str:
+        if kind != "function":
+            raise ValueError(f"built-in tools of type {kind!r} are not supported (function tools only)")
+        return kind
+
+
+class NamedChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    text: TextOptions | None = None
+    previous_response_id: Any = None
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _stateless(cls, value):
+        if value is not None:
+            raise ValueError("responses are not stored; send the whole conversation in input instead")
+        return value
+
+    def chat_tools(self) -> list[dict]:
+        return [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in self.tools or []]
+
+    def messages(self) -> list[dict]:
+        """The conversation as OpenAI chat messages (consecutive calls form one assistant turn)."""
+        out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [InputItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for i, item in enumerate(items):
+            if item.type == "message":
+                out.append({"role": item.role or "user", "content": _text(item.content, f"input.{i}.content")})
+            elif item.type == "function_call":
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif item.type == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input.{i}.output")})
+            else:
+                raise APIError(400, f"input.{i}: items of type {item.type!r} are not supported", f"input.{i}.type")
+        return out
+
+
+def _text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise APIError(400, f"{where}.{j}: content of type {part.type!r} is not supported (text only)", f"{where}.{j}.type")
+    return "".join(p.text for p in content)
+
+
+def _forced(body: ResponsesRequest, tools: list[dict]) -> list[dict] | None:
+    if body.tool_choice == "required":
+        return tools
+    if isinstance(body.tool_choice, NamedChoice):
+        named = [t for t in tools if t["function"]["name"] == body.tool_choice.name]
+        if not named:
+            raise APIError(400, f"tool_choice names {body.tool_choice.name!r}, which is not among tools", "tool_choice")
+        return named
+    return None
+
+
+def _grammar(state, body: ResponsesRequest, tools: list[dict]):
+    forced = _forced(body, tools) if tools else None
+    if forced:
+        return state.tool_parser.grammar(forced, body.parallel_tool_calls), "tool_choice"
+    fmt = body.text.format if body.text else None
+    if fmt is not None and fmt.type != "text":
+        schema = {"schema": fmt.schema_ or {"type": "object"}} if fmt.type == "json_schema" else None
+        return ResponseFormat(type=fmt.type, json_schema=schema).grammar(), "text.format"
+    if body.tool_choice not in (None, "auto", "none") and not tools:
+        raise APIError(400, "tool_choice requires tools", "tool_choice")
+    return None, None
+
+
+class _Builder:
+    """Output items and the response object for one request."""
+
+    def __init__(self, body: ResponsesRequest, tools: list[dict]) -> None:
+        self.body, self.tools = body, tools
+        self.id = "resp_" + uuid.uuid4().hex
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def message(self, text: str, status: str = "completed") -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+    @staticmethod
+    def call(call: ToolCall, status: str = "completed") -> dict:
+        return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+                "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
+
+    def response(self, output: list[dict], last, status: str = "completed") -> dict:
+        incomplete = last is not None and last.finish_reason == "length"
+        body = self.body
+        out = {
+            "id": self.id, "object": "response", "created_at": self.created, "model": body.model,
+            "status": "incomplete" if incomplete and status == "completed" else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "output": output, "error": None, "instructions": body.instructions,
+            "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": _choice_json(body.tool_choice),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(by_alias=True, exclude_none=True),
+            "metadata": {}, "store": False,
+        }
+        if last is not None:
+            cached = last.num_cached_tokens
+            out["usage"] = {
+                "input_tokens": last.num_prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": last.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+            }
+        return out
+
+    def items(self, text: str, calls: list[ToolCall]) -> list[dict]:
+        items = [self.message(text)] if text or not calls else []
+        return items + [self.call(c) for c in calls]
+
+
+def _choice_json(choice) -> Any:
+    if isinstance(choice, NamedChoice):
+        return choice.model_dump()
+    return choice or "auto"
+
+
+async def _collect(builder: _Builder, stream: RequestStream, parser) -> Response:
+    texts, last = [], None
+    async for out in stream:
+        texts.append(out.text)
+        last = out
+    text, calls = "".join(texts), []
+    if parser is not None:
+        parsed = parser.parse(text)
+        if parsed.calls:
+            text, calls = parsed.content or "", parsed.calls
+    return JSONResponse(builder.response(builder.items(text, calls), last))
+
+
+class _Events:
+    """Numbered SSE events of one streamed response."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, payload: dict) -> str:
+        self.n += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.n - 1, **payload}, ensure_ascii=False)}\n\n"
+
+
+async def _stream(b: _Builder, stream: RequestStream, tools: ToolStream | None):
+    ev, output, text, out = _Events(), [], "", None
+    try:
+        yield ev("response.created", {"response": b.response([], None, "in_progress")})
+        yield ev("response.in_progress", {"response": b.response([], None, "in_progress")})
+        async for out in stream:
+            delta = tools.feed(out.text) if tools else out.text
+            calls: list[ToolCall] = []
+            if out.finished and tools:
+                rest, calls = tools.finish()
+                delta += rest
+            if delta:
+                if not text:
+                    for e in _open_message(ev, b):
+                        yield e
+                text += delta
+                yield ev("response.output_text.delta", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []})
+            if out.finished:
+                if text or not calls:
+                    for e in _close_message(ev, b, text, opened=bool(text)):
+                        yield e
+                    output.append(b.message(text))
+                for call in calls:
+                    for e in _call_events(ev, b, call, len(output)):
+                        yield e
+                    output.append(b.call(call))
+        final = b.response(output, out)
+        yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final})
+    except Exception as exc:  # the response began: the error goes in the stream
+        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
+        yield ev("error", {"code": "server_error", "message": message, "param": None})
+    finally:
+        stream.abort()
+
+
+def _open_message(ev: _Events, b: _Builder) -> list[str]:
+    return [
+        ev("response.output_item.added", {"output_index": 0, "item": b.message("", "in_progress")}),
+        ev("response.content_part.added", {"item_id": b.msg_id, "output_index": 0, "content_index": 0,
+                                           "part": {"type": "output_text", "text": "", "annotations": []}}),
+    ]
+
+
+def _close_message(ev: _Events, b: _Builder, text: str, opened: bool) -> list[str]:
+    events = [] if opened else _open_message(ev, b)
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return events + [
+        ev("response.output_text.done", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
+        ev("response.content_part.done", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "part": part}),
+        ev("response.output_item.done", {"output_index": 0, "item": b.message(text)}),
+    ]
+
+
+def _call_events(ev: _Events, b: _Builder, call: ToolCall, index: int) -> list[str]:
+    item = b.call(call)
+    return [
+        ev("response.output_item.added", {"output_index": index, "item": b.call(call, "in_progress")}),
+        ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index, "delta": call.arguments}),
+        ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments}),
+        ev("response.output_item.done", {"output_index": index, "item": item}),
+    ]
+
+
+def add_responses_route(app: FastAPI, state) -> None:
+    """Register ``POST /v1/responses``."""
+    from quanta.server.app import check_model, submit, until_disconnect
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        check_model(state, body.model)
+        tools = body.chat_tools() if body.tool_choice != "none" else []
+        prompt = await chat_prompt(state, body.messages(), tools or None)
+        grammar, param = _grammar(state, body, tools)
+        temperature = 1.0 if body.temperature is None else body.temperature
+
+        def make_params(max_tokens: int) -> SamplingParams:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 1.0)
+            return constrain(state, params, grammar, param)
+
+        max_tokens = body.max_output_tokens or state.max_model_len - len(prompt)
+        stream = await submit(state, prompt, max_tokens, make_params)
+        builder = _Builder(body, tools)
+        parser = state.tool_parser if tools else None
+        if body.stream:
+            return StreamingResponse(_stream(builder, stream, ToolStream(parser) if parser else None), media_type="text/event-stream")
+        return await until_disconnect(request, _collect(builder, stream, parser), stream)

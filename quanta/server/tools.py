@@ -1,0 +1,335 @@
+"""Tool calls in a model's native format: parsers, grammars and prompt rendering.
+
+A :class:`ToolParser` knows one family's format:
+
+- ``hermes`` (Hermes, Qwen 2/2.5/3, and quanta's fallback):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call;
+- ``llama3_json`` (Llama 3.1-3.3 JSON tool calling):
+  ``{"name": ..., "parameters": {...}}``, several separated by ``;``,
+  optionally after ``<|python_tag|>``;
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (also
+  the v11 form ``[TOOL_CALLS]name[ARGS]{...}``).
+
+Each parser splits a finished output into text and calls (:meth:`ToolParser.parse`),
+and writes the grammar that forces calls for ``tool_choice`` ``required`` or a
+named function (:meth:`ToolParser.grammar`). The parser is chosen from the
+chat template's text (:func:`choose_parser`) unless ``--tool-call-parser``
+names one. Templates that never read the ``tools`` variable (SmolLM2's) get
+the tools in a Hermes-style system prompt, as Qwen 2.5's template writes it,
+and their calls and results rendered as Hermes text (:func:`render_for_template`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import jinja2
+import jinja2.meta
+
+from quanta.engine.grammar import Grammar, json_rule
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One function call: ``arguments`` is a JSON object's text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+@dataclass(slots=True)
+class Parsed:
+    """An output split into ``content`` (text around the calls, None if empty) and ``calls``."""
+
+    content: str | None
+    calls: list[ToolCall]
+
+
+def _call(obj, args_key: str = "arguments") -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _content(parts: list[str]) -> str | None:
+    text = "".join(parts).strip()
+    return text or None
+
+
+def _tool_schema(tool: dict, args_key: str) -> dict:
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+        "required": ["name", args_key], "additionalProperties": False,
+    }
+
+
+def _calls_schema(tools: list[dict], args_key: str) -> dict:
+    schemas = [_tool_schema(t, args_key) for t in tools]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+class ToolParser:
+    """One native tool-call format (see the module docstring)."""
+
+    name: str
+    #: text that opens the first call; everything before it is plain content
+    start: str
+
+    def parse(self, text: str) -> Parsed:
+        raise NotImplementedError
+
+    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        """A grammar whose every match is one (or, if ``parallel``, one or more) call of ``tools``."""
+        raise NotImplementedError
+
+    def call_start(self, text: str) -> int:
+        """Index where a call begins in ``text`` (``len(text)`` if none); text before it is content."""
+        i = text.find(self.start)
+        return len(text) if i < 0 else i
+
+
+class HermesParser(ToolParser):
+    name, start = "hermes", "<tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def parse(self, text: str) -> Parsed:
+        calls, parts, pos = [], [], 0
+        for m in self._block.finditer(text):
+            call = _call(_loads(m.group(1)))
+            if call is None:
+                continue
+            parts.append(text[pos:m.start()])
+            calls.append(call)
+            pos = m.end()
+        parts.append(text[pos:])
+        return Parsed(_content(parts), calls) if calls else Parsed(text or None, [])
+
+    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        call = f'"<tool_call>\\n" {json_rule(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
+        more = ' ("\\n" call)*' if parallel else ""
+        return Grammar(f"start: call{more}\ncall: {call}")
+
+
+class Llama3JsonParser(ToolParser):
+    name, start = "llama3_json", "<|python_tag|>"
+
+    def call_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped.startswith("{") or stripped.startswith(self.start):
+            return len(text) - len(stripped)
+        return super().call_start(text)
+
+    def parse(self, text: str) -> Parsed:
+        i = self.call_start(text)
+        body = text[i:].removeprefix(self.start).strip()
+        calls = []
+        for piece in body.split(";") if body else []:
+            call = _call(_loads(piece.strip()), "parameters")
+            if call is None:
+                return Parsed(text or None, [])
+            calls.append(call)
+        return Parsed(_content([text[:i]]), calls) if calls else Parsed(text or None, [])
+
+    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        call = json_rule(_calls_schema(tools, "parameters"))
+        more = ' ("; " call)*' if parallel else ""
+        return Grammar(f"start: call{more}\ncall: {call}")
+
+
+class MistralParser(ToolParser):
+    name, start = "mistral", "[TOOL_CALLS]"
+    _v11 = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\](.*)", re.S)
+
+    def call_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped.startswith('[{"name"'):  # [TOOL_CALLS] is a special token: decoding drops it
+            return len(text) - len(stripped)
+        return super().call_start(text)
+
+    def parse(self, text: str) -> Parsed:
+        i = self.call_start(text)
+        if i == len(text):
+            return Parsed(text or None, [])
+        calls = []
+        for segment in text[i:].split(self.start):
+            if not segment.strip():
+                continue
+            parsed = _loads(segment.strip())
+            if parsed is None and (m := self._v11.match(segment)):
+                parsed = {"name": m.group(1), "arguments": _loads(m.group(2).strip())}
+            items = parsed if isinstance(parsed, list) else [parsed]
+            found = [_call(obj) for obj in items]
+            if not found or None in found:
+                return Parsed(text or None, [])
+            calls += found
+        return Parsed(_content([text[:i]]), calls) if calls else Parsed(text or None, [])
+
+    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        array = {"type": "array", "items": _calls_schema(tools, "arguments"), "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        return Grammar(f'start: "[TOOL_CALLS]" {json_rule(array)}')
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def choose_parser(template: str | None, override: str | None = None) -> ToolParser:
+    """The parser ``override`` names, else the one whose markers the chat template writes
+    (``<tool_call>``: hermes, ``[TOOL_CALLS]``: mistral, ``<|python_tag|>``/``ipython``:
+    llama3_json), else hermes (the fallback prompt's format).
+
+    Raises:
+        ValueError: an unknown ``override``.
+    """
+    if override:
+        if override not in PARSERS:
+            raise ValueError(f"unknown tool call parser {override!r}; choose one of: {', '.join(PARSERS)}")
+        return PARSERS[override]()
+    text = template or ""
+    if "[TOOL_CALLS]" in text:
+        return MistralParser()
+    if "<|python_tag|>" in text or "ipython" in text:
+        return Llama3JsonParser()
+    return HermesParser()
+
+
+def template_reads_tools(template: str | None) -> bool:
+    """Whether the Jinja ``template`` uses the ``tools`` variable."""
+    if not template:
+        return False
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return "tools" in template
+
+
+#: The tool prompt of Qwen 2.5's chat template, for templates without one.
+_FALLBACK_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+)
+
+
+def render_for_template(messages: list[dict], tools: list[dict] | None, native: bool) -> tuple[list[dict], list[dict] | None]:
+    """``(messages, tools)`` to hand the chat template.
+
+    ``messages`` are OpenAI-shaped dicts (``tool_calls`` with JSON-text
+    arguments, ``role: tool`` with ``tool_call_id``). A ``native`` template
+    (one that reads ``tools``) gets them as Hugging Face templates expect:
+    arguments as objects. Otherwise tools go into the system prompt, calls
+    into the assistant text as Hermes blocks, and tool results into a user
+    turn of ``<tool_response>`` blocks (consecutive results merged).
+    """
+    if native:
+        return [_native_message(m) for m in messages], tools
+    out: list[dict] = []
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = _FALLBACK_PROMPT.format(tools=listing)
+        if messages and messages[0]["role"] in ("system", "developer"):
+            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + prompt})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": prompt})
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"]["arguments"] or "{}"}}}\n</tool_call>'
+                      for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m.get("content") else []) + blocks)})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out], None
+
+
+def _native_message(m: dict) -> dict:
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        calls = [{"id": c.get("id"), "type": "function",
+                  "function": {"name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"] or "{}") or {}}}
+                 for c in m["tool_calls"]]
+        return {"role": "assistant", "content": m.get("content") or "", "tool_calls": calls}
+    return {k: v for k, v in m.items() if v is not None}
+
+
+class ToolStream:
+    """Splits streamed text into content deltas and completed calls.
+
+    Text before the parser's call marker is passed on as it arrives (holding
+    back a tail that could be the start of the marker); from the marker on,
+    text is buffered and parsed when the output ends, so the calls equal
+    :meth:`ToolParser.parse` of the whole text.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self._released = 0
+        self._in_call = False
+
+    def feed(self, delta: str) -> str:
+        """Append ``delta``; return the content that may be shown now."""
+        self.text += delta
+        if self._in_call:
+            return ""
+        start = self.parser.call_start(self.text)
+        if start < len(self.text):
+            self._in_call = True
+            end = start
+        else:
+            end = len(self.text) - _partial_suffix(self.text, self.parser.start)
+            if not self.text[self._released:].strip() and isinstance(self.parser, (Llama3JsonParser, MistralParser)):
+                end = self._released  # leading whitespace: a JSON call may still follow
+        out = self.text[self._released:end]
+        self._released = max(self._released, end)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet released, the calls) once the output is complete."""
+        parsed = self.parser.parse(self.text)
+        if not parsed.calls:
+            rest = self.text[self._released:]
+        else:
+            shown = self.text[:self._released]
+            rest = (parsed.content or "")[len(shown.strip()):] if (parsed.content or "").startswith(shown.strip()) else ""
+        return rest, parsed.calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
