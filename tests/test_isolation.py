@@ -1,12 +1,11 @@
 """One failing request never hurts another.
 
-An in-process server (the real embedded model, uvicorn on 127.0.0.1) whose
-engine lets a test poison a request after the API validated it: a request
-sent with ``top_k=POISON_TOP_K`` reaches the sampler with a seed of 2**64,
-which ``torch.Generator`` refuses (the failure issue 12 found, now stopped at
-the API). A healthy stream running at the same time must finish with all its
-tokens; the poisoned request must get an error (an SSE error event, or a 500
-naming an error id) and never the raw exception text.
+An in-process server (:mod:`inprocess_server`: the real embedded model, uvicorn
+on 127.0.0.1) lets a test poison a request after the API validated it. A
+healthy stream running at the same time must finish with all its tokens; the
+poisoned request must get an error (an SSE error event, or a 500 naming an
+error id) and never the raw exception text. Also: body limits, Anthropic
+routes' input checks, and where tokenization runs.
 """
 
 from __future__ import annotations
@@ -14,45 +13,22 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from inprocess_server import CRASH_SEED, POISON_TOP_K, SECRET, PoisoningEngine, serve_in_process
 
 from quanta.config import EngineConfig, SchedulerConfig
-from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.output import TextState
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model
-from quanta.server.app import ServerState, build_app
-from quanta.server.metrics import EngineMetrics
 
-from quanta.bench.server import free_port
-
-POISON_TOP_K = 4242  # the engine gives such a request the seed 2**64
-CRASH_SEED = 4343  # submit raises an unexpected exception carrying SECRET
-SECRET = "secret-detail-7f3a"
 MAX_MODEL_LEN = 256
 MAX_REQUEST_BYTES = 2 * 2**20
 HEALTHY_TOKENS = 24
-
-
-class PoisoningEngine(AsyncEngine):
-    """An :class:`AsyncEngine` that corrupts requests carrying a marker seed,
-    after the API validated them (fault injection; everything else is real)."""
-
-    tokenized_on: list[str] = []
-
-    async def submit(self, prompt_token_ids, params: SamplingParams):
-        if params.seed == CRASH_SEED:
-            raise KeyError(SECRET)
-        if params.top_k == POISON_TOP_K:
-            params.seed = 2**64
-        return await super().submit(prompt_token_ids, params)
 
 
 @pytest.fixture(scope="module")
@@ -63,32 +39,8 @@ def loaded():
 @pytest.fixture(scope="module")
 def live(loaded):
     """(base URL, model name, ServerState) of an in-process server."""
-    engine = build_engine(loaded, EngineConfig(max_model_len=MAX_MODEL_LEN), SchedulerConfig("batched", 4, {}))
-    async_engine = PoisoningEngine(engine)
-    metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting)
-    async_engine.start()
-    state = ServerState(async_engine, loaded.tokenizer, "quanta-test", MAX_MODEL_LEN, {}, metrics, MAX_REQUEST_BYTES)
-    encode = state.tokenizer.encode
-
-    def recording_encode(*args, **kwargs):
-        PoisoningEngine.tokenized_on.append(threading.current_thread().name)
-        return encode(*args, **kwargs)
-
-    state.tokenizer.encode = recording_encode
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    yield base, "quanta-test", state
-    server.should_exit = True
-    thread.join(timeout=30)
-    async_engine.stop()
-    state.tokenizer.encode = encode
+    with serve_in_process(loaded, MAX_MODEL_LEN, MAX_REQUEST_BYTES) as server:
+        yield server.base, server.model, server.state
 
 
 class HealthyStream(threading.Thread):
