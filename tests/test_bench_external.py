@@ -149,3 +149,40 @@ def test_unhealthy_server_is_invalid_and_stopped(tmp_path):
     cond = json.loads(prefix.with_suffix(".json").read_text())["conditions"][0]
     assert "not healthy at http://127.0.0.1:" in cond["invalid_reason"]
     assert len(list(state.glob("*.stopped"))) == 1
+
+
+def _sessions_file(path: Path) -> Path:
+    """Two recorded agent sessions (2 and 1 turns) written by the recorder itself."""
+    from quanta.bench.record import Observed, Recorder
+
+    rec = Recorder(path, "http://up", record_text=False)
+
+    def one(messages, prompt_tokens, completion_tokens, reply):
+        h = rec.begin("chat", "/v1/chat/completions", {"messages": messages, "stream": True})
+        obs = Observed("chat")
+        obs.sse = True
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        obs.feed(f'data: {json.dumps({"choices": [{"delta": {"content": reply}}], "usage": usage})}\n\n'.encode(), rec.now())
+        rec.finish(h, 200, obs, complete=True)
+
+    first = [{"role": "user", "content": "a b c d e f g h"}]
+    one(first, 8, 3, "x y z")
+    one([{"role": "user", "content": "other task here"}], 3, 2, "q r")
+    one(first + [{"role": "assistant", "content": "x y z"}, {"role": "user", "content": "tool said ok"}], 14, 4, "done")
+    rec.close()
+    return path
+
+
+def test_a_sessions_replay_sends_every_condition_the_same_requests(tmp_path):
+    path = _sessions_file(tmp_path / "agent.jsonl")
+    prefix = tmp_path / "bench_sessions"
+    assert _bench("--grid", "--ubatch-size 64,128 --batch-size 512", "--server-cmd", TEMPLATE, *RULES, "--workload", "sessions",
+                  "--sessions-file", str(path), "--endpoint", "chat", "--repeats", "2", "--warmup", "0", "--no-progress",
+                  "--no-plots", "--out", str(prefix)) == 0
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    sent = [sorted((s["tag"], s["prompt_tokens"], s["completion_tokens"]) for s in r["samples"])
+            for c in doc["conditions"] for r in c["runs"]]
+    assert len(sent) == 4 and all(x == sent[0] for x in sent)  # the fake counts words: equal sizes mean equal requests
+    tags = [t for t, _, _ in sent[0]]
+    assert tags == ["session0/turn0", "session0/turn1", "session1/turn0"]
+    assert [c for _, _, c in sent[0]] == [3, 4, 2]  # the recorded output lengths
