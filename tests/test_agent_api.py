@@ -258,3 +258,17 @@ def test_responses_refuses_stored_state_and_builtin_tools(server):
         client.responses.create(model=server.model, input="x", previous_response_id="resp_1")
     with pytest.raises(openai.BadRequestError, match="web_search"):
         client.responses.create(model=server.model, input="x", tools=[{"type": "web_search"}])
+
+
+def test_served_model_name_aliases(launch_server):
+    srv = launch_server("--max-model-len", "256", "--served-model-name", "main-id", "alias-id", "--tool-call-parser", "hermes")
+    try:
+        ids = [m["id"] for m in httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"]]
+        assert ids == ["main-id", "alias-id"]
+        r = client_for(srv).chat.completions.create(model="alias-id", messages=ASK, max_tokens=2, temperature=0)
+        assert r.model == "alias-id"
+        with pytest.raises(openai.NotFoundError, match="'main-id' or 'alias-id'"):
+            client_for(srv).chat.completions.create(model="other", messages=ASK, max_tokens=2)
+        assert httpx.get(srv.base_url + "/v1/config", timeout=30).json()["tool_call_parser"] == "hermes"
+    finally:
+        srv.stop()

@@ -189,3 +189,29 @@ def test_generate_runs_under_every_policy(name):
         assert prefill >= 2  # a 5+-token prompt in chunks of 4
     if name == "budget":
         assert mixed == 0 and prefill >= 1  # one sequence: never a decode to fuse with
+
+
+def test_version_and_python_dash_m(capsys):
+    import quanta
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"quanta {quanta.__version__}"
+    out = subprocess.run([sys.executable, "-m", "quanta", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"quanta {quanta.__version__}"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"]])
+def test_missing_model_is_one_line_and_exit_2(command, capsys, tmp_path, no_model_load):
+    code, err = main_exit([*command, "--model", str(tmp_path / "nope.gguf")], capsys)
+    assert code == 2
+    assert err == f"quanta {command[0]}: error: --model {tmp_path / 'nope.gguf'}: no such file or directory\n"
+
+
+def test_served_model_name_takes_aliases_and_tool_call_parser_is_checked(capsys, no_model_load):
+    args = cli.build_parser().parse_args(["serve", "--served-model-name", "main", "alias-1", "alias-2"])
+    assert args.served_model_name == ["main", "alias-1", "alias-2"]
+    engine_cfg, _ = cli.configs_from_args(args)
+    assert engine_cfg.served_model_name == "main"
+    code, err = main_exit(["serve", "--tool-call-parser", "nope"], capsys)
+    assert code == 2 and "--tool-call-parser" in err and "hermes" in err

@@ -7,9 +7,12 @@ content is a string or text blocks (concatenated), ``max_tokens``,
 ``top_p``, ``top_k`` (the current official client no longer sends these; pass
 them with ``extra_body``). A final ``assistant`` message is a prefill:
 generation continues after its text.
-Tool use, images and documents are refused with a 400 (tool use may come
-later); ``cache_control`` markers are accepted and ignored, since prefix reuse
-is automatic.
+Tools: ``tools``, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``),
+``tool_use`` blocks in assistant turns and ``tool_result`` blocks in user
+turns (:mod:`quanta.server.anthropic_tools`); a response's calls are
+``tool_use`` blocks with ``stop_reason: tool_use``. Images and documents are
+refused with a 400; ``cache_control`` markers are accepted and ignored, since
+prefix reuse is automatic.
 
 Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens
 computed for this request, ``cache_read_input_tokens`` those served from the
@@ -19,7 +22,11 @@ is always 0 (nothing is written on request).
 Streaming sends Anthropic's events: ``message_start`` (once the first token is
 out, so its usage already counts the cached tokens), ``content_block_start``,
 ``ping``, ``content_block_delta`` (``text_delta``), ``content_block_stop``,
-``message_delta`` (stop reason, cumulative usage) and ``message_stop``; a
+``message_delta`` (stop reason, cumulative usage) and ``message_stop``. With
+tools, a text block opens only once text arrives, and each call is a
+``tool_use`` block (``content_block_start`` with empty ``input``, one
+``input_json_delta`` with the whole input, ``content_block_stop``) sent when
+the output is complete; a
 failure after the stream began is an ``error`` event. Every error is
 Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
 """
@@ -37,11 +44,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
+from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messages, tool_use_block
 from quanta.server.app import ServerState, check_model, submit, until_disconnect
 from quanta.engine.async_engine import RequestFailed
+from quanta.server.chat import constrain
 from quanta.server.errors import APIError, anthropic_error_body, internal_error_message, log_internal_error
 from quanta.server.limits import PromptError
 from quanta.server.protocol import NullMeansDefault, StrictFlag, check_stop_strings, integer, number
+from quanta.server.tools import ToolStream, render_for_template, template_reads_tools
 
 
 class AnthropicError(Exception):
@@ -57,21 +67,23 @@ class AnthropicError(Exception):
 
 
 class ContentBlock(BaseModel):
-    """A content block; only ``text`` blocks are served."""
+    """A content block: ``text``, ``tool_use`` (assistant) or ``tool_result`` (user)."""
 
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict | None = None
+    tool_use_id: str | None = None
+    content: str | list | None = None
+    is_error: bool = False
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
-
-    def text(self, where: str) -> str:
-        """The content as one string; ``where`` names it in errors (``messages.0.content``)."""
-        return _text(self.content, where)
 
 
 class CountTokensRequest(NullMeansDefault):
@@ -81,7 +93,28 @@ class CountTokensRequest(NullMeansDefault):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[ContentBlock] | None = None
-    tools: list[dict] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    @property
+    def use_tools(self) -> bool:
+        return bool(self.tools) and (self.tool_choice is None or self.tool_choice.type != "none")
+
+    def forced_tools(self) -> list[dict] | None:
+        """Tools a call must come from (``any``: all, ``tool``: the named one), else None.
+
+        Raises:
+            AnthropicError: 400 for a choice without tools or naming an unknown tool.
+        """
+        choice = self.tool_choice
+        if choice is None or choice.type in ("auto", "none"):
+            return None
+        if not self.tools:
+            raise AnthropicError(400, "tool_choice: requires tools")
+        tools = [t.openai() for t in self.tools if choice.type == "any" or t.name == choice.name]
+        if not tools:
+            raise AnthropicError(400, f"tool_choice: names {choice.name!r}, which is not among tools")
+        return tools
 
 
 class MessagesRequest(CountTokensRequest):
@@ -113,7 +146,7 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
         if block.type != "text" or block.text is None:
             raise AnthropicError(
                 400, f"{where}.{i}: content blocks of type {block.type!r} are not supported "
-                "(text only; tool use is not implemented yet)",
+                "(text only)",
             )
     return "".join(b.text for b in content)
 
@@ -129,19 +162,21 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
         AnthropicError: 400 for tools, non-text content, lone surrogates, a
             prompt too long for the context or a template failure.
     """
-    if body.tools:
-        raise AnthropicError(400, "tools: tool use is not supported by this server yet")
     chat = []
     if body.system:
         chat.append({"role": "system", "content": _text(body.system, "system")})
-    chat += [{"role": m.role, "content": m.text(f"messages.{i}.content")} for i, m in enumerate(body.messages)]
+    chat += chat_messages(body.messages, AnthropicError)
+    tools = [t.openai() for t in body.tools] if body.use_tools else None
+    prefill = None
+    if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
+        prefill = chat.pop()["content"]
+    chat, template_tools = render_for_template(chat, tools, template_reads_tools(state.tokenizer.chat_template))
     try:
         state.prompts.check((m["content"] for m in chat), "messages")
     except PromptError as exc:
         raise AnthropicError(400, str(exc)) from exc
-    prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else None
     try:
-        ids = await state.prompts.run(state.tokenizer.apply_chat_template, chat)
+        ids = await state.prompts.run(state.tokenizer.apply_chat_template, chat, template_tools)
     except Exception as exc:  # the model's own template may reject a conversation
         raise AnthropicError(400, f"chat template failed: {exc}") from exc
     if prefill:
@@ -171,8 +206,10 @@ def _check_model(state: ServerState, model: str) -> None:
         raise AnthropicError(exc.status, exc.message) from exc
 
 
-def _stop(out: RequestOutput) -> tuple[str, str | None]:
-    """(Anthropic ``stop_reason``, ``stop_sequence``) of a finished output."""
+def _stop(out: RequestOutput, called: bool = False) -> tuple[str, str | None]:
+    """(Anthropic ``stop_reason``, ``stop_sequence``) of a finished output (``called``: it made tool calls)."""
+    if called and out.finish_reason == "stop":
+        return "tool_use", None
     if out.finish_reason == "length":
         return "max_tokens", None
     if out.stop_reason is not None:
@@ -189,11 +226,12 @@ def _usage(out: RequestOutput, output_tokens: int | None = None) -> dict:
     }
 
 
-def _message(msg_id: str, model: str, text: str | None, out: RequestOutput, final: bool) -> dict:
-    stop_reason, stop_sequence = _stop(out) if final else (None, None)
+def _message(msg_id: str, model: str, text: str | None, out: RequestOutput, final: bool, calls=()) -> dict:
+    stop_reason, stop_sequence = _stop(out, bool(calls)) if final else (None, None)
+    content = [{"type": "text", "text": text}] if text is not None and (text or not calls) else []
     return {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": [{"type": "text", "text": text}] if text is not None else [],
+        "content": content + [tool_use_block(c) for c in calls],
         "stop_reason": stop_reason, "stop_sequence": stop_sequence,
         "usage": _usage(out, None if final else 0),
     }
@@ -228,12 +266,53 @@ async def _events(msg_id: str, model: str, stream: RequestStream):
         stream.abort()
 
 
-async def _collect(msg_id: str, model: str, stream: RequestStream) -> Response:
+async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream):
+    """The events of a request with tools: text block opened lazily, then one tool_use block per call."""
+    try:
+        out = await anext(stream)
+        yield _event("message_start", {"message": _message(msg_id, model, None, out, final=False)})
+        yield _event("ping", {})
+        index, text_open, calls = 0, False, []
+        while True:
+            text = tools.feed(out.text)
+            if out.finished:
+                rest, calls = tools.finish()
+                text += rest
+            if text:
+                if not text_open:
+                    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    text_open, index = True, 1
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            if out.finished:
+                break
+            out = await anext(stream)
+        if text_open:
+            yield _event("content_block_stop", {"index": 0})
+        for i, call in enumerate(calls, start=index):
+            yield _event("content_block_start", {"index": i, "content_block": tool_use_block(call, with_input=False)})
+            yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+            yield _event("content_block_stop", {"index": i})
+        stop_reason, stop_sequence = _stop(out, bool(calls))
+        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
+        yield _event("message_stop", {})
+    except Exception as exc:  # the response began: the error goes in the stream
+        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
+        yield _event("error", anthropic_error_body(500, message))
+    finally:
+        stream.abort()
+
+
+async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Response:
     texts, last = [], None
     async for out in stream:
         texts.append(out.text)
         last = out
-    return JSONResponse(_message(msg_id, model, "".join(texts), last, final=True))
+    text, calls = "".join(texts), []
+    if parser is not None:
+        parsed = parser.parse(text)
+        if parsed.calls:
+            text, calls = parsed.content or "", parsed.calls
+    return JSONResponse(_message(msg_id, model, text, last, final=True, calls=calls))
 
 
 def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
@@ -254,11 +333,17 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         body = await _parse(request, MessagesRequest)
         _check_model(state, body.model)
         prompt = await render_prompt(state, body)
+        forced = body.forced_tools() if body.use_tools else None
+        parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
+        grammar = state.tool_parser.grammar(forced, parallel) if forced else None
         try:
-            stream = await submit(state, prompt, body.max_tokens, body.sampling_params)
+            stream = await submit(state, prompt, body.max_tokens,
+                                  lambda n: constrain(state, body.sampling_params(n), grammar, "tool_choice"))
         except APIError as exc:
             raise AnthropicError(exc.status, exc.message) from exc
         msg_id = "msg_" + uuid.uuid4().hex
+        parser = state.tool_parser if body.use_tools else None
         if body.stream:
-            return StreamingResponse(_events(msg_id, state.model_name, stream), media_type="text/event-stream")
-        return await until_disconnect(request, _collect(msg_id, state.model_name, stream), stream)
+            events = _tool_events(msg_id, body.model, stream, ToolStream(parser)) if parser else _events(msg_id, body.model, stream)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await until_disconnect(request, _collect(msg_id, body.model, stream, parser), stream)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import uvicorn
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
-from quanta.launch import build_engine, load_model, resolve_dtype
+from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.app import ServerState, build_app
 from quanta.server.metrics import EngineMetrics
@@ -17,20 +18,24 @@ log = logging.getLogger("quanta")
 
 
 def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port: int,
-          max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> int:
+          max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
+          tool_call_parser: str | None = None) -> int:
     """Serve until interrupted; returns the process exit code.
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
+    ``aliases``: more model ids the routes accept; ``tool_call_parser``: a
+    :data:`quanta.server.tools.PARSERS` name (None: chosen from the chat template).
     """
     dtype = resolve_dtype(engine_cfg.dtype)
-    loaded = load_model(engine_cfg.model, dtype)
+    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization)
     engine = build_engine(loaded, engine_cfg, sched_cfg)
     name = engine_cfg.served_model_name or loaded.name
     config = {
         "model": name, "dtype": str(dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
         "scheduler": sched_cfg.name, "max_num_seqs": sched_cfg.max_num_seqs, **sched_cfg.knobs,
         "max_queue": engine_cfg.max_queue, "prefix_cache": engine_cfg.prefix_cache,
-        "max_request_bytes": max_request_bytes,
+        "max_request_bytes": max_request_bytes, "aliases": list(aliases),
+        "tool_call_parser": tool_call_parser,
     }
     log.info("%s max_model_len=%d dtype=%s prefix_cache=%s", sched_cfg.describe(), engine.max_model_len, config["dtype"],
              "on" if engine_cfg.prefix_cache else "off")
@@ -39,7 +44,8 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     async_engine.on_output = metrics.observe_output
     engine.step_listeners.append(metrics.observe_step)
     async_engine.start()
-    app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes))
+    app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
+                                aliases, tool_call_parser))
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:

@@ -1,0 +1,7 @@
+"""``python -m quanta ...``: the same command line as ``quanta ...``."""
+
+import sys
+
+from quanta.cli import main
+
+sys.exit(main())

@@ -1,0 +1,101 @@
+"""Tool use on Anthropic's Messages API: ``tools``, ``tool_choice``,
+``tool_use`` / ``tool_result`` blocks, and tool_use in responses and streams.
+
+Anthropic's shapes are mapped onto the OpenAI-shaped messages that
+:func:`quanta.server.tools.render_for_template` renders, so both APIs reach
+the model through the same chat template and parser. ``tool_choice``:
+``auto`` (parse the output), ``none`` (tools left out of the prompt), ``any``
+(some tool, enforced by a grammar) and ``{"type": "tool", "name"}`` (that
+one); ``disable_parallel_tool_use`` limits a forced choice to one call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quanta.server.tools import ToolCall
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict
+    type: Literal["custom"] | None = None
+
+    def openai(self) -> dict:
+        fn = {"name": self.name, "parameters": self.input_schema}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+def tool_use_id(call: ToolCall) -> str:
+    """Anthropic-style id (``toolu_...``) of a parsed call."""
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def tool_use_block(call: ToolCall, with_input: bool = True) -> dict:
+    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
+            "input": json.loads(call.arguments) if with_input else {}}
+
+
+def _result_text(content, where: str, error) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise error(400, f"{where}.{j}: tool_result content of type {kind!r} is not supported (text only)")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def chat_messages(messages, error) -> list[dict]:
+    """Anthropic ``messages`` as OpenAI-shaped chat messages.
+
+    ``tool_result`` blocks become ``role: tool`` messages (before the user
+    text of the same turn), ``tool_use`` blocks the assistant's ``tool_calls``.
+
+    Args:
+        error: the exception class raised as ``error(400, message)`` for
+            blocks that are not text, tool_use or tool_result.
+    """
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls, results = [], [], []
+        for j, block in enumerate(m.content):
+            where = f"messages.{i}.content.{j}"
+            if block.type == "text" and block.text is not None:
+                texts.append(block.text)
+            elif block.type == "tool_use" and m.role == "assistant":
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": json.dumps(block.input or {}, ensure_ascii=False)}})
+            elif block.type == "tool_result" and m.role == "user":
+                text = _result_text(block.content, f"{where}.content", error)
+                results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                "content": ("Error: " + text) if block.is_error else text})
+            else:
+                raise error(400, f"{where}: content blocks of type {block.type!r} are not supported here "
+                                 "(text, tool_use in assistant turns, tool_result in user turns)")
+        out += results
+        if texts or calls or not results:
+            msg = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
