@@ -162,6 +162,7 @@ async def _sse(fmt: "_Format", stream: RequestStream, include_usage: bool, recor
     except Exception as exc:  # the response began: the error goes in the stream, then [DONE], as vLLM sends it
         message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
         yield f"data: {json.dumps(error_body(500, message))}\n\n"
+        yield "data: [DONE]\n\n"
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"
