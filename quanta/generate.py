@@ -11,7 +11,7 @@ from quanta.launch import build_engine, load_model, resolve_dtype
 
 def generate_cli(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, prompt: str, max_tokens: int, temperature: float, chat: bool) -> int:
     """Print the completion of ``prompt``; returns the exit code (2 for a bad request)."""
-    loaded = load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype))
+    loaded = load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype), engine_cfg.quantization)
     engine = build_engine(loaded, engine_cfg, sched_cfg)
     tok = loaded.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)

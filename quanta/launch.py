@@ -17,7 +17,8 @@ from quanta.engine.engine import Engine
 from quanta.engine.executor import ModelExecutor
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
-from quanta.model.loader import embedded_model_path, load_checkpoint
+from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
+from quanta.model.quant import max_quantized_rows
 from quanta.model.tokenizer import Tokenizer
 
 log = logging.getLogger("quanta")
@@ -25,13 +26,26 @@ log = logging.getLogger("quanta")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
 def cpu_has_native_bf16() -> bool:
     """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (bf16 matmuls ~2x fp32 there)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_summary() -> str:
+    """The vector features that choose kernels, e.g. ``avx2 fma avx512f avx512_bf16``."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+    flags = cpu_flags()
+    return " ".join(f for f in wanted if f in flags) or "no avx2"
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
@@ -48,28 +62,69 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     name: str
+    #: the matmul kernels chosen at load, e.g. ``projections=int4(rows<=16) lm_head=int8(rows<=16) reference=fp32``
+    kernels: str = ""
 
 
-def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
+#: GGUF tensor types and the quantized form that holds them (``auto``): 4-bit
+#: blocks are int4 groups of 32 exactly (see :mod:`quanta.model.quant`); 5- to
+#: 8-bit blocks are requantized to int8 per channel; float tensors stay as they are.
+_GGUF_FORMS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
+               "Q6_K": "int8", "Q8_0": "int8", "Q8_K": "int8"}
+
+
+def resolve_quantization(name: str, path: Path) -> tuple[str, str]:
+    """``(projections, lm_head)`` quantized forms for ``--quantization name``.
+
+    ``none``: the dequantized reference weights only. ``int8``: both int8.
+    ``int4``: projections int4, the LM head int8 (as llama.cpp keeps its output
+    tensor at higher precision). ``auto``: a GGUF's own types (its first
+    layer's ``attn_q`` for the projections, ``output`` or else ``token_embd``
+    for the head) mapped by ``_GGUF_FORMS``; ``none`` for other checkpoints.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name in ("none", "int8"):
+        return name, name
+    if name == "int4":
+        return "int4", "int8"
+    if name != "auto":
+        raise ValueError(f"--quantization must be auto, none, int8 or int4, got {name!r}")
+    types = gguf_tensor_types(path) if path.is_file() else {}
+    head = types.get("output.weight", types.get("token_embd.weight", ""))
+    return _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), "none"), _GGUF_FORMS.get(head, "none")
+
+
+def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
+
+    ``quantization`` (see :func:`resolve_quantization`) adds int8/int4 forms of
+    the projections and LM head for decode-sized calls; the reference weights
+    in ``dtype`` stay for larger calls.
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: an unsupported architecture or checkpoint layout.
+        ValueError: an unsupported architecture or checkpoint layout, or an unknown quantization.
     """
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
+    forms = resolve_quantization(quantization, model_path)
     t0 = time.monotonic()
     cfg, state = load_checkpoint(model_path)
     model = LlamaModel(cfg)
     model.load_hf_state_dict(state)
     model.to(dtype).eval()
     model.pack_weights()
+    bf16 = dtype == torch.bfloat16
+    model.quantize_weights(*forms, {k: max_quantized_rows(k, bf16) for k in ("int8", "int4")})
     tokenizer = Tokenizer.from_path(model_path)
-    log.info("loaded %s (%s, %d layers) in %.1f s as %s", model_path.name, cfg.architecture, cfg.num_hidden_layers, time.monotonic() - t0, dtype)
+    kernels = model.describe_kernels()
+    log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,
+             cfg.num_hidden_layers, time.monotonic() - t0, dtype, cpu_summary(), kernels)
     name = model_path.stem if model_path.is_file() else model_path.name
-    return LoadedModel(model, tokenizer, cfg, model_path, name)
+    return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
 
 
 def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:

@@ -249,6 +249,11 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, StateDict]:
     return config, state
 
 
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """GGUF tensor name -> its stored type name (``Q4_1``, ``Q8_0``, ``F32``, ...); reads only the header."""
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
 def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     """Decoded value of metadata ``key`` (str, int, float, bool or list), or ``default``."""
     field = reader.get_field(key)

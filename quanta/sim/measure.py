@@ -149,7 +149,7 @@ def profile_engine_cli(args, parser) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be a positive integer")
     dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype) if args.dtype else None
-    loaded = load_model(args.model, resolve_dtype(dtype))
+    loaded = load_model(args.model, resolve_dtype(dtype), getattr(args, "quantization", "auto"))
     prof = measure(loaded, chunks, positions, batches, contexts, args.repeats)
     assert prof.to_dict()["format"] == FORMAT
     prof.validate()

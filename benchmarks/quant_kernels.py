@@ -1,0 +1,105 @@
+"""Decode-step cost of each weight form on the embedded model, by rows per step.
+
+For every (projections, LM head) form — the reference weights, int8, int4 —
+times one forward of ``rows`` decode tokens (one per sequence, 64 cached
+positions each) plus their logits, with the quantized kernel forced at every
+row count. The crossover rows, where the reference GEMM becomes faster, are
+what :data:`quanta.model.quant._MAX_ROWS` records. Also prints the
+single-stream bandwidth bound: weight bytes a decode step reads / measured
+memory read bandwidth.
+
+Usage: ``python benchmarks/quant_kernels.py [--dtype bf16|fp32] [--repeats 15]``.
+To see the AVX2 kernels on an AVX-512 machine, run it with
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from quanta.bench.output import machine
+from quanta.launch import cpu_summary, load_model, resolve_dtype
+from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+
+ROWS = (1, 2, 4, 8, 16, 32)
+FORMS = (("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4"))
+CONTEXT = 64
+
+
+def memory_bandwidth() -> float:
+    """Read bandwidth in GB/s: median of 5 sums over a 512 MiB float32 tensor."""
+    big = torch.ones(128 * 1024 * 1024)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - t0)
+    return big.numel() * 4 / statistics.median(times) / 1e9
+
+
+def step_ms(model, kv: KVCache, rows: int, repeats: int) -> float:
+    """Median ms of one decode forward of ``rows`` sequences plus their logits."""
+    ids = torch.randint(100, 40000, (rows,))
+    times = []
+    for _ in range(repeats + 2):
+        batch = AttentionBatch([SeqSlice(i, CONTEXT, 1) for i in range(rows)], kv)
+        t0 = time.perf_counter()
+        model.compute_logits(model(ids, batch))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) * 1e3
+
+
+def weight_bytes(model, forms: tuple[str, str]) -> int:
+    """Bytes of weights one single-row decode step reads under ``forms``."""
+    per_param = {"none": model.embed_tokens.weight.element_size(), "int8": 1, "int4": 0.5}
+    head = model.embed_tokens.weight.numel()
+    total = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and p.dim() == 2)
+    return int(total * per_param[forms[0]] + head * per_param[forms[1]])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=None, help="JSON file for the raw numbers")
+    args = ap.parse_args()
+    dtype = resolve_dtype({"bf16": "bfloat16", "fp32": "float32", None: None}[args.dtype])
+    bandwidth = memory_bandwidth()
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", "default")
+    results = {}
+    for forms in FORMS:
+        loaded = load_model(None, dtype, "none")
+        model = loaded.model
+        model.quantize_weights(*forms, {"int8": max(ROWS), "int4": max(ROWS)})
+        kv = KVCache(model.config.num_hidden_layers, max(ROWS), model.config.num_key_value_heads, CONTEXT + 1,
+                     model.config.head_dim, dtype)
+        results["/".join(forms)] = {"ms": {r: step_ms(model, kv, r, args.repeats) for r in ROWS},
+                                    "weight_bytes": weight_bytes(model, forms)}
+        print(f"  measured {forms}", file=sys.stderr)
+    info = {**machine(), "cpu_flags": cpu_summary(), "aten_cpu_capability": isa, "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+    print(f"\nmachine: {info['cpu']} ({info['cpu_flags']}; ATen dispatch {isa}), {info['threads']} threads; "
+          f"dtype {str(dtype).removeprefix('torch.')}; memory read {bandwidth:.1f} GB/s; "
+          f"median of {args.repeats} steps, ms per decode step (forward + logits)\n")
+    print("| projections/lm_head | weights read (MB) | bandwidth bound at 1 row (ms) | " + " | ".join(f"{r} rows" for r in ROWS) + " |")
+    print("|---|---|---|" + "---|" * len(ROWS))
+    for name, r in results.items():
+        mb = r["weight_bytes"] / 1e6
+        print(f"| {name} | {mb:.0f} | {mb / bandwidth:.1f} | " + " | ".join(f"{r['ms'][n]:.1f}" for n in ROWS) + " |")
+    if args.out:
+        args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "machine": info,
+                                        "bandwidth_gb_s": bandwidth, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
