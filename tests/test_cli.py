@@ -215,3 +215,22 @@ def test_served_model_name_takes_aliases_and_tool_call_parser_is_checked(capsys,
     assert engine_cfg.served_model_name == "main"
     code, err = main_exit(["serve", "--tool-call-parser", "nope"], capsys)
     assert code == 2 and "--tool-call-parser" in err and "hermes" in err
+
+
+@pytest.mark.parametrize("make_args,host,port", [
+    (['ARGS=--port 18080'], "127.0.0.1", "18080"),
+    (["PORT=9000", "HOST=0.0.0.0"], "0.0.0.0", "9000"),
+    (['ARGS=--host 0.0.0.0 --port 1 --max-num-seqs 4'], "0.0.0.0", "1"),
+])
+def test_make_serve_passes_host_and_port_once(make_args, host, port):
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-s", "-n", "-o", ".venv/.quanta-installed", "serve", *make_args],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    line = [ln for ln in out.stdout.splitlines() if "quanta serve" in ln][-1].split()
+    assert line.count("--host") == 1 and line.count("--port") == 1, line
+    assert line[line.index("--host") + 1] == host and line[line.index("--port") + 1] == port
