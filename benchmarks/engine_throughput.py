@@ -9,7 +9,10 @@ Measures, on one machine in one run:
   ``generate`` of N sequences, decode time = generate(64 new) - generate(1 new)).
 
 Each figure is the median of ``--repeats`` runs with the min-max range.
-Usage: ``python benchmarks/engine_throughput.py [--dtype bf16|fp32] [--repeats 3]``
+quanta runs as served (``--quantization auto``: int4/int8 decode kernels for
+the Q4_1 GGUF, see :mod:`quanta.model.quant`); transformers holds the
+dequantized weights, which the int4 form represents up to bf16 scale rounding.
+Usage: ``python benchmarks/engine_throughput.py [--dtype bf16|fp32] [--quantization auto|none|int8|int4] [--repeats 3]``
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from quanta.bench.output import machine
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
-from quanta.launch import build_engine, load_model, resolve_dtype
+from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.model.loader import load_checkpoint
 
 PROMPT_LEN = 2000
@@ -38,8 +41,8 @@ BATCHES = (1, 8, 32)
 
 
 def machine_info() -> dict:
-    """The machine (see :func:`quanta.bench.output.machine`) plus torch's version and threads."""
-    return {**machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    """The machine (see :func:`quanta.bench.output.machine`) plus CPU flags, torch's version and threads."""
+    return {**machine(), "cpu_flags": cpu_summary(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -119,13 +122,14 @@ def fmt(s: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    ap.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json")
     args = ap.parse_args()
     dtype_name = {"bf16": "bfloat16", "fp32": "float32", None: None}[args.dtype]
     dtype = resolve_dtype(dtype_name)
     dtype_name = str(dtype).removeprefix("torch.")
-    loaded = load_model(None, dtype)
+    loaded = load_model(None, dtype, args.quantization)
     ref = reference_model(loaded.path, dtype)
 
     rows = {"prefill 2000-token prompt": ("prefill", None)}
@@ -141,7 +145,8 @@ def main() -> int:
         print(f"  measured {label}", file=sys.stderr)
 
     info = machine_info()
-    print(f"\nmachine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; dtype {dtype_name}; "
+    print(f"\nmachine: {info['cpu']} ({info['cpu_flags']}), {info['threads']} threads, torch {info['torch']}; "
+          f"dtype {dtype_name}; quanta kernels: {loaded.kernels}; "
           f"median (min-max) of {args.repeats} runs, tok/s\n")
     print("| measurement | quanta tok/s | transformers tok/s | ratio (same run) |")
     print("|---|---|---|---|")
@@ -151,6 +156,7 @@ def main() -> int:
               f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"date": datetime.now(timezone.utc).isoformat(), "machine": info, "dtype": dtype_name, "repeats": args.repeats,
+              "quantization": args.quantization, "kernels": loaded.kernels,
               "results": results}
     args.out.write_text(json.dumps(record, indent=2))
     print(f"\nraw samples: {args.out}")

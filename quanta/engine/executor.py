@@ -53,13 +53,14 @@ class ModelExecutor(Executor):
         num_slots: KV cache slots (= the scheduler's ``max_num_seqs``).
         max_model_len: positions per slot (tokens).
         decode_threads: intra-op threads of steps of at most
-            ``DECODE_STEP_TOKENS`` tokens (None: :func:`default_decode_threads`);
-            larger steps (prefill chunks) use torch's thread count at construction.
+            ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
+            construction, which larger steps use; ``quanta serve`` sets
+            :func:`default_decode_threads`).
     """
 
     def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int, decode_threads: int | None = None) -> None:
         self.prefill_threads = torch.get_num_threads()
-        self.decode_threads = min(decode_threads or default_decode_threads(), self.prefill_threads)
+        self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         self.model = model

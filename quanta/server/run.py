@@ -9,6 +9,7 @@ import uvicorn
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
+from quanta.engine.executor import default_decode_threads
 from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.app import ServerState, build_app
@@ -29,6 +30,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     dtype = resolve_dtype(engine_cfg.dtype)
     loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization)
     engine = build_engine(loaded, engine_cfg, sched_cfg)
+    engine.executor.decode_threads = default_decode_threads()  # leave a core to the event loop and local clients
     name = engine_cfg.served_model_name or loaded.name
     config = {
         "model": name, "dtype": str(dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,

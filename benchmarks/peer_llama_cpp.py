@@ -1,0 +1,219 @@
+"""quanta against llama.cpp's ``llama-server`` on the same GGUF, CPU and workloads.
+
+Builds ``llama-server`` once from the llama.cpp tree vendored in the
+``llama-cpp-python`` sdist (``pip download --no-deps --no-binary :all:
+llama-cpp-python==0.3.36``, then cmake's ``llama-server`` target; about 20
+minutes on 2 cores) and caches it under ``~/.cache/quanta/peer`` (or
+``$QUANTA_PEER_CACHE``). Then starts both servers on 127.0.0.1 and runs the
+same five ``quanta bench run`` workloads against each, alternating servers
+for ``--rounds`` rounds, and prints one table: medians, min-max over rounds,
+and the quanta / llama-server ratio of the round medians. All figures are
+client-side (``llama-server`` has no step trace):
+
+- prefill: prompt tokens / TTFT of one 1,000-word prompt, nothing else running;
+- one stream: decode time per token of one 128-token stream (first to last token);
+- 8 streams: aggregate output tok/s of 8 concurrent 200-word prompts, 128 tokens each;
+- 32 on 8 slots: aggregate output tok/s of 32 requests sent at once, 128 tokens each;
+- probe: prefill tok/s of a 2,000-word prompt while 3 sessions decode.
+
+Usage: ``python benchmarks/peer_llama_cpp.py [--rounds 3] [--out benchmarks/results/peer_llama_cpp]``
+(never run in CI). Extra quanta flags: ``--quanta-args "--quantization none"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from quanta.bench.output import machine
+from quanta.launch import cpu_summary
+from quanta.model.loader import embedded_model_path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+CACHE = Path(os.environ.get("QUANTA_PEER_CACHE", Path.home() / ".cache" / "quanta" / "peer"))
+SRC = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+BINARY = SRC / "build" / "bin" / "llama-server"
+THREADS = os.cpu_count() or 2
+LLAMA_ARGS = ["-t", str(THREADS), "-np", "8", "-c", "32768"]
+QUANTA_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096"]
+
+#: name -> (quanta bench run flags, figure, unit, higher is better)
+WORKLOADS = {
+    "prefill, 1,000-word prompt, nothing else running": (
+        ["--workload", "burst", "--num-requests", "1", "--prompt-words", "1000", "--max-tokens", "1"], "prefill", "tok/s", True),
+    "one stream decoding: time per token": (
+        ["--workload", "concurrency", "--concurrency", "1", "--num-requests", "1", "--prompt-words", "32", "--max-tokens", "128"],
+        "tpot", "ms", False),
+    "8 concurrent streams, 200-word prompts, 128 out: aggregate": (
+        ["--workload", "burst", "--num-requests", "8", "--prompt-words", "200", "--max-tokens", "128"], "throughput", "tok/s", True),
+    "32 requests at once on 8 slots, 128 out: aggregate": (
+        ["--workload", "burst", "--num-requests", "32", "--prompt-words", "32", "--max-tokens", "128"], "throughput", "tok/s", True),
+    "3 streams decoding + a 2,000-word prompt: probe prefill": (
+        ["--workload", "probe", "--sessions", "3", "--probe-words", "2000"], "probe", "tok/s", True),
+}
+
+
+def build_llama_server() -> Path:
+    """The cached ``llama-server`` binary, downloading and building it first if missing.
+
+    Raises:
+        subprocess.CalledProcessError: the download or the build failed.
+    """
+    if BINARY.exists():
+        return BINARY
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sdist = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(CACHE)], check=True)
+    if not SRC.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(CACHE, filter="data")
+    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+                   cwd=SRC, check=True)
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", f"-j{THREADS}"], cwd=SRC, check=True)
+    return BINARY
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], port: int, log: Path, timeout: float = 300) -> subprocess.Popen:
+    """Start a server and wait for its ``/health`` to answer 200 (bounded by ``timeout`` s)."""
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{cmd[0]} did not become healthy in {timeout} s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def figure(run: dict, kind: str) -> float:
+    """One workload figure from a ``quanta bench run`` result's single run (see the module docstring)."""
+    client = run["metrics"]["client"]
+    if kind == "throughput":
+        return client["throughput"]
+    if kind == "prefill":
+        return client["prompt_tokens"] / client["ttft"]["p50"]
+    if kind == "probe":
+        return run["metrics"]["probe"]["prefill_tok_s"]
+    sample = run["samples"][0]
+    times = [t for t, _ in sample["chunks"]]
+    return (times[-1] - times[0]) / (sample["completion_tokens"] - 1) * 1e3
+
+
+def bench(url: str, flags: list[str], kind: str, workdir: Path) -> float:
+    out = workdir / "run"
+    cmd = [sys.executable, "-m", "quanta.cli", "bench", "run", "--base-url", url, "--repeats", "1", "--no-progress",
+           "--no-plots", "--out", str(out), *flags]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    doc = json.loads(out.with_suffix(".json").read_text())
+    return figure(doc["conditions"][0]["runs"][0], kind)
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quanta-args", default="", help="extra flags for quanta serve")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "peer_llama_cpp")
+    args = ap.parse_args()
+    binary = build_llama_server()
+    gguf = embedded_model_path()
+    workdir = Path(tempfile.mkdtemp(prefix="quanta-peer-"))
+    ports = {"llama-server": free_port(), "quanta": free_port()}
+    cmds = {
+        "llama-server": [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(ports["llama-server"]), *LLAMA_ARGS],
+        "quanta": [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
+                   "--port", str(ports["quanta"]), *QUANTA_ARGS, *shlex.split(args.quanta_args)],
+    }
+    results: dict[str, dict[str, list[float]]] = {w: {s: [] for s in cmds} for w in WORKLOADS}
+    order = list(cmds)
+    for rnd in range(args.rounds):
+        for server in order if rnd % 2 == 0 else order[::-1]:  # alternate who goes first
+            proc = start(cmds[server], ports[server], workdir / f"{server}.log")
+            try:
+                url = f"http://127.0.0.1:{ports[server]}"
+                for name, (flags, kind, _, _) in WORKLOADS.items():
+                    results[name][server].append(bench(url, flags, kind, workdir))
+                    print(f"  round {rnd + 1} {server}: {name}: {results[name][server][-1]:.1f}", file=sys.stderr)
+            finally:
+                stop(proc)
+    info = {**machine(), "cpu_flags": cpu_summary(), "llama_cpp_python": LLAMA_CPP_PYTHON,
+            "llama_server_args": LLAMA_ARGS, "quanta_args": QUANTA_ARGS + shlex.split(args.quanta_args),
+            "quanta_startup": _startup_line(workdir / "quanta.log")}
+    table = render(results, info, args.rounds)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(table)
+    record = {"date": datetime.now(timezone.utc).isoformat(), "machine": info, "rounds": args.rounds,
+              "results": {w: {s: summarize(v) for s, v in r.items()} for w, r in results.items()}}
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    return 0
+
+
+def _startup_line(log: Path) -> str:
+    """quanta's startup line naming dtype, quantization, kernels and threads."""
+    lines = [ln for ln in log.read_text().splitlines() if "kernels:" in ln and "scheduler=" in ln]
+    return lines[-1].split("INFO quanta: ", 1)[-1] if lines else ""
+
+
+def render(results: dict, info: dict, rounds: int) -> str:
+    out = [f"# quanta vs llama-server ({datetime.now(timezone.utc).date()})", "",
+           f"- machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {info['cpu_flags']}",
+           f"- llama-server: llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON}, CPU Release, `{' '.join(LLAMA_ARGS)}`",
+           f"- quanta: `quanta serve {' '.join(info['quanta_args'])}`; startup: `{info['quanta_startup']}`",
+           f"- model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF for both; client: `quanta bench run` on the same machine",
+           f"- {rounds} rounds, servers alternating first; median (min-max) over rounds; ratio = quanta / llama-server "
+           "of the medians (for time per token: llama / quanta, so > 1 means quanta is faster)", "",
+           "| workload | llama-server | quanta | quanta / llama (speed) |", "|---|---|---|---|"]
+    for name, per in results.items():
+        _, _, unit, higher = WORKLOADS[name]
+        llama, ours = summarize(per["llama-server"]), summarize(per["quanta"])
+        ratio = ours["median"] / llama["median"] if higher else llama["median"] / ours["median"]
+        out.append(f"| {name} | {_fmt(llama, unit)} | {_fmt(ours, unit)} | {ratio:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def _fmt(s: dict, unit: str) -> str:
+    return f"{s['median']:.1f} {unit} ({s['min']:.1f}-{s['max']:.1f})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
