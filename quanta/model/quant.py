@@ -66,12 +66,13 @@ class QuantizedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (computed with bf16 activations)."""
-        xb = x.to(torch.bfloat16).contiguous()
+        xb = x.to(torch.bfloat16) if x.dtype != torch.bfloat16 else x
+        xb = xb if xb.is_contiguous() else xb.contiguous()
         if self.kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(xb, self.data, self.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, INT4_GROUP, self.scales)
-        return out.to(x.dtype)
+        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight this form represents (for tests and checks)."""
