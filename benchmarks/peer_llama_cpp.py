@@ -135,8 +135,8 @@ def figure(run: dict, kind: str) -> float:
     return (times[-1] - times[0]) / (sample["completion_tokens"] - 1) * 1e3
 
 
-def bench(url: str, flags: list[str], kind: str, workdir: Path) -> float:
-    out = workdir / "run"
+def bench(url: str, flags: list[str], kind: str, out: Path) -> float:
+    """Run one workload once; ``out`` (no suffix) keeps its result JSON."""
     cmd = [sys.executable, "-m", "quanta.cli", "bench", "run", "--base-url", url, "--repeats", "1", "--no-progress",
            "--no-plots", "--out", str(out), *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -170,8 +170,8 @@ def main() -> int:
             proc = start(cmds[server], ports[server], workdir / f"{server}.log")
             try:
                 url = f"http://127.0.0.1:{ports[server]}"
-                for name, (flags, kind, _, _) in WORKLOADS.items():
-                    results[name][server].append(bench(url, flags, kind, workdir))
+                for i, (name, (flags, kind, _, _)) in enumerate(WORKLOADS.items()):
+                    results[name][server].append(bench(url, flags, kind, workdir / f"{server}-w{i}-r{rnd}"))
                     print(f"  round {rnd + 1} {server}: {name}: {results[name][server][-1]:.1f}", file=sys.stderr)
             finally:
                 stop(proc)
@@ -180,6 +180,7 @@ def main() -> int:
             "quanta_startup": _startup_line(workdir / "quanta.log")}
     table = render(results, info, args.rounds)
     print(table)
+    print(f"bench results (quanta's carry its server trace, for quanta profile-engine --from-bench): {workdir}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(table)
     record = {"date": datetime.now(timezone.utc).isoformat(), "machine": info, "rounds": args.rounds,
