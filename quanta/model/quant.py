@@ -32,14 +32,15 @@ import torch
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
 
-#: Largest row count at which the quantized kernel beat the reference GEMM with
-#: the weights cold in cache, per (quantization, reference is bf16). Measured with
-#: ``benchmarks/quant_kernels.py`` on the 2-core AMD EPYC dev VM (AVX-512 + bf16)
-#: and on the same VM with AVX2 dispatch forced (ATEN_CPU_CAPABILITY=avx2,
-#: ONEDNN_MAX_CPU_ISA=AVX2): int4 30-layer projections 7.8 vs 37 ms (fp32) at
-#: 1 row and 35 vs 97 ms at 16, losing at 32; on AVX-512 bf16, 17 vs 34 ms
-#: (bf16 packed) at 8 rows, losing at 16.
-_MAX_ROWS = {("int8", True): 4, ("int8", False): 16, ("int4", True): 8, ("int4", False): 16}
+#: Largest row count at which the quantized kernel beat the reference GEMM,
+#: per (quantization, reference is bf16). Measured with
+#: ``benchmarks/quant_kernels.py`` (results in ``benchmarks/results/quant_kernels_*.md``)
+#: on the 2-core AMD EPYC dev VM: bf16 (AVX-512 + bf16), whole decode step
+#: int4/int8 vs reference 17.2 vs 27.5 ms at 1 row, 19.5 vs 29.4 at 4, 34.2 vs
+#: 28.7 at 8; fp32 with AVX2 dispatch forced (ATEN_CPU_CAPABILITY=avx2,
+#: ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2), 19.3 vs 55.8 ms at 1
+#: row, 63 vs 113 at 16, 130 vs 156 at 32 (int8 alone: 142 vs 156).
+_MAX_ROWS = {("int8", True): 4, ("int8", False): 32, ("int4", True): 4, ("int4", False): 32}
 
 
 def max_quantized_rows(quantization: str, bf16_reference: bool) -> int:
