@@ -282,3 +282,14 @@ def test_a_tiny_temperature_samples_like_the_smallest_one(live):
         assert resp.status_code == 200, resp.text
         texts.append(resp.json()["choices"][0]["text"])
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_a_wrong_method_is_a_typed_client_error_with_allow(live, path):
+    base, _, _ = live
+    resp = httpx.get(base + path, timeout=10)
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    payload = resp.json()
+    error = payload["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert (payload.get("type") == "error") == path.startswith("/v1/messages")
