@@ -293,3 +293,26 @@ def test_a_wrong_method_is_a_typed_client_error_with_allow(live, path):
     error = payload["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert (payload.get("type") == "error") == path.startswith("/v1/messages")
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(loaded):
+    """Issue 12: it reported finish_reason length (Anthropic: max_tokens, stop_sequence null)."""
+    engine = build_engine(loaded, EngineConfig(max_model_len=MAX_MODEL_LEN), SchedulerConfig("batched", 4, {}))
+    prompt = loaded.tokenizer.encode("The capital of France is")
+
+    def run(params: SamplingParams):
+        seq = engine.add_request(prompt, params)
+        outputs = []
+        while engine.has_work():
+            outputs += [o for o in engine.step() if o.seq_id == seq.seq_id]
+        return seq, outputs
+
+    free, _ = run(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    text = loaded.tokenizer.decode(free.output_token_ids)
+    before = loaded.tokenizer.decode(free.output_token_ids[:7])
+    stop = text[len(before):].strip() or text[-2:]
+    assert stop and stop not in before, (text, stop)
+    seq, outputs = run(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop]))
+    assert len(seq.output_token_ids) == 8
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
+    assert "".join(o.text for o in outputs) == text[:text.rindex(stop)]

@@ -155,7 +155,7 @@ class Engine:
         text, stop_string = "", None
         if text_state is not None:
             text = text_state.add(token, final=reason is not None)
-            if text_state.stopped and reason is None:
+            if text_state.stopped:  # a stop string completed by the last allowed token is still a stop
                 reason, stop_string = "stop", text_state.stop_string
         if reason is not None:
             seq.finish_reason = reason
