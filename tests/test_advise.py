@@ -95,7 +95,7 @@ def test_advise_command(capsys):
     (["serve", "--mixed-prefill-quantum", "soon"], "invalid"),
     (["serve", "--mixed-prefill-quantum", "auto", "--mixed-prefill-quantum", "auto"], "more than once"),
     (["serve", "--mixed-prefill-quantum", "auto", "--prefill-cap", "0"], "--prefill-cap"),
-    (["serve", "--mixed-prefill-quantum", "auto", "--model", "/nonexistent/model"], "auto"),
+    (["serve", "--mixed-prefill-quantum", "auto", "--model", "/nonexistent/model"], "--model /nonexistent/model: no such file"),
 ])
 def test_bad_command_lines_exit_2_before_loading(argv, fragment, capsys, monkeypatch):
     import quanta.launch
