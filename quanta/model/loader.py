@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from quanta.model import moe_checkpoint
 from quanta.model.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
@@ -240,7 +241,8 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, StateDict]:
     if gguf_arch == "llama" and config.num_experts and "blk.0.ffn_gate_exps.weight" not in tensors:
         raise ValueError(f"{path}: per-expert GGUF tensors (old Mixtral conversions) are not supported; reconvert it")
     state = {}
-    for gguf_name, tensor in tensors.items():
+    # a progress bar on a terminal only (tqdm's disable=None), for multi-GB checkpoints
+    for gguf_name, tensor in tqdm(tensors.items(), desc=f"loading {path.name}", unit="tensor", disable=None, leave=False):
         weights = _dequantize(tensor)
         if gguf_arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
             n_head = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
