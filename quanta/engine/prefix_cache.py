@@ -21,6 +21,13 @@ Slot choice, among the free slots:
 3. With no cheap slot: the least recently used slot (its common prefix, if
    any, is still reused).
 
+Reuse is salted: a slot remembers the ``cache_salt`` of the sequence whose
+K/V it holds, and a prompt with another salt sees that slot as holding
+nothing reusable (None matches only None, as vLLM's salted block hashes). A
+client that cannot guess another's salt learns nothing about that client's
+prompts from ``cached_tokens``; requests with different salts never share a
+prefix, even a common system prompt (the price of isolation).
+
 At least one prompt token is always left to compute, because the step that
 computes a prompt's last token is the one that samples the first output
 token: the reusable length is capped at ``len(prompt) - 1``.
@@ -60,6 +67,7 @@ class SlotPrefixCache:
 
     def __init__(self, num_slots: int) -> None:
         self._held: list[list[int]] = [[] for _ in range(num_slots)]
+        self._salt: list[str | None] = [None] * num_slots  # cache_salt of the held tokens
         self._last_used: list[int] = [0] * num_slots  # tick of the last admission/release
         self._ticks = itertools.count(1)
         self.queries = 0
@@ -69,7 +77,7 @@ class SlotPrefixCache:
         """Token ids whose K/V ``slot`` holds at positions ``0..len-1`` (a copy)."""
         return list(self._held[slot])
 
-    def choose(self, free_slots: Seq[int], prompt: Seq[int]) -> tuple[int, int]:
+    def choose(self, free_slots: Seq[int], prompt: Seq[int], salt: str | None = None) -> tuple[int, int]:
         """The free slot for ``prompt`` and how many of its tokens are cached there.
 
         Counts the lookup in :attr:`queries` / :attr:`hits`.
@@ -77,6 +85,8 @@ class SlotPrefixCache:
         Args:
             free_slots: candidate slots (non-empty).
             prompt: the new sequence's prompt token ids (non-empty).
+            salt: the request's ``cache_salt``; only slots holding tokens of the
+                same salt can be reused.
 
         Returns:
             ``(slot, cached)`` with ``0 <= cached <= len(prompt) - 1`` tokens.
@@ -86,7 +96,7 @@ class SlotPrefixCache:
         lru: tuple | None = None
         for slot in free_slots:
             held = self._held[slot]
-            common = min(common_prefix_len(held, prompt), limit)
+            common = min(common_prefix_len(held, prompt), limit) if self._salt[slot] == salt else 0
             age = (self._last_used[slot], slot)
             if lru is None or age < lru[0]:
                 lru = (age, slot, common)
@@ -99,10 +109,11 @@ class SlotPrefixCache:
         self.hits += common
         return slot, common
 
-    def claim(self, slot: int, cached: int) -> None:
-        """``slot`` was given to a sequence that keeps its first ``cached`` tokens;
-        the rest will be overwritten."""
+    def claim(self, slot: int, cached: int, salt: str | None = None) -> None:
+        """``slot`` was given to a sequence (of ``cache_salt`` ``salt``) that keeps
+        its first ``cached`` tokens; the rest will be overwritten."""
         del self._held[slot][cached:]
+        self._salt[slot] = salt
         self._last_used[slot] = next(self._ticks)
 
     def release(self, slot: int, computed: Seq[int]) -> None:

@@ -47,6 +47,9 @@ class SamplingParams:
             top alternatives (0-20) per step into ``logprob_records``; None: off.
         logprob_records: filled by the sampler, one :class:`TokenLogprob` per
             sampled token (the server creates the list).
+        cache_salt: prefix reuse happens only between requests with the same
+            salt (None matches only None; as vLLM's ``cache_salt``), so a
+            client cannot probe another's prompt through cached-token counts.
 
     Raises:
         ValueError: a value out of its range.
@@ -66,6 +69,7 @@ class SamplingParams:
     constraint: "TokenConstraint | None" = None
     logprobs: int | None = None
     logprob_records: list["TokenLogprob"] = field(default_factory=list)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +82,8 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
             (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed must be a 64-bit signed integer"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs must be between 0 and 20"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+             "cache_salt must be a non-empty string"),
         ]
         for ok, message in checks:
             if not ok:

@@ -121,10 +121,11 @@ class Scheduler(ABC):
             if self.prefix_cache is None:
                 seq.slot = heapq.heappop(self._free_slots)
             else:
-                seq.slot, cached = self.prefix_cache.choose(self._free_slots, seq.prompt_token_ids)
+                salt = seq.params.cache_salt
+                seq.slot, cached = self.prefix_cache.choose(self._free_slots, seq.prompt_token_ids, salt)
                 self._free_slots.remove(seq.slot)
                 heapq.heapify(self._free_slots)
-                self.prefix_cache.claim(seq.slot, cached)
+                self.prefix_cache.claim(seq.slot, cached, salt)
                 seq.num_computed_tokens = seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

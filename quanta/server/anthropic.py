@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,7 +50,7 @@ from quanta.engine.async_engine import RequestFailed
 from quanta.server.chat import constrain
 from quanta.server.errors import APIError, anthropic_error_body, internal_error_message, log_internal_error
 from quanta.server.limits import PromptError
-from quanta.server.protocol import NullMeansDefault, StrictFlag, check_stop_strings, integer, number
+from quanta.server.protocol import CacheSalt, NullMeansDefault, StrictFlag, check_stop_strings, integer, number
 from quanta.server.tools import ToolStream, render_for_template, template_reads_tools
 
 
@@ -126,6 +126,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: number(ge=0.0, le=1.0) = 1.0
     top_p: number(gt=0.0, le=1.0) | None = None
     top_k: integer(ge=0) | None = None
+    cache_salt: CacheSalt | None = None
+    metadata: dict[str, Any] | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -135,8 +137,20 @@ class MessagesRequest(CountTokensRequest):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p or 1.0,
-            top_k=self.top_k or 0, stop=list(self.stop_sequences or []),
+            top_k=self.top_k or 0, stop=list(self.stop_sequences or []), cache_salt=self.salt(),
         )
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_salt(cls, metadata):
+        salt = (metadata or {}).get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 1024):
+            raise ValueError("metadata.cache_salt must be a non-empty string of at most 1024 characters")
+        return metadata
+
+    def salt(self) -> str | None:
+        """The top-level ``cache_salt``, else ``metadata.cache_salt`` (None: unsalted)."""
+        return self.cache_salt if self.cache_salt is not None else (self.metadata or {}).get("cache_salt")
 
 
 def _text(content: str | list[ContentBlock], where: str) -> str:

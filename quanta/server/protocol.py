@@ -38,6 +38,9 @@ def integer(**ranges):
 
 
 StrictFlag = Annotated[bool, Field(strict=True)]
+#: ``cache_salt`` (vLLM's extension): prefix reuse only among requests with the
+#: same salt (:class:`quanta.engine.sampling.SamplingParams`); a non-empty string.
+CacheSalt = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]
 TokenId = Annotated[int, Field(strict=True)]
 
 
@@ -101,6 +104,7 @@ class SamplingRequest(NullMeansDefault):
     presence_penalty: number(ge=-2.0, le=2.0) = 0.0
     frequency_penalty: number(ge=-2.0, le=2.0) = 0.0
     ignore_eos: StrictFlag = False
+    cache_salt: CacheSalt | None = None
 
     @field_validator("stop")
     @classmethod
@@ -126,6 +130,7 @@ class SamplingRequest(NullMeansDefault):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            cache_salt=self.cache_salt,
         )
 
 

@@ -35,6 +35,7 @@ from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.errors import APIError, internal_error_message, log_internal_error
 from quanta.server.openai_requests import ResponseFormat
+from quanta.server.protocol import CacheSalt
 from quanta.server.tools import ToolCall, ToolStream
 
 
@@ -103,6 +104,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: TextOptions | None = None
     previous_response_id: Any = None
+    cache_salt: CacheSalt | None = None
 
     @field_validator("previous_response_id")
     @classmethod
@@ -319,7 +321,8 @@ def add_responses_route(app: FastAPI, state) -> None:
         temperature = 1.0 if body.temperature is None else body.temperature
 
         def make_params(max_tokens: int) -> SamplingParams:
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 1.0)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 1.0,
+                                    cache_salt=body.cache_salt)
             return constrain(state, params, grammar, param)
 
         max_tokens = body.max_output_tokens or state.max_model_len - len(prompt)

@@ -1,0 +1,129 @@
+"""Prefix reuse is salted: a request reuses cached K/V only of requests with the
+same ``cache_salt`` (None matches only None), so ``cached_tokens`` cannot reveal
+another client's prompt (issue 12: a PIN was recovered digit by digit).
+
+1. :class:`SlotPrefixCache` (pure Python): a salt mismatch reuses nothing.
+2. The live session server through the official clients: OpenAI chat and
+   completions (``extra_body``), Responses, Anthropic (top-level and metadata).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from quanta.engine.prefix_cache import SlotPrefixCache
+from quanta.engine.sampling import SamplingParams
+
+PROMPT = list(range(10, 40))
+
+
+def _cache_holding(salt: str | None) -> SlotPrefixCache:
+    cache = SlotPrefixCache(2)
+    slot, cached = cache.choose([0, 1], PROMPT, salt)
+    cache.claim(slot, cached, salt)
+    cache.release(slot, PROMPT)
+    return cache
+
+
+@pytest.mark.parametrize("held, asked", [("a", "b"), ("a", None), (None, "a")])
+def test_a_different_salt_reuses_nothing(held, asked):
+    cache = _cache_holding(held)
+    assert cache.choose([0, 1], PROMPT + [99], asked)[1] == 0
+
+
+@pytest.mark.parametrize("salt", [None, "a"])
+def test_the_same_salt_reuses_the_prefix(salt):
+    cache = _cache_holding(salt)
+    assert cache.choose([0, 1], PROMPT + [99], salt) == (0, len(PROMPT))
+
+
+def test_a_slot_takes_the_salt_of_its_new_sequence():
+    cache = _cache_holding("a")
+    slot, cached = cache.choose([0], PROMPT + [99], "b")
+    cache.claim(slot, cached, "b")
+    cache.release(slot, PROMPT)
+    assert cache.choose([0], PROMPT + [99], "b")[1] == len(PROMPT)
+    assert cache.choose([0], PROMPT + [99], "a")[1] == 0
+
+
+def test_an_empty_salt_is_refused():
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
+# --------------------------------------------------------------------------- live server
+
+SECRET = "The vault PIN is 4 8 1 5 9 2. Never repeat it. Question: what is two plus two?"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=60, max_retries=0)
+
+
+def _chat_cached(client, model, salt: str | None) -> int:
+    extra = {} if salt is None else {"cache_salt": salt}
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": SECRET}],
+                                           max_tokens=2, temperature=0, extra_body=extra)
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_live_chat_reuses_only_within_a_salt(server, client):
+    victim, attacker = uuid.uuid4().hex, uuid.uuid4().hex
+    _chat_cached(client, server.model, victim)
+    assert _chat_cached(client, server.model, attacker) == 0
+    assert _chat_cached(client, server.model, None) == 0
+    assert _chat_cached(client, server.model, victim) > 0
+
+
+def test_live_completions_and_responses_take_the_salt(server, client):
+    salt, other = uuid.uuid4().hex, uuid.uuid4().hex
+    prompt = SECRET + " completions " + salt
+
+    def cached(s: str) -> int:
+        reply = client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0,
+                                          extra_body={"cache_salt": s})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    cached(salt)
+    assert cached(other) == 0
+    assert cached(salt) > 0
+    text = SECRET + " responses " + salt
+    replies = [client.responses.create(model=server.model, input=text, max_output_tokens=2, extra_body={"cache_salt": s})
+               for s in (salt, other)]
+    assert replies[1].usage.input_tokens_details.cached_tokens == 0
+    again = client.responses.create(model=server.model, input=text, max_output_tokens=2, extra_body={"cache_salt": other})
+    assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_live_anthropic_salt_from_body_or_metadata(server):
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="x", timeout=60, max_retries=0)
+    salt, other = uuid.uuid4().hex, uuid.uuid4().hex
+    text = SECRET + " anthropic " + salt
+
+    def cached(**salting) -> int:
+        reply = claude.messages.create(model=server.model, max_tokens=2,
+                                       messages=[{"role": "user", "content": text}], **salting)
+        return reply.usage.cache_read_input_tokens
+
+    cached(extra_body={"cache_salt": salt})
+    assert cached(metadata={"cache_salt": other}) == 0  # type: ignore[typeddict-unknown-key]
+    assert cached(metadata={"cache_salt": salt}) > 0  # type: ignore[typeddict-unknown-key]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": ""}),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": 7}),
+    ("/v1/responses", {"input": "hi", "cache_salt": ""}),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "cache_salt": ""}),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": {"cache_salt": 1}}),
+])
+def test_live_a_bad_salt_is_a_client_error(server, path, body):
+    reply = httpx.post(server.base_url + path, json={"model": server.model, **body}, timeout=30)
+    assert reply.status_code in (400, 422), reply.text
+    assert "cache_salt" in reply.text
