@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="clients must send 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health "
+                            "(default: $QUANTA_API_KEY; unset: no key)")
+    serve.add_argument("--allowed-hosts", action="append", metavar="H1,H2",
+                       help="more Host header names to accept besides localhost, IP literals and --host ('*': any)")
+    serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                       help="origin(s) web pages may call this server from (repeatable or a comma list; default: none)")
     gen = sub.add_parser("generate", help="generate a completion offline")
     _register_once(gen)
     _add_engine_flags(gen)
@@ -165,11 +172,23 @@ def _check_command_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     if args.command == "serve" and args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be a positive integer, got {args.max_request_bytes}")
+    if args.command == "serve" and args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
     if args.command == "generate":
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
         if not 0.0 <= args.temperature <= 2.0:
             raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
+
+
+def _access_policy(args: argparse.Namespace):
+    """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts`` and ``--cors-origin`` as an AccessPolicy."""
+    import os
+
+    from quanta.server.access import AccessPolicy, split_list
+
+    key = args.api_key if args.api_key is not None else (os.environ.get("QUANTA_API_KEY") or None)
+    return AccessPolicy(key, args.host, split_list(args.allowed_hosts), split_list(args.cors_origin))
 
 
 def _command_parser(root: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -210,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
 
         log.info("loading %s ...", engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
         return serve(engine_cfg, sched_cfg, args.host, args.port, args.max_request_bytes,
-                     aliases=tuple(args.served_model_name[1:]), tool_call_parser=args.tool_call_parser)
+                     aliases=tuple(args.served_model_name[1:]), tool_call_parser=args.tool_call_parser,
+                     access=_access_policy(args))
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

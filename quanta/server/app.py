@@ -21,6 +21,7 @@ from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestStrea
 from quanta.engine.grammar import GrammarCompiler
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.chat import serve_chat, serve_completion
+from quanta.server.access import AccessPolicy, install_access
 from quanta.server.errors import APIError, install_error_handlers
 from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, PromptWork
 from quanta.server.metrics import EngineMetrics
@@ -36,6 +37,7 @@ class ServerState:
         model_name: the model's id (the first ``--served-model-name``).
         aliases: further ids the routes accept (later ``--served-model-name`` values).
         tool_call_parser: ``--tool-call-parser`` (None: chosen from the chat template).
+        access: ``--api-key``, ``--allowed-hosts``, ``--cors-origin`` (:mod:`quanta.server.access`).
     """
 
     engine: AsyncEngine
@@ -48,6 +50,7 @@ class ServerState:
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
     aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None
+    access: AccessPolicy = field(default_factory=AccessPolicy)
     prompts: PromptWork = field(init=False)
     tool_parser: ToolParser = field(init=False)
     grammars: GrammarCompiler = field(init=False)
@@ -68,6 +71,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.quanta = state
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    install_access(app, state.access)
 
     @app.get("/health")
     async def health() -> Response:

@@ -23,13 +23,15 @@ log = logging.getLogger("quanta.server")
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+    405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+    421: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
 }
 
 #: HTTP status -> Anthropic error type.
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
+    421: "invalid_request_error", 429: "rate_limit_error",
     500: "api_error", 503: "overloaded_error",
 }
 

@@ -12,6 +12,7 @@ from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.executor import default_decode_threads
 from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
+from quanta.server.access import AccessPolicy
 from quanta.server.app import ServerState, build_app
 from quanta.server.metrics import EngineMetrics
 
@@ -20,12 +21,13 @@ log = logging.getLogger("quanta")
 
 def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port: int,
           max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
-          tool_call_parser: str | None = None) -> int:
+          tool_call_parser: str | None = None, access: AccessPolicy | None = None) -> int:
     """Serve until interrupted; returns the process exit code.
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
     ``aliases``: more model ids the routes accept; ``tool_call_parser``: a
-    :data:`quanta.server.tools.PARSERS` name (None: chosen from the chat template).
+    :data:`quanta.server.tools.PARSERS` name (None: chosen from the chat template);
+    ``access``: API key, allowed hosts, CORS origins (None: no key, only local names and IP literals as ``Host``).
     """
     dtype = resolve_dtype(engine_cfg.dtype)
     loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization)
@@ -40,6 +42,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "tool_call_parser": tool_call_parser, "quantization": engine_cfg.quantization, "kernels": loaded.kernels,
         "cpu_flags": cpu_summary(), "decode_threads": engine.executor.decode_threads,
         "prefill_threads": engine.executor.prefill_threads,
+        "api_key": bool(access and access.api_key), "cors_origins": list(access.cors_origins) if access else [],
     }
     log.info("%s max_model_len=%d dtype=%s prefix_cache=%s quantization=%s kernels: %s; cpu: %s; threads: decode %d, prefill %d",
              sched_cfg.describe(), engine.max_model_len, config["dtype"], "on" if engine_cfg.prefix_cache else "off",
@@ -50,7 +53,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     engine.step_listeners.append(metrics.observe_step)
     async_engine.start()
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
-                                aliases, tool_call_parser))
+                                aliases, tool_call_parser, access or AccessPolicy(bound_host=host)))
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:

@@ -1,0 +1,164 @@
+"""Issue 12, "a local server that web pages cannot drive": ``--api-key``,
+a JSON Content-Type on POST, the Host check against DNS rebinding, opt-in CORS.
+
+Against live ``quanta serve`` processes: the shared session server (no key)
+and one started here with ``--api-key``, ``--allowed-hosts`` and ``--cors-origin``.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from quanta import cli
+from quanta.bench.server import start
+from quanta.server.access import AccessPolicy
+
+KEY = "sk-test-4f2e"
+APP_ORIGIN = "http://app.test"
+FLAGS = ["--max-model-len", "256", "--api-key", KEY, "--allowed-hosts", "quanta.test,other.test",
+         "--cors-origin", APP_ORIGIN]
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    proc = start(FLAGS, tmp_path_factory.mktemp("quanta-keyed"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def model(keyed) -> str:
+    resp = httpx.get(keyed.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["data"][0]["id"]
+
+
+def test_openai_client_wrong_key_is_authentication_error(keyed, model):
+    client = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    assert info.value.status_code == 401
+    assert info.value.response.json()["error"]["type"] == "authentication_error"
+
+
+def test_anthropic_client_wrong_key_is_authentication_error(keyed, model):
+    client = anthropic.Anthropic(base_url=keyed.base_url, api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        client.messages.create(model=model, max_tokens=2, messages=MESSAGES)
+    body = info.value.response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error", body
+
+
+def test_clients_with_the_key_are_served(keyed, model):
+    oa = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    chat = oa.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert chat.usage.completion_tokens >= 1
+    an = anthropic.Anthropic(base_url=keyed.base_url, api_key=KEY, max_retries=0, timeout=60)
+    msg = an.messages.create(model=model, max_tokens=2, messages=MESSAGES)
+    assert msg.usage.output_tokens >= 1
+    assert an.messages.count_tokens(model=model, messages=MESSAGES).input_tokens > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/trace", "/v1/config", "/metrics", "/v1/models"])
+def test_read_routes_need_the_key(keyed, path):
+    url = keyed.base_url + path
+    assert httpx.get(url, timeout=30).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
+    assert httpx.get(url, headers={"x-api-key": KEY}, timeout=30).status_code == 200  # either header, any route
+
+
+def test_health_is_open(keyed):
+    assert httpx.get(keyed.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_config_reports_a_key_without_revealing_it(keyed):
+    config = httpx.get(keyed.base_url + "/v1/config", headers={"x-api-key": KEY}, timeout=30).json()
+    assert config["api_key"] is True and KEY not in str(config)
+
+
+@pytest.mark.parametrize("path, anthropic_body", [("/v1/messages", True), ("/v1/chat/completions", False),
+                                                  ("/v1/completions", False)])
+def test_non_json_post_is_415(server, path, anthropic_body):
+    body = '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}'
+    for content_type in ("text/plain", None, "application/x-www-form-urlencoded"):
+        headers = {"content-type": content_type} if content_type else {}
+        resp = httpx.post(server.base_url + path, content=body, headers=headers, timeout=30)
+        assert resp.status_code == 415, (content_type, resp.text)
+        err = resp.json()
+        assert (err["type"] == "error" and "error" in err) if anthropic_body else err["error"]["type"] == "invalid_request_error"
+
+
+def test_json_with_charset_is_accepted(server):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 1}
+    resp = httpx.post(server.base_url + "/v1/completions", content=httpx.Request("POST", "/", json=body).content,
+                      headers={"content-type": "application/json; charset=utf-8"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+
+
+def test_foreign_host_is_refused(server):
+    port = server.port
+    for host in ("evil.example", f"evil.example:{port}", "localhost.evil.example"):
+        resp = httpx.get(server.base_url + "/v1/models", headers={"Host": host}, timeout=30)
+        assert resp.status_code == 421, (host, resp.text)
+        assert "allowed-hosts" in resp.json()["error"]["message"]
+    resp = httpx.post(server.base_url + "/v1/messages", json={}, headers={"Host": "evil.example"}, timeout=30)
+    assert resp.status_code == 421 and resp.json()["type"] == "error"
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost"):
+        assert httpx.get(server.base_url + "/v1/models", headers={"Host": host}, timeout=30).status_code == 200, host
+
+
+def test_allowed_hosts_widen_the_check(keyed):
+    auth = {"x-api-key": KEY}
+    for host in ("quanta.test", "quanta.test:8443", "other.test"):
+        assert httpx.get(keyed.base_url + "/v1/models", headers={**auth, "Host": host}, timeout=30).status_code == 200
+    assert httpx.get(keyed.base_url + "/v1/models", headers={**auth, "Host": "evil.example"}, timeout=30).status_code == 421
+
+
+def test_cors_preflight_for_the_allowed_origin(keyed):
+    headers = {"Origin": APP_ORIGIN, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+    resp = httpx.options(keyed.base_url + "/v1/chat/completions", headers=headers, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "authorization" in resp.headers["access-control-allow-headers"].lower()
+    refused = httpx.options(keyed.base_url + "/v1/chat/completions", headers={**headers, "Origin": "http://evil.example"},
+                            timeout=30)
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    # the actual request from the allowed origin carries the CORS header too, even when refused for the key
+    resp = httpx.get(keyed.base_url + "/v1/models", headers={"Origin": APP_ORIGIN}, timeout=30)
+    assert resp.status_code == 401 and resp.headers["access-control-allow-origin"] == APP_ORIGIN
+
+
+def test_no_cors_headers_by_default(server):
+    resp = httpx.get(server.base_url + "/v1/models", headers={"Origin": APP_ORIGIN}, timeout=30)
+    assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+
+
+def test_api_key_flag_and_environment(monkeypatch):
+    monkeypatch.setenv("QUANTA_API_KEY", "from-env")
+    assert cli._access_policy(cli.parse_serve_flags([])).api_key == "from-env"
+    assert cli._access_policy(cli.parse_serve_flags(["--api-key", "flag"])).api_key == "flag"
+    monkeypatch.delenv("QUANTA_API_KEY")
+    policy = cli._access_policy(cli.parse_serve_flags(["--host", "box.lan", "--cors-origin", "http://a,http://b",
+                                                       "--cors-origin", "http://c"]))
+    assert policy.api_key is None and policy.cors_origins == ("http://a", "http://b", "http://c")
+    assert policy.host_allowed("box.lan:8000") and not policy.host_allowed("evil.example")
+
+
+def test_empty_api_key_is_a_cli_error():
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--api-key", " "])
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize("host, ok", [("127.0.0.1:8000", True), ("[::1]", True), ("10.0.0.7:80", True),
+                                      ("LOCALHOST:1", True), ("", False), ("evil.example", False),
+                                      ("127.0.0.1.nip.io", False)])
+def test_host_names(host, ok):
+    assert AccessPolicy().host_allowed(host) is ok
+    assert AccessPolicy(allowed_hosts=("*",)).host_allowed(host)
