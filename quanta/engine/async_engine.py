@@ -173,12 +173,22 @@ class AsyncEngine:
 
     def _check_queue(self) -> None:
         """Refuse a request that would wait beyond ``max_queue``. Checked here,
-        on the engine thread, so simultaneous submissions cannot all see room."""
+        on the engine thread, so simultaneous submissions cannot all see room.
+
+        Only what truly waits counts: a waiting request that a free slot will
+        take at the next step is as good as running (so ``max_num_seqs +
+        max_queue`` concurrent requests fit, as in vLLM).
+        """
         if self.max_queue is None:
             return
+        if self.num_truly_waiting >= self.max_queue:
+            raise QueueFullError(f"{self.num_truly_waiting} requests are waiting for a slot (--max-queue {self.max_queue})")
+
+    @property
+    def num_truly_waiting(self) -> int:
+        """Waiting requests beyond those the free slots take at the next step."""
         sched = self.engine.scheduler
-        if len(sched.waiting) - sched.num_free_slots >= self.max_queue:  # a free slot takes one waiting request
-            raise QueueFullError(f"{len(sched.waiting)} requests are waiting (--max-queue {self.max_queue})")
+        return max(0, len(sched.waiting) - sched.num_free_slots)
 
     def _deliver(self, out: RequestOutput) -> None:
         if self.on_output is not None:
