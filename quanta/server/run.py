@@ -14,7 +14,6 @@ from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
 from quanta.server.app import ServerState, build_app
-from quanta.server.half_close import HalfCloseH11Protocol
 from quanta.server.metrics import EngineMetrics
 
 log = logging.getLogger("quanta")
@@ -56,7 +55,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
                                 aliases, tool_call_parser, access or AccessPolicy(bound_host=host)))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=HalfCloseH11Protocol)
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         async_engine.stop()
     return 0
