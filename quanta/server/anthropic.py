@@ -48,6 +48,7 @@ from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messag
 from quanta.server.app import ServerState, check_model, submit, until_disconnect
 from quanta.engine.async_engine import RequestFailed
 from quanta.server.chat import constrain
+from quanta.server.chat_tokens import chat_prompt_ids
 from quanta.server.errors import APIError, anthropic_error_body, internal_error_message, log_internal_error
 from quanta.server.limits import PromptError
 from quanta.server.protocol import CacheSalt, NullMeansDefault, StrictFlag, check_stop_strings, integer, number
@@ -190,7 +191,7 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     except PromptError as exc:
         raise AnthropicError(400, str(exc)) from exc
     try:
-        ids = await state.prompts.run(state.tokenizer.apply_chat_template, chat, template_tools)
+        ids = await state.prompts.run(chat_prompt_ids, state.tokenizer, chat, template_tools)
     except Exception as exc:  # the model's own template may reject a conversation
         raise AnthropicError(400, f"chat template failed: {exc}") from exc
     if prefill:

@@ -28,6 +28,7 @@ from quanta.engine.async_engine import RequestFailed, RequestStream
 from quanta.engine.grammar import Grammar, GrammarError
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams, TokenLogprob
+from quanta.server.chat_tokens import chat_prompt_ids
 from quanta.server.errors import APIError, error_body, internal_error_message, log_internal_error
 from quanta.server.limits import PromptError
 from quanta.server.logprobs import LogprobFormatter
@@ -47,7 +48,7 @@ async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> 
     msgs, template_tools = render_for_template(messages, tools, native)
     try:
         state.prompts.check((m["content"] for m in msgs), "messages")
-        return await state.prompts.run(state.tokenizer.apply_chat_template, msgs, template_tools)
+        return await state.prompts.run(chat_prompt_ids, state.tokenizer, msgs, template_tools)
     except PromptError as exc:
         raise APIError(400, str(exc), exc.param) from exc
     except Exception as exc:  # the model's own template may reject a conversation
