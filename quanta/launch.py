@@ -76,24 +76,23 @@ _GGUF_FORMS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "
 def resolve_quantization(name: str, path: Path) -> tuple[str, str]:
     """``(projections, lm_head)`` quantized forms for ``--quantization name``.
 
-    ``none``: the dequantized reference weights only. ``int8``: both int8.
-    ``int4``: projections int4, the LM head int8 (as llama.cpp keeps its output
-    tensor at higher precision). ``auto``: a GGUF's own types (its first
-    layer's ``attn_q`` for the projections, ``output`` or else ``token_embd``
-    for the head) mapped by ``_GGUF_FORMS``; ``none`` for other checkpoints.
+    ``none``: the dequantized reference weights only. ``int8`` / ``int4``: the
+    projections in that form. ``auto``: a GGUF's own type (its first layer's
+    ``attn_q``) mapped by ``_GGUF_FORMS``; ``none`` for other checkpoints. The
+    LM head always keeps the reference weights: an int8 head (per channel, from
+    the embedded model's Q8_0 embeddings) turned the README's greedy answer
+    "The capital of France is Paris." into "L'Étoile, la Marseillaise, ..."
+    (kept as ``tests/test_quant.py::test_default_quantization_answers_like_the_reference``).
 
     Raises:
         ValueError: an unknown name.
     """
-    if name in ("none", "int8"):
-        return name, name
-    if name == "int4":
-        return "int4", "int8"
+    if name in ("none", "int8", "int4"):
+        return name, "none"
     if name != "auto":
         raise ValueError(f"--quantization must be auto, none, int8 or int4, got {name!r}")
     types = gguf_tensor_types(path) if path.is_file() else {}
-    head = types.get("output.weight", types.get("token_embd.weight", ""))
-    return _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), "none"), _GGUF_FORMS.get(head, "none")
+    return _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), "none"), "none"
 
 
 def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:

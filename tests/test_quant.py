@@ -71,9 +71,9 @@ def test_int4_refuses_shapes_its_kernel_cannot_take():
 
 
 def test_auto_follows_the_gguf_types(tmp_path):
-    assert resolve_quantization("auto", embedded_model_path()) == ("int4", "int8")  # Q4_1 blocks, Q8_0 embeddings
+    assert resolve_quantization("auto", embedded_model_path()) == ("int4", "none")  # Q4_1 blocks; the head stays
     assert resolve_quantization("auto", tmp_path) == ("none", "none")  # an HF directory: its own dtype
-    assert resolve_quantization("int4", tmp_path) == ("int4", "int8")
+    assert resolve_quantization("int4", tmp_path) == ("int4", "none")
     with pytest.raises(ValueError, match="--quantization"):
         resolve_quantization("int3", tmp_path)
 
@@ -149,3 +149,17 @@ def test_describe_kernels_names_what_was_attached(loaded):
     finally:
         model.quantize_weights("none", "none", ALL_ROWS)
     assert model.describe_kernels().startswith("projections=reference lm_head=reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_quantization_answers_like_the_reference(dtype):
+    """The README's first example, greedy, under ``--quantization auto``: an int8 LM head
+    once answered "L'Étoile, la Marseillaise, ..." here instead of Paris."""
+    loaded = load_model(None, dtype, "auto")
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    engine = build_engine(loaded, EngineConfig(max_model_len=256), SchedulerConfig("batched", 1, {}))
+    seq = engine.add_request(ids, SamplingParams(max_tokens=12, temperature=0))
+    while engine.has_work():
+        engine.step()
+    assert loaded.kernels.startswith("projections=int4(") and "lm_head=reference" in loaded.kernels
+    assert loaded.tokenizer.decode(seq.output_token_ids).startswith("The capital of France is Paris")
