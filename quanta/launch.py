@@ -62,7 +62,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     name: str
-    #: the matmul kernels chosen at load, e.g. ``projections=int4(rows<=32) lm_head=int8(rows<=32) reference=float32-F.linear``
+    #: the matmul kernels chosen at load, e.g. ``projections=int4(rows<=32) lm_head=reference reference=float32-F.linear``
     kernels: str = ""
 
 

@@ -217,7 +217,7 @@ class LlamaModel(nn.Module):
 
     def describe_kernels(self) -> str:
         """One line naming each part's matmul kernel, e.g.
-        ``projections=int4(rows<=32) lm_head=int8(rows<=32) reference=float32-F.linear``."""
+        ``projections=int4(rows<=32) lm_head=reference reference=float32-F.linear``."""
         def form(kind: str) -> str:
             return f"{kind}(rows<={self.quant_rows[kind]})" if self.quantized.get(kind) else "reference"
         packed = self._tied_head_packed is not None or any(
