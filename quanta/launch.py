@@ -14,7 +14,7 @@ import torch
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.engine import Engine
-from quanta.engine.executor import ModelExecutor
+from quanta.engine.model_executor import ModelExecutor
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint

@@ -1,21 +1,17 @@
-"""Executors run a :class:`StepPlan`; :class:`ModelExecutor` runs the real model.
+"""The executor interface: runs a :class:`StepPlan`.
 
 An executor returns, for each chunk of the plan, the sampled next token, or
-None for a prefill chunk that leaves prompt tokens to compute. The simulator's
-cost-model executor returns the same shape.
+None for a prefill chunk that leaves prompt tokens to compute.
+:class:`~quanta.engine.model_executor.ModelExecutor` runs the real model; the
+simulator's cost-model executor returns the same shape. This module imports
+no torch.
 """
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 
-import torch
-
-from quanta.engine.sampling import Sampler
 from quanta.engine.scheduler import StepPlan
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
-from quanta.model.llama import LlamaModel
 
 
 class Executor(ABC):
@@ -26,77 +22,3 @@ class Executor(ABC):
     def release(self, seq_id: int) -> None:
         """Forget per-sequence state of a finished sequence (default: none kept)."""
 
-
-def default_decode_threads(cores: int | None = None) -> int:
-    """Intra-op threads for decode-sized steps: all cores but one (at least 1).
-
-    A decode step is a few hundred tiny ops; with every core in torch's OpenMP
-    pool, the HTTP server's event loop and a local client preempt a pool
-    thread and the whole step waits for it. Measured on the 2-core dev VM
-    (``quanta serve`` + ``quanta bench run`` on one machine, embedded model,
-    int4 decode): one stream 35.5 -> 22.3 ms per token, 8 streams 81 -> 54 ms
-    per step, with 1 thread instead of 2.
-    """
-    cores = cores or os.cpu_count() or 1
-    return max(1, cores - 1)
-
-
-#: steps with at most this many tokens run on the decode thread count
-DECODE_STEP_TOKENS = 64
-
-
-class ModelExecutor(Executor):
-    """Runs plans through a :class:`LlamaModel` over a slot KV cache.
-
-    Args:
-        model: the loaded model (its parameters' dtype is the compute dtype).
-        num_slots: KV cache slots (= the scheduler's ``max_num_seqs``).
-        max_model_len: positions per slot (tokens).
-        decode_threads: intra-op threads of steps of at most
-            ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
-            construction, which larger steps use; ``quanta serve`` sets
-            :func:`default_decode_threads`).
-    """
-
-    def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int, decode_threads: int | None = None) -> None:
-        self.prefill_threads = torch.get_num_threads()
-        self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
-        cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
-        self.model = model
-        self.kv = KVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len, cfg.head_dim, dtype)
-        self.sampler = Sampler()
-        self._expert_stats: dict | None = None
-
-    def execute(self, plan: StepPlan) -> list[int | None]:
-        ids: list[int] = []
-        slices, sample_rows, samplers = [], [], []
-        for chunk in plan.chunks:
-            seq, n = chunk.seq, chunk.num_new_tokens
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids(start, n))
-            slices.append(SeqSlice(seq.slot, start, n))
-            if start + n >= seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                samplers.append(seq)
-        torch.set_num_threads(self.decode_threads if len(ids) <= DECODE_STEP_TOKENS else self.prefill_threads)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long), AttentionBatch(slices, self.kv))
-        stats = self.model.expert_stats()
-        self._expert_stats = stats.to_dict() if stats is not None else None
-        tokens: list[int] = []
-        if samplers:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            tokens = self.sampler.sample(
-                logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]
-            )
-        by_seq = dict(zip((s.seq_id for s in samplers), tokens))
-        return [by_seq.get(c.seq.seq_id) for c in plan.chunks]
-
-    def take_expert_stats(self) -> dict | None:
-        """Expert statistics of the last executed step (MoE models), then None until the next."""
-        stats, self._expert_stats = self._expert_stats, None
-        return stats
-
-    def release(self, seq_id: int) -> None:
-        """Forget per-sequence sampler state."""
-        self.sampler.forget(seq_id)

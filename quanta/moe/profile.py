@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from quanta.engine.engine import Engine
-from quanta.engine.executor import ModelExecutor
+from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.policies.batched import BatchedScheduler
 from quanta.engine.sampling import SamplingParams
 from quanta.moe import formulas

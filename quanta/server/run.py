@@ -9,7 +9,7 @@ import uvicorn
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
-from quanta.engine.executor import default_decode_threads
+from quanta.engine.model_executor import default_decode_threads
 from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy

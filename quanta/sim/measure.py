@@ -74,7 +74,7 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
 
     Sizes in tokens; ``decode_contexts[0]`` is the context of the batch sweep.
     """
-    from quanta.engine.executor import ModelExecutor
+    from quanta.engine.model_executor import ModelExecutor
 
     ctx0 = decode_contexts[0]
     max_len = max(max(positions) + max(chunks), max(decode_contexts) + 2) + 1
