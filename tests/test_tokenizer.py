@@ -118,9 +118,9 @@ def test_encode_decode_round_trip(tok: Tokenizer, text: str) -> None:
 
 
 def test_vocab_size_matches_embedding_rows(tok: Tokenizer) -> None:
-    from quanta.model.loader import _ArrayGGUFReader
+    from quanta.model.gguf_loader import ArrayGGUFReader
 
-    reader = _ArrayGGUFReader(embedded_model_path())
+    reader = ArrayGGUFReader(embedded_model_path())
     assert tok.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data)
 
 

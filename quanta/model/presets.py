@@ -76,9 +76,10 @@ def preset_config(name: str) -> dict:
 
 def _shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a preset config (per-expert layout, as transformers saves it)."""
-    from quanta.model.loader import _hf_config, expected_shapes  # canonical shapes of the config
+    from quanta.model.checkpoint_schema import expected_shapes  # canonical shapes of the config
+    from quanta.model.hf_loader import hf_config
 
-    config = _hf_config(cfg, {}, Path(cfg.get("quanta_preset", "preset")))
+    config = hf_config(cfg, {}, Path(cfg.get("quanta_preset", "preset")))
     shapes = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("experts.gate_up_proj"):

@@ -1,0 +1,264 @@
+"""GGUF checkpoints: metadata into a :class:`ModelConfig`, tensors dequantized into HF naming.
+
+Tensors are dequantized with the ``gguf`` library and renamed from llama.cpp's
+names (``blk.{i}.attn_q.weight``) to the schema of
+:mod:`quanta.model.checkpoint_schema`; for the ``llama`` architecture
+llama.cpp's q/k row permutation is undone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from quanta.model import moe_checkpoint
+from quanta.model.checkpoint_schema import StateDict
+from quanta.model.config import ModelConfig
+
+#: GGUF ``general.architecture`` -> :attr:`ModelConfig.architecture`.
+#: Mistral GGUFs are written with the ``llama`` architecture.
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", **moe_checkpoint.GGUF_MOE_ARCHITECTURES}
+
+#: Whole-model GGUF tensors -> HF names.
+_GGUF_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+#: Per-block GGUF tensor stems (``blk.{i}.<stem>.weight``) -> HF module paths.
+_GGUF_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    **moe_checkpoint.GGUF_MOE_TENSORS,
+}
+
+_GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class ArrayGGUFReader(gguf.GGUFReader):
+    """``GGUFReader`` over a plain ndarray view of its memory map.
+
+    The stock reader slices a ``np.memmap`` hundreds of thousands of times while
+    parsing the tokenizer arrays, and every memmap slice pays for
+    ``memmap.__array_finalize__``; a base-class view of the same mapping parses
+    about 3x faster (0.9 s instead of 3 s for SmolLM2). Data stays mapped and
+    read-only.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._array = np.asarray(value)
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of GGUF file ``path`` from its metadata, without dequantizing.
+
+    Raises:
+        ValueError: unsupported architecture, a required key missing, or an
+            unsupported RoPE variant.
+    """
+    reader = ArrayGGUFReader(path)
+    return _gguf_config(reader, _architecture(reader, path), {t.name: t for t in reader.tensors}, path)
+
+
+def read_checkpoint(path: Path) -> tuple[ModelConfig, StateDict]:
+    """Read metadata and dequantize every tensor of GGUF file ``path``.
+
+    Returns:
+        ``(config, state_dict)``: float32 CPU tensors in HF naming, matrices
+        ``[out, in]``; MoE tensors still per GGUF stem (not yet canonical).
+
+    Raises:
+        ValueError: unsupported architecture, tensor or quantization type.
+    """
+    reader = ArrayGGUFReader(path)
+    gguf_arch = _architecture(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _gguf_config(reader, gguf_arch, tensors, path)
+    if gguf_arch == "llama" and config.num_experts and "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise ValueError(f"{path}: per-expert GGUF tensors (old Mixtral conversions) are not supported; reconvert it")
+    state = {}
+    # a progress bar on a terminal only (tqdm's disable=None), for multi-GB checkpoints
+    for gguf_name, tensor in tqdm(tensors.items(), desc=f"loading {path.name}", unit="tensor", disable=None, leave=False):
+        weights = _dequantize(tensor)
+        if gguf_arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
+            n_head = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
+            weights = _unpermute_rope_rows(weights, n_head)
+        state[_hf_name_from_gguf(gguf_name, path)] = torch.from_numpy(weights)
+    return config, state
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """GGUF tensor name -> its stored type name (``Q4_1``, ``Q8_0``, ``F32``, ...); reads only the header."""
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
+    """``general.architecture`` of the file.
+
+    Raises:
+        ValueError: an architecture quanta does not implement.
+    """
+    gguf_arch = _gguf_field(reader, "general.architecture")
+    if gguf_arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {gguf_arch!r}; "
+            f"supported: {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+    return gguf_arch
+
+
+def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """Decoded value of metadata ``key`` (str, int, float, bool or list), or ``default``."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    value = field.contents()
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
+        # Shortest decimal that is the same float32: 1e-05, not 9.9999997e-06.
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _gguf_config(
+    reader: gguf.GGUFReader, gguf_arch: str, tensors: dict[str, Any], path: Path
+) -> ModelConfig:
+    """Translate ``{arch}.*`` / ``tokenizer.ggml.*`` metadata into a ModelConfig.
+
+    Raises:
+        ValueError: a required key is missing, the RoPE scaling is not
+            supported, or RoPE does not span the whole head.
+    """
+
+    def required(key: str) -> Any:
+        value = _gguf_field(reader, f"{gguf_arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {gguf_arch}.{key}")
+        return value
+
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) "
+            "are not supported from GGUF; load the Hugging Face directory instead"
+        )
+    hidden, heads = required("embedding_length"), required("attention.head_count")
+    head_dim = _gguf_field(reader, f"{gguf_arch}.attention.key_length", hidden // heads)
+    rope_dim = _gguf_field(reader, f"{gguf_arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [_gguf_field(reader, f"tokenizer.ggml.{k}") for k in eos_keys]
+    arch = _GGUF_ARCHITECTURES[gguf_arch]
+    moe: dict[str, Any] = {}
+    if _gguf_field(reader, f"{gguf_arch}.expert_count"):
+        arch = "mixtral" if arch == "llama" else arch
+        moe = moe_checkpoint.gguf_moe_fields(lambda key: _gguf_field(reader, f"{gguf_arch}.{key}"), arch)
+    return ModelConfig(
+        architecture=arch,
+        # ggml shapes are innermost-first: token_embd is [hidden, vocab].
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=_gguf_field(reader, f"{gguf_arch}.feed_forward_length") or moe.get("moe_intermediate_size") or required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_gguf_field(reader, f"{gguf_arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=required("attention.layer_norm_rms_epsilon"),
+        rope_theta=_gguf_field(reader, f"{gguf_arch}.rope.freq_base", 10000.0),
+        rope_scaling=_gguf_rope_scaling(reader, gguf_arch, path),
+        max_position_embeddings=required("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors and arch != "olmoe",
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(i for i in eos if i is not None)),
+        name=_gguf_field(reader, "general.name", path.stem),
+        **moe,
+    )
+
+
+def _gguf_rope_scaling(reader: gguf.GGUFReader, gguf_arch: str, path: Path) -> dict | None:
+    """HF-style ``rope_scaling`` from ``{arch}.rope.scaling.*``, or None when absent/none.
+
+    Raises:
+        ValueError: a scaling type other than ``linear`` (e.g. ``yarn``).
+    """
+    kind = _gguf_field(reader, f"{gguf_arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(f"{path}: unsupported GGUF RoPE scaling type {kind!r}")
+    return {"rope_type": "linear", "factor": _gguf_field(reader, f"{gguf_arch}.rope.scaling.factor")}
+
+
+def _hf_name_from_gguf(gguf_name: str, path: Path) -> str:
+    """HF name of GGUF tensor ``gguf_name`` (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
+
+    Raises:
+        ValueError: a tensor the dense Llama-family model has no place for.
+    """
+    if gguf_name in _GGUF_GLOBAL_TENSORS:
+        return _GGUF_GLOBAL_TENSORS[gguf_name]
+    match = _GGUF_BLOCK_RE.fullmatch(gguf_name)
+    if match is None or match[2] not in _GGUF_BLOCK_TENSORS:
+        if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", gguf_name):
+            raise ValueError(f"{path}: per-expert GGUF tensor {gguf_name!r} (old Mixtral conversion) is not supported; reconvert it")
+        raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}")
+    layer, stem, kind = match.groups()
+    return f"model.layers.{layer}.{_GGUF_BLOCK_TENSORS[stem]}.{kind}"
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """Float32 array of a GGUF tensor in HF layout (``[out, in]`` for matrices).
+
+    ggml lists dimensions innermost first, so the HF shape is the reverse.
+    The result is always a fresh, writable array (F32 tensors are otherwise
+    views of the read-only file mapping).
+
+    Raises:
+        ValueError: a quantization type the ``gguf`` library cannot dequantize.
+    """
+    try:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"tensor {tensor.name}: {e}") from e
+    if not weights.flags.writeable:
+        weights = weights.copy()
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return weights.astype(np.float32, copy=False).reshape(shape)
+
+
+def _unpermute_rope_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for the ``llama`` architecture.
+
+    llama.cpp's converter reorders each head's rows from HF's half-split RoPE
+    layout (first half, second half) to interleaved pairs:
+    ``w.reshape(n_head, 2, d // 2, ...).swapaxes(1, 2)``. This is the inverse.
+
+    Args:
+        weights: ``[n_head * head_dim, in]`` weight or ``[n_head * head_dim]`` bias.
+        n_head: query heads for ``attn_q``, key/value heads for ``attn_k``.
+    """
+    half = weights.shape[0] // n_head // 2
+    per_head = weights.reshape(n_head, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(weights.shape)
