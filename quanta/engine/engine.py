@@ -149,7 +149,6 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.output_token_ids.append(token)
-        seq.token_times.append(now)
         reason = self._finish_reason(seq, token)
         text_state = self._text.get(seq.seq_id)
         text, stop_string = "", None

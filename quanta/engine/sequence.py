@@ -36,7 +36,6 @@ class Sequence:
             slot at admission (prefix reuse), not computed for this request.
         slot: KV cache slot while resident, else None.
         finish_reason: ``stop``, ``length`` or ``abort`` once finished.
-        token_times: engine-clock time each output token was produced.
     """
 
     seq_id: int
@@ -49,7 +48,6 @@ class Sequence:
     slot: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    token_times: list[float] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,7 +35,6 @@ class CostModelExecutor(Executor):
 
     def __init__(self, profile: Profile, clock: VirtualClock, seed: int = 0) -> None:
         self.profile, self.clock = profile, clock
-        self.num_calls = 0
         self.rng = random.Random(seed)
 
     def cost(self, plan: StepPlan) -> float:
@@ -47,5 +46,4 @@ class CostModelExecutor(Executor):
     def execute(self, plan: StepPlan) -> list[int | None]:
         noise = self.rng.choice(self.profile.step_noise) if self.profile.step_noise else 1.0
         self.clock.t += self.cost(plan) * noise
-        self.num_calls += 1
         return [SIM_TOKEN if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None for c in plan.chunks]
