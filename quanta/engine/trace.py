@@ -6,7 +6,6 @@ bounded deque, so tracing stays on in production.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -85,9 +84,3 @@ class Trace:
     def to_dicts(self, since_step: int = 0) -> list[dict]:
         """Records with ``step >= since_step`` as plain dicts (JSON-ready)."""
         return [asdict(r) for r in list(self.records) if r.step >= since_step]
-
-    def dump_jsonl(self, path: str) -> None:
-        """Write every kept record as one JSON object per line."""
-        with open(path, "w", encoding="utf-8") as f:
-            for rec in self.to_dicts():
-                f.write(json.dumps(rec) + "\n")
