@@ -142,11 +142,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start: first id of the last emitted chunk
         self._read_offset = 0  # ids before this are emitted
 
-    @property
-    def token_ids(self) -> list[int]:
-        """All ids added so far (do not mutate)."""
-        return self._ids
-
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Append one or several ids; return the newly completed text ('' if none yet)."""
         if isinstance(token_ids, int):
