@@ -10,6 +10,24 @@ from quanta.analysis.server_trace import (
 )
 
 
+def _scrapes_from_trace(records: list[dict], every: float) -> list[dict]:
+    """The scrapes of cumulative busy seconds by step kind a scraper every ``every`` seconds would
+    have read (from the first step start to past the last step end), from a trace's step records;
+    a step counts at its end. For checking the scraped figure against the trace's own."""
+    records = sorted(records, key=lambda r: r["end"])
+    if not records:
+        return []
+    t, end, i, busy, out = min(r["start"] for r in records), records[-1]["end"], 0, {}, []
+    while True:
+        while i < len(records) and records[i]["end"] <= t:
+            busy[records[i]["kind"]] = busy.get(records[i]["kind"], 0.0) + records[i]["end"] - records[i]["start"]
+            i += 1
+        out.append({"t": t, "busy": dict(busy)})
+        if t >= end:
+            return out
+        t += every
+
+
 def rec(step, kind, start, end, seqs, new, emitted):
     return {"step": step, "kind": kind, "start": start, "end": end, "seq_ids": seqs, "num_new_tokens": new, "num_emitted": emitted}
 
@@ -110,22 +128,21 @@ def _interleaved_trace():
 
 @pytest.mark.parametrize("make, truth", [(_static_trace, 0.0), (_interleaved_trace, 10 / 11)])
 def test_scraped_overlap_is_reported_only_when_enough_windows_resolve_it(make, truth):
-    from quanta.analysis.scrape import MIN_WINDOWS, resolved_scrape_overlap, scrapes_from_trace
+    from quanta.analysis.scrape import MIN_WINDOWS, resolved_scrape_overlap
 
     records = make()
     assert trace_metrics(records)["overlap"] == pytest.approx(truth)
-    coarse, why = resolved_scrape_overlap(scrapes_from_trace(records, 15.0))  # seed 000's 15 s over a ~20 s run
+    coarse, why = resolved_scrape_overlap(_scrapes_from_trace(records, 15.0))  # seed 000's 15 s over a ~20 s run
     assert math.isnan(coarse) and why.startswith("2 scrape windows over") and f"at least {MIN_WINDOWS}" in why
-    fine, why = resolved_scrape_overlap(scrapes_from_trace(records, 1.0))
+    fine, why = resolved_scrape_overlap(_scrapes_from_trace(records, 1.0))
     assert why is None and fine == pytest.approx(truth, abs=0.1)  # an upper bound: a window with both phases counts whole
 
 
 def test_the_report_says_why_the_scraped_overlap_is_missing():
     from quanta.analysis.requests import RequestSample
-    from quanta.analysis.scrape import scrapes_from_trace
     from quanta.bench.runner import compute_metrics
 
     s = RequestSample(id=0, scheduled=0.0, sent=0.0, chunks=[[2.0, 1.0], [2.1, 1.0]], done=2.1, completion_tokens=2)
-    m = compute_metrics([s], _static_trace(), scrapes_from_trace(_static_trace(), 15.0), "burst")
+    m = compute_metrics([s], _static_trace(), _scrapes_from_trace(_static_trace(), 15.0), "burst")
     assert math.isnan(m["scrape_overlap"]) and "2 scrape windows" in m["scrape_overlap_note"]
     assert compute_metrics([s], None, [], "burst")["scrape_overlap_note"].startswith("no /metrics scrapes")

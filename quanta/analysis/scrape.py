@@ -85,21 +85,3 @@ def resolved_scrape_overlap(scrapes: list[dict]) -> tuple[float, str | None]:
                           "are needed to tell the phases apart (scrape more often)")
     value = scrape_overlap(scrapes)
     return (value, None) if not math.isnan(value) else (value, "no prefill time between the scrapes")
-
-
-def scrapes_from_trace(records: list[dict], every: float) -> list[dict]:
-    """The scrapes of cumulative busy seconds by step kind a scraper every ``every`` seconds would
-    have read (from the first step start to past the last step end), from a trace's step records;
-    a step counts at its end. For checking the scraped figure against the trace's own."""
-    records = sorted(records, key=lambda r: r["end"])
-    if not records:
-        return []
-    t, end, i, busy, out = min(r["start"] for r in records), records[-1]["end"], 0, {}, []
-    while True:
-        while i < len(records) and records[i]["end"] <= t:
-            busy[records[i]["kind"]] = busy.get(records[i]["kind"], 0.0) + records[i]["end"] - records[i]["start"]
-            i += 1
-        out.append({"t": t, "busy": dict(busy)})
-        if t >= end:
-            return out
-        t += every

@@ -18,7 +18,6 @@ Notation: E routed experts, K experts per token (top-k), a chunk of Q tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 
 
 def tokens_per_expert(quantum: int, top_k: int, num_experts: int) -> float:
@@ -31,17 +30,6 @@ def expected_unique_experts(quantum: int, top_k: int, num_experts: int) -> float
     """``E * (1 - (1 - K/E)^Q)``: experts hit at least once by ``quantum`` randomly routed tokens."""
     _check_shape(num_experts, top_k)
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** quantum)
-
-
-def expected_tokens_per_active_expert(quantum: int, top_k: int, num_experts: int) -> float:
-    """``Q * K / E[unique]``, the random-routing expectation of the executor's tokens-per-expert statistic.
-
-    (A ratio of expectations, not the expectation of the ratio; the two agree
-    closely once more than a handful of experts are hit.)
-    """
-    if quantum <= 0:
-        return 0.0
-    return quantum * top_k / expected_unique_experts(quantum, top_k, num_experts)
 
 
 def quantum_for_target(target_tokens_per_expert: float, num_experts: int, top_k: int) -> float:
@@ -71,18 +59,6 @@ def round_quantum(quantum: float, cap: int) -> int:
     candidates = power_of_two_divisors(cap)
     target = math.log2(quantum)
     return min(candidates, key=lambda c: (abs(math.log2(c) - target), -c))
-
-
-def routing_stats(expert_ids: Iterable[Sequence[int]]) -> tuple[int, float]:
-    """Brute-force ``(unique experts, tokens per active expert)`` of one layer's routing.
-
-    Args:
-        expert_ids: for each token, the K expert ids it was routed to.
-    """
-    rows = [list(ids) for ids in expert_ids]
-    unique = len({e for ids in rows for e in ids})
-    routed = sum(len(ids) for ids in rows)
-    return unique, (routed / unique if unique else 0.0)
 
 
 def _check_shape(num_experts: int, top_k: int) -> None:
