@@ -20,7 +20,7 @@ from quanta.bench import record as record_command
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.policies import POLICIES
 from quanta.moe import commands as moe_commands
-from quanta.moe.auto import AUTO_PLACEHOLDER, resolve_auto
+from quanta.moe.auto import AUTO_PLACEHOLDER, resolve_auto_from_model
 from quanta.server.tools import PARSERS as TOOL_PARSERS
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.mixed_prefill_quantum == "auto":  # needs the model's config (not its weights)
         try:
-            sched_cfg, _ = resolve_auto(engine_cfg.model, sched_cfg)
+            sched_cfg, _ = resolve_auto_from_model(engine_cfg.model, sched_cfg)
         except (OSError, ValueError) as exc:
             parser.error(f"--mixed-prefill-quantum auto: {exc}")
     if args.command == "serve":

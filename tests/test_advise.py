@@ -10,7 +10,7 @@ from quanta import cli
 from quanta.config import SchedulerConfig
 from quanta.model.loader import embedded_model_path
 from quanta.moe.advisor import advise, format_advice
-from quanta.moe.auto import resolve_auto
+from quanta.moe.auto import resolve_auto_from_model
 
 # (E, K, cap, target) -> quantum: T*E/K rounded (log2-nearest) to a power of two dividing the cap
 SHAPES = [
@@ -115,7 +115,7 @@ def test_bad_command_lines_exit_2_before_loading(argv, fragment, capsys, monkeyp
 def test_auto_on_the_dense_embedded_model_keeps_the_default_and_says_why(caplog):
     sched = SchedulerConfig("batched", 8, {"mixed_prefill_quantum": 1, "prefill_cap": 4096})
     with caplog.at_level("INFO", logger="quanta"):
-        resolved, advice = resolve_auto(None, sched)
+        resolved, advice = resolve_auto_from_model(None, sched)
     assert advice.dense and resolved.knobs["mixed_prefill_quantum"] == 2048
     assert resolved.knobs["prefill_cap"] == 4096 and resolved.knobs["prefill_quantum"] == 2048
     assert "tokens-per-expert argument does not apply" in caplog.text

@@ -15,7 +15,7 @@ log = logging.getLogger("quanta")
 AUTO_PLACEHOLDER = 1
 
 
-def resolve_auto(model: str | None, sched: SchedulerConfig) -> tuple[SchedulerConfig, Advice]:
+def resolve_auto_from_model(model: str | None, sched: SchedulerConfig) -> tuple[SchedulerConfig, Advice]:
     """A copy of ``sched`` whose ``mixed_prefill_quantum`` is the advisor's choice for ``model``.
 
     Reads only ``config.json`` / GGUF metadata (None: the embedded model) and
