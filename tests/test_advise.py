@@ -50,7 +50,7 @@ def test_seed_reason_spells_out_the_arithmetic():
     assert "2048" in text and "<- recommended" in text and "tokens/expert" in text
 
 
-def _profile(name="m", e=256, k=6, saturation=96.0):
+def _report(name="m", e=256, k=6, saturation=96.0):
     rows = [{"quantum": q, "ms_per_token": {"median": c}} for q, c in [(512, 2.0), (1024, 1.5), (2048, 1.1), (4096, 1.0)]]
     return {"kind": "quanta-prefill-profile", "model": {"name": name, "num_experts": e, "top_k": k},
             "machine": {"date": "2026-11-29"}, "rows": rows, "saturation_tokens_per_expert": saturation,
@@ -58,21 +58,21 @@ def _profile(name="m", e=256, k=6, saturation=96.0):
 
 
 def test_profile_sets_the_target_and_fills_costs_for_the_same_model():
-    advice = advise(256, 6, 4096, profile=_profile(), model_name="m")
+    advice = advise(256, 6, 4096, cost_report=_report(), model_name="m")
     assert advice.target == 96 and advice.quantum == 4096 and "measured" in advice.target_source
     by_q = {c.quantum: c for c in advice.candidates}
     assert by_q[2048].ms_per_token == 1.1 and by_q[2048].moe_ms_per_token is None  # not in this profile
     assert by_q[2048].decode_gap_ms == pytest.approx(10.0 + 2048 * 1.1)  # one decode step + one quantum
-    other = advise(256, 6, 4096, profile=_profile(name="other"), model_name="m")
+    other = advise(256, 6, 4096, cost_report=_report(name="other"), model_name="m")
     assert other.quantum == 4096 and all(c.ms_per_token is None for c in other.candidates)  # target only
-    assert advise(256, 6, 4096, target=48, profile=_profile(), model_name="m").quantum == 2048  # explicit wins
+    assert advise(256, 6, 4096, target=48, cost_report=_report(), model_name="m").quantum == 2048  # explicit wins
 
 
 def test_dense_model_falls_back_to_the_measured_curve():
     advice = advise(None, None, 4096)
     assert advice.dense and advice.quantum == 2048 and "does not apply" in advice.reason
     assert "No measured prefill cost curve" in advice.reason
-    measured = advise(None, None, 4096, profile=_profile(e=None, k=None), model_name="m")
+    measured = advise(None, None, 4096, cost_report=_report(e=None, k=None), model_name="m")
     assert measured.dense and "measured prefill cost curve" in measured.reason
     assert measured.quantum == 4096  # 2048 costs 10% more than the best; 4096 is within 5%
     assert advise(None, None, 1024).quantum == 1024

@@ -11,9 +11,9 @@ import torch
 from moe_helpers import tiny_moe_dir
 from quanta.launch import load_model
 from quanta.moe import formulas
-from quanta.moe.advisor import advise, load_profile
+from quanta.moe.advisor import advise, load_cost_report
 from quanta.moe.profile import saturation_point
-from quanta.moe.report import format_report, profile_cache_path, write_report
+from quanta.moe.report import format_report, cost_report_cache_path, write_report
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +67,15 @@ def test_report_files_and_the_advisor_reading_them(report, tmp_path, monkeypatch
     assert [p.suffix for p in paths] == [".json", ".md", ".png"]
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(paths[0].read_text())["rows"] == json.loads(json.dumps(report["rows"]))
-    loaded = load_profile(paths[0])
-    advice = advise(64, 6, 1024, profile=loaded, model_name=report["model"]["name"])
+    loaded = load_cost_report(paths[0])
+    advice = advise(64, 6, 1024, cost_report=loaded, model_name=report["model"]["name"])
     assert advice.target == loaded["saturation_tokens_per_expert"]
     assert any(c.ms_per_token is not None for c in advice.candidates)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert profile_cache_path("m") == tmp_path / "cache" / "quanta" / "profiles" / "m.json"
+    assert cost_report_cache_path("m") == tmp_path / "cache" / "quanta" / "profiles" / "m.json"
     with pytest.raises(ValueError):
         (tmp_path / "bad.json").write_text('{"kind": "other"}')
-        load_profile(tmp_path / "bad.json")
+        load_cost_report(tmp_path / "bad.json")
 
 
 def test_dense_model_profile_feeds_the_dense_advisor(tmp_path_factory, tmp_path):
@@ -99,5 +99,5 @@ def test_dense_model_profile_feeds_the_dense_advisor(tmp_path_factory, tmp_path)
     assert "fragmentation" not in report
     paths = write_report(report, tmp_path / "out", cache=False)
     assert [p.name for p in paths] == ["prefill_profile_dense.Q4.json", "prefill_profile_dense.Q4.md", "prefill_profile_dense.Q4.png"]
-    advice = advise(None, None, 4096, profile=load_profile(paths[0]), model_name="dense.Q4")
+    advice = advise(None, None, 4096, cost_report=load_cost_report(paths[0]), model_name="dense.Q4")
     assert advice.dense and advice.quantum in (16, 32) and "measured prefill cost curve" in advice.reason

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from quanta.moe import formulas
 from quanta.moe.profile import SATURATION_TOLERANCE
-from quanta.moe.report import profile_cache_path
+from quanta.moe.report import cost_report_cache_path
 
 #: The seed study's saturation point, used when no profile of this machine is available.
 DEFAULT_TARGET_TOKENS_PER_EXPERT = 48.0
@@ -68,11 +68,11 @@ class Advice:
     target_source: str | None = None
 
 
-def load_profile(path: str | Path) -> dict:
-    """A profile JSON written by ``quanta profile``.
+def load_cost_report(path: str | Path) -> dict:
+    """A prefill cost report (JSON) written by ``quanta profile``.
 
     Raises:
-        ValueError: the file is not such a profile.
+        ValueError: the file is not such a report.
     """
     data = json.loads(Path(path).read_text())
     if data.get("kind") != "quanta-prefill-profile":
@@ -80,40 +80,40 @@ def load_profile(path: str | Path) -> dict:
     return data
 
 
-def cached_profile(model_name: str) -> dict | None:
-    """The profile ``quanta profile`` last cached for ``model_name`` on this machine, if any."""
-    path = profile_cache_path(model_name)
+def cached_cost_report(model_name: str) -> dict | None:
+    """The report ``quanta profile`` last cached for ``model_name`` on this machine, if any."""
+    path = cost_report_cache_path(model_name)
     try:
-        return load_profile(path) if path.is_file() else None
+        return load_cost_report(path) if path.is_file() else None
     except (ValueError, OSError, json.JSONDecodeError):
         return None
 
 
 def advise(num_experts: int | None, top_k: int | None, prefill_cap: int, target: float | None = None,
-           profile: dict | None = None, model_name: str | None = None, neighbours: int = 2) -> Advice:
+           cost_report: dict | None = None, model_name: str | None = None, neighbours: int = 2) -> Advice:
     """Recommend the mixed prefill quantum.
 
     Args:
         num_experts / top_k: E and K; None (or 0) for a dense model.
         prefill_cap: the scheduler's cap; the quantum is a power of two dividing it.
-        target: tokens per expert to reach; None takes the profile's saturation
+        target: tokens per expert to reach; None takes the report's saturation
             point, else :data:`DEFAULT_TARGET_TOKENS_PER_EXPERT`.
-        profile: a ``quanta profile`` report; its costs are shown when it
+        cost_report: a ``quanta profile`` report; its costs are shown when it
             measured the same model (name and E, K), its saturation point is
             used as the target either way.
-        model_name: for matching the profile.
+        model_name: for matching the report.
         neighbours: powers of two shown on each side of the recommendation.
     """
-    measured = _measured_costs(profile, num_experts, top_k, model_name)
-    moe_costs = _measured_costs(profile, num_experts, top_k, model_name, "moe_ms_per_token")
-    decode_ms = profile["decode_step_ms"]["median"] if profile and measured else None
+    measured = _measured_costs(cost_report, num_experts, top_k, model_name)
+    moe_costs = _measured_costs(cost_report, num_experts, top_k, model_name, "moe_ms_per_token")
+    decode_ms = cost_report["decode_step_ms"]["median"] if cost_report and measured else None
     if not num_experts:
         return _advise_dense(prefill_cap, measured, decode_ms, neighbours)
     if target is not None:
         source = "given"
-    elif profile and profile.get("saturation_tokens_per_expert"):
-        target = float(profile["saturation_tokens_per_expert"])
-        source = f"saturation point measured by quanta profile ({profile['model']['name']}, {profile['machine']['date']})"
+    elif cost_report and cost_report.get("saturation_tokens_per_expert"):
+        target = float(cost_report["saturation_tokens_per_expert"])
+        source = f"saturation point measured by quanta profile ({cost_report['model']['name']}, {cost_report['machine']['date']})"
     else:
         target, source = DEFAULT_TARGET_TOKENS_PER_EXPERT, "the seed study's saturation point (no profile of this machine)"
     exact = formulas.quantum_for_target(target, num_experts, top_k)
@@ -147,17 +147,17 @@ def _advise_dense(prefill_cap: int, measured: dict[int, float], decode_ms: float
     return Advice(quantum, reason, rows, True)
 
 
-def _measured_costs(profile: dict | None, num_experts: int | None, top_k: int | None, model_name: str | None,
+def _measured_costs(report: dict | None, num_experts: int | None, top_k: int | None, model_name: str | None,
                     key: str = "ms_per_token") -> dict[int, float]:
-    """quantum -> median ``key`` (ms/token), when ``profile`` measured this model (same name, E and K)."""
-    if not profile:
+    """quantum -> median ``key`` (ms/token), when ``report`` measured this model (same name, E and K)."""
+    if not report:
         return {}
-    m = profile["model"]
+    m = report["model"]
     if (m.get("num_experts") or None) != (num_experts or None) or (m.get("top_k") or None) != (top_k or None):
         return {}
     if model_name is not None and m.get("name") != model_name:
         return {}
-    return {r["quantum"]: r[key]["median"] for r in profile["rows"] if key in r}
+    return {r["quantum"]: r[key]["median"] for r in report["rows"] if key in r}
 
 
 def _neighbourhood(quantum: int, cap: int, n: int) -> list[int]:

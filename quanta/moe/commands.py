@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from quanta.moe.advisor import advise, cached_profile, format_advice, load_profile
+    from quanta.moe.advisor import advise, cached_cost_report, format_advice, load_cost_report
 
     name = None
     if args.model:
@@ -117,8 +117,8 @@ def _advise(args: argparse.Namespace) -> int:
         e, k = (cfg.num_experts, cfg.num_experts_per_tok) if cfg.is_moe else (None, None)
     else:
         e, k = args.num_experts, args.top_k
-    profile = load_profile(args.profile) if args.profile else (cached_profile(name) if name else None)
-    print(format_advice(advise(e, k, args.prefill_cap, args.target, profile, name)))
+    report = load_cost_report(args.profile) if args.profile else (cached_cost_report(name) if name else None)
+    print(format_advice(advise(e, k, args.prefill_cap, args.target, report, name)))
     return 0
 
 

@@ -1,10 +1,10 @@
-"""Printing, plotting and storing a prefill cost profile (see :mod:`quanta.moe.profile`).
+"""Printing, plotting and storing a prefill cost report (see :mod:`quanta.moe.profile`).
 
 Files written by :func:`write_report` (``STEM`` = ``moe_profile_<model>``,
 ``prefill_profile_<model>`` for a dense model):
 ``STEM.json`` (everything, machine included), ``STEM.md`` (the tables) and
 ``STEM.png`` (the curve). A copy of the JSON goes to
-:func:`profile_cache_path` so ``quanta advise`` and
+:func:`cost_report_cache_path` so ``quanta advise`` and
 ``quanta serve --mixed-prefill-quantum auto`` find the measured saturation
 point for that model on this machine.
 """
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 
-def profile_cache_path(model_name: str) -> Path:
+def cost_report_cache_path(model_name: str) -> Path:
     """``$XDG_CACHE_HOME/quanta/profiles/<model_name>.json`` (``~/.cache`` when unset)."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "quanta" / "profiles" / f"{model_name}.json"
@@ -136,7 +136,7 @@ def write_report(report: dict, out_dir: str | Path, cache: bool = True) -> list[
     paths[1].write_text(format_report(report))
     plot(report, paths[2])
     if cache:
-        target = profile_cache_path(report["model"]["name"])
+        target = cost_report_cache_path(report["model"]["name"])
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(paths[0].read_text())
         paths.append(target)

@@ -46,5 +46,5 @@ def resolve_auto(profile: Profile, sched: SchedulerConfig) -> tuple[SchedulerCon
     cap = sched.knobs["prefill_cap"]
     report = advisor_report(profile, cap)
     m = report["model"]
-    advice = advise(m["num_experts"], m["top_k"], cap, profile=report, model_name=m["name"])
+    advice = advise(m["num_experts"], m["top_k"], cap, cost_report=report, model_name=m["name"])
     return sched.with_knob("mixed_prefill_quantum", advice.quantum), advice
