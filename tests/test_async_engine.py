@@ -9,7 +9,7 @@ import pytest
 from quanta.config import SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine, RequestFailed
 from quanta.engine.engine import Engine
-from quanta.engine.executor import Executor
+from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
 
 POISON = 13  # a prompt containing this token makes the executor raise
@@ -21,7 +21,7 @@ class FlakyExecutor(Executor):
     def execute(self, plan):
         if any(POISON in c.seq.prompt_token_ids for c in plan.chunks):
             raise RuntimeError("kernel failure")
-        return [7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks]
+        return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
 
 
 async def _collect(engine: AsyncEngine, prompt: list[int], max_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 
 from quanta.config import KNOB_DEFAULTS, SchedulerConfig
 from quanta.engine.engine import Engine
-from quanta.engine.executor import Executor
+from quanta.engine.executor import Executor, StepResult
 from quanta.engine.policies import (
     POLICIES, BatchedScheduler, BudgetScheduler, ChunkedScheduler, ContinuousScheduler, StaticScheduler,
 )
@@ -44,7 +44,7 @@ class FakeExecutor(Executor):
             self.check(plan)
         self.kinds.append(plan.kind)  # before the engine advances the sequences
         self.t += 1.0
-        return [7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks]
+        return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
 
 
 def run(scheduler, requests, check=None, preset=None):

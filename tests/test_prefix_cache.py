@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quanta.cli import build_parser, configs_from_args
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.engine import Engine
-from quanta.engine.executor import Executor
+from quanta.engine.executor import Executor, StepResult
 from quanta.engine.policies import POLICIES
 from quanta.engine.prefix_cache import SlotPrefixCache, common_prefix_len
 from quanta.engine.sampling import SamplingParams
@@ -117,7 +117,7 @@ class EchoExecutor(Executor):
             assert c.seq.slot is not None and c.num_new_tokens >= 1
             self.chunks.append((c.seq.seq_id, c.seq.slot, c.seq.num_computed_tokens, c.num_new_tokens))
             out.append(7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None)
-        return out
+        return StepResult(out)
 
 
 def fake_engine(sched: SchedulerConfig, reuse: bool = True) -> tuple[Engine, EchoExecutor]:

@@ -18,7 +18,7 @@ from quanta.analysis.server_trace import trace_metrics
 from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
-from quanta.engine.executor import Executor
+from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
 from quanta.sim import CostModelExecutor, Profile, ProfileError, VirtualClock
 from quanta.sim.run import condition, simulate
@@ -111,7 +111,7 @@ class Recorder(Executor):
 
     def execute(self, plan):
         self.t += 1.0
-        return [7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks]
+        return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
 
 
 def _drive(sched_cfg, executor, clock, requests):

@@ -13,14 +13,17 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from quanta.engine.executor import Executor
-from quanta.engine.output import RequestOutput, TextState
+from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import FailedSample, SamplingParams
 from quanta.engine.scheduler import Scheduler
 from quanta.engine.sequence import Sequence, SequenceStatus
 from quanta.engine.trace import StepRecord, Trace
-from quanta.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from quanta.engine.output import TextState
 
 log = logging.getLogger("quanta.engine")
 
@@ -32,7 +35,10 @@ class Engine:
         scheduler: the policy deciding each step.
         executor: runs steps (real model or cost model).
         max_model_len: prompt plus generated tokens allowed per sequence.
-        tokenizer: needed for text output and stop strings; None yields tokens only.
+        make_text: builds each request's text state (detokenizer and stop
+            strings) from its parameters at :meth:`add_request`; None yields
+            tokens only (no text, no stop strings). The engine never sees a
+            tokenizer, so it imports neither torch nor transformers.
         eos_token_ids: tokens that end generation (unless ``ignore_eos``).
         clock: seconds; ``time.monotonic`` by default, a virtual clock in simulation.
     """
@@ -42,14 +48,14 @@ class Engine:
         scheduler: Scheduler,
         executor: Executor,
         max_model_len: int,
-        tokenizer: Tokenizer | None = None,
+        make_text: Callable[[SamplingParams], TextState] | None = None,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
+        self.make_text = make_text
         self.eos_token_ids = set(eos_token_ids)
         self.clock = clock
         self.trace = Trace()
@@ -78,8 +84,8 @@ class Engine:
         self.check_length(len(prompt_token_ids), params.max_tokens)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_time=self.clock())
         self.sequences[seq.seq_id] = seq
-        if self.tokenizer is not None:
-            self._text[seq.seq_id] = TextState.create(self.tokenizer, params.stop)
+        if self.make_text is not None:
+            self._text[seq.seq_id] = self.make_text(params)
         self.scheduler.add(seq)
         return seq
 
@@ -109,7 +115,8 @@ class Engine:
             return []
         kind = plan.kind  # before the chunks advance their sequences
         start = self.clock()
-        sampled = self.executor.execute(plan)
+        result = self.executor.execute(plan)
+        sampled = result.tokens
         end = self.clock()
         outputs = []
         for chunk, token in zip(plan.chunks, sampled, strict=True):
@@ -126,6 +133,7 @@ class Engine:
             [c.seq.seq_id for c in plan.chunks],
             [c.num_new_tokens for c in plan.chunks],
             [int(t is not None and not isinstance(t, FailedSample)) for t in sampled],
+            result.experts,
         )
         for listener in self.step_listeners:
             try:

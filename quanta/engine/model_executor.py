@@ -1,8 +1,9 @@
 """:class:`ModelExecutor` runs a :class:`StepPlan` through the real model.
 
-Returns, like every :class:`~quanta.engine.executor.Executor`, the sampled
-next token for each chunk, or None for a prefill chunk that leaves prompt
-tokens to compute.
+Returns, like every :class:`~quanta.engine.executor.Executor`, a
+:class:`~quanta.engine.executor.StepResult`: the sampled next token for each
+chunk (None for a prefill chunk that leaves prompt tokens to compute) and, on
+MoE models, the step's expert statistics.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import os
 
 import torch
 
-from quanta.engine.executor import Executor
-from quanta.engine.sampling import Sampler
+from quanta.engine.executor import Executor, StepResult
+from quanta.engine.sampler import Sampler
 from quanta.engine.scheduler import StepPlan
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.llama import LlamaModel
@@ -57,9 +58,8 @@ class ModelExecutor(Executor):
         self.model = model
         self.kv = KVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len, cfg.head_dim, dtype)
         self.sampler = Sampler()
-        self._expert_stats: dict | None = None
 
-    def execute(self, plan: StepPlan) -> list[int | None]:
+    def execute(self, plan: StepPlan) -> StepResult:
         ids: list[int] = []
         slices, sample_rows, samplers = [], [], []
         for chunk in plan.chunks:
@@ -73,7 +73,7 @@ class ModelExecutor(Executor):
         torch.set_num_threads(self.decode_threads if len(ids) <= DECODE_STEP_TOKENS else self.prefill_threads)
         hidden = self.model(torch.tensor(ids, dtype=torch.long), AttentionBatch(slices, self.kv))
         stats = self.model.expert_stats()
-        self._expert_stats = stats.to_dict() if stats is not None else None
+        experts = stats.to_dict() if stats is not None else None
         tokens: list[int] = []
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])
@@ -81,12 +81,7 @@ class ModelExecutor(Executor):
                 logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]
             )
         by_seq = dict(zip((s.seq_id for s in samplers), tokens))
-        return [by_seq.get(c.seq.seq_id) for c in plan.chunks]
-
-    def take_expert_stats(self) -> dict | None:
-        """Expert statistics of the last executed step (MoE models), then None until the next."""
-        stats, self._expert_stats = self._expert_stats, None
-        return stats
+        return StepResult([by_seq.get(c.seq.seq_id) for c in plan.chunks], experts)
 
     def release(self, seq_id: int) -> None:
         """Forget per-sequence sampler state."""

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
+if TYPE_CHECKING:
+    from quanta.model.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -37,7 +39,7 @@ class RequestOutput:
         arrival_time: engine-clock seconds when the request arrived.
         num_cached_tokens: prompt tokens served from the prefix cache (not
             computed); known from admission on, so 0 before the first token.
-        stop_reason: the stop string that ended the request, else None.
+        stop_string: the stop string that ended the request, else None.
         error: set (with ``finish_reason == "error"``) when this request alone
             failed inside a step; a short message naming the error id that
             the server log carries with the traceback.
@@ -53,7 +55,7 @@ class RequestOutput:
     time: float
     arrival_time: float
     num_cached_tokens: int = 0
-    stop_reason: str | None = None
+    stop_string: str | None = None
     error: str | None = None
 
 
@@ -135,9 +137,10 @@ class TextState:
     stop_string: str | None = None
 
     @classmethod
-    def create(cls, tokenizer: Tokenizer, stop: list[str]) -> "TextState":
+    def create(cls, detokenizer: IncrementalDetokenizer, stop: list[str]) -> "TextState":
+        """A fresh state over ``detokenizer`` that ends at the first of ``stop`` (empty strings ignored)."""
         stops = [s for s in stop if s]
-        return cls(IncrementalDetokenizer(tokenizer), StopMatcher(stops) if stops else None)
+        return cls(detokenizer, StopMatcher(stops) if stops else None)
 
     def add(self, token_id: int, final: bool) -> str:
         """Append a token; returns text now safe to release.

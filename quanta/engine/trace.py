@@ -7,7 +7,6 @@ bounded deque, so tracing stays on in production.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
@@ -57,13 +56,10 @@ class Trace:
         self.records: deque[StepRecord] = deque(maxlen=max_records)
         self.counts = {"prefill": 0, "decode": 0, "mixed": 0}
         self._next_step = 0
-        #: called once per recorded step for executor statistics of the step just
-        #: run (``ModelExecutor.take_expert_stats`` on MoE models); None: no call.
-        self.annotate: Callable[[], dict | None] | None = None
 
-    def record(self, kind: str, start: float, end: float, seq_ids: list[int], num_new_tokens: list[int], num_emitted: list[int]) -> StepRecord:
-        extra = self.annotate() if self.annotate is not None else None
-        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, extra)
+    def record(self, kind: str, start: float, end: float, seq_ids: list[int], num_new_tokens: list[int],
+               num_emitted: list[int], experts: dict | None = None) -> StepRecord:
+        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, experts)
         self._next_step += 1
         self.counts[kind] += 1
         self.records.append(rec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from quanta.engine.executor import Executor
+from quanta.engine.executor import Executor, StepResult
 from quanta.engine.scheduler import StepPlan
 from quanta.sim.profile import Profile
 
@@ -26,7 +26,7 @@ class VirtualClock:
 
 
 class CostModelExecutor(Executor):
-    """Same contract as :class:`~quanta.engine.executor.ModelExecutor`: one entry per
+    """Same contract as :class:`~quanta.engine.model_executor.ModelExecutor`: one token per
     chunk, :data:`SIM_TOKEN` for a chunk that reaches the end of its sequence
     (prompt done or a decode), else None; the step takes
     :meth:`Profile.step_cost` seconds of the virtual ``clock``, times a factor
@@ -43,7 +43,8 @@ class CostModelExecutor(Executor):
         decode = [c.seq.num_computed_tokens for c in plan.chunks if c.is_decode]
         return self.profile.step_cost(prefill, decode)
 
-    def execute(self, plan: StepPlan) -> list[int | None]:
+    def execute(self, plan: StepPlan) -> StepResult:
         noise = self.rng.choice(self.profile.step_noise) if self.profile.step_noise else 1.0
         self.clock.t += self.cost(plan) * noise
-        return [SIM_TOKEN if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None for c in plan.chunks]
+        return StepResult([SIM_TOKEN if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None
+                           for c in plan.chunks])
