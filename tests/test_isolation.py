@@ -314,5 +314,5 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(loaded):
     assert stop and stop not in before, (text, stop)
     seq, outputs = run(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop]))
     assert len(seq.output_token_ids) == 8
-    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_string == stop
     assert "".join(o.text for o in outputs) == text[:text.rindex(stop)]

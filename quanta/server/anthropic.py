@@ -227,8 +227,8 @@ def _stop(out: RequestOutput, called: bool = False) -> tuple[str, str | None]:
         return "tool_use", None
     if out.finish_reason == "length":
         return "max_tokens", None
-    if out.stop_reason is not None:
-        return "stop_sequence", out.stop_reason
+    if out.stop_string is not None:
+        return "stop_sequence", out.stop_string
     return "end_turn", None
 
 
