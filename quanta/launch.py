@@ -15,7 +15,7 @@ import torch
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.model_executor import ModelExecutor
-from quanta.engine.output import TextState
+from quanta.engine.stop_strings import TextState
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint

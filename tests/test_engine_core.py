@@ -9,7 +9,7 @@ import sys
 
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
-from quanta.engine.output import StopMatcher, TextState
+from quanta.engine.stop_strings import StopMatcher, TextState
 from quanta.engine.policies.chunked import ChunkedScheduler
 from quanta.engine.policies.continuous import ContinuousScheduler
 from quanta.engine.sampling import SamplingParams
@@ -74,7 +74,7 @@ def test_text_comes_from_the_text_state_made_for_each_request():
         for out in engine.step():
             text[out.seq_id] += out.text
             if out.finished:
-                finish[out.seq_id] = (out.finish_reason, out.stop_reason)
+                finish[out.seq_id] = (out.finish_reason, out.stop_string)
     assert text == {a.seq_id: "ab", b.seq_id: "ab"}
     assert finish == {a.seq_id: ("stop", "<stop>"), b.seq_id: ("length", None)}
 

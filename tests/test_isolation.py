@@ -22,7 +22,7 @@ import torch
 from inprocess_server import CRASH_SEED, POISON_TOP_K, SECRET, PoisoningEngine, serve_in_process
 
 from quanta.config import EngineConfig, SchedulerConfig
-from quanta.engine.output import TextState
+from quanta.engine.stop_strings import TextState
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from quanta.engine.output import StopMatcher, TextState
+from quanta.engine.stop_strings import StopMatcher, TextState
 
 
 def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -23,7 +23,7 @@ from quanta.engine.sequence import Sequence, SequenceStatus
 from quanta.engine.trace import StepRecord, Trace
 
 if TYPE_CHECKING:
-    from quanta.engine.output import TextState
+    from quanta.engine.stop_strings import TextState
 
 log = logging.getLogger("quanta.engine")
 

@@ -23,7 +23,7 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 #: Stop strings per request and characters per stop string. OpenAI takes 4;
 #: these leave room for agents' lists while bounding the per-request matcher
-#: (:class:`quanta.engine.output.StopMatcher`) built on the engine thread.
+#: (:class:`quanta.engine.stop_strings.StopMatcher`) built on the engine thread.
 MAX_STOP, MAX_STOP_CHARS = 32, 256
 
 
