@@ -12,16 +12,16 @@ from moe_helpers import tiny_moe_dir
 from quanta.launch import load_model
 from quanta.moe import formulas
 from quanta.moe.advisor import advise, load_cost_report
-from quanta.moe.profile import saturation_point
+from quanta.moe.prefill_cost import saturation_point
 from quanta.moe.report import format_report, cost_report_cache_path, write_report
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from quanta.moe.profile import profile
+    from quanta.moe.prefill_cost import measure_prefill_cost
 
     loaded = load_model(str(tiny_moe_dir(tmp_path_factory)), torch.bfloat16)
-    return profile(loaded, quanta=(16, 64, 128), prompt_tokens=256, repeats=2, frag_quantum=128, frag_caps=(192,))
+    return measure_prefill_cost(loaded, quanta=(16, 64, 128), prompt_tokens=256, repeats=2, frag_quantum=128, frag_caps=(192,))
 
 
 def test_report_rows_follow_the_engine_and_the_formulas(report):
@@ -84,7 +84,7 @@ def test_dense_model_profile_feeds_the_dense_advisor(tmp_path_factory, tmp_path)
     from quanta.model.config import ModelConfig
     from quanta.model.llama import LlamaModel
     from quanta.model.tokenizer import Tokenizer
-    from quanta.moe.profile import profile
+    from quanta.moe.prefill_cost import measure_prefill_cost
 
     torch.manual_seed(0)
     cfg = ModelConfig("llama", 512, 64, 96, 2, 4, 2, 16, max_position_embeddings=256, name="dense.Q4")
@@ -93,7 +93,7 @@ def test_dense_model_profile_feeds_the_dense_advisor(tmp_path_factory, tmp_path)
     model.pack_weights()
     tokenizer = Tokenizer.from_path(tiny_moe_dir(tmp_path_factory))
     dense = LoadedModel(model, tokenizer, cfg, tmp_path / "dense.Q4.gguf", "dense.Q4")
-    report = profile(dense, quanta=(16, 32), prompt_tokens=64, repeats=1, frag_quantum=None)
+    report = measure_prefill_cost(dense, quanta=(16, 32), prompt_tokens=64, repeats=1, frag_quantum=None)
     assert report["synthetic"] is None and report["saturation_tokens_per_expert"] is None
     assert [r["calls"] for r in report["rows"]] == [4, 2] and "unique_experts" not in report["rows"][0]
     assert "fragmentation" not in report

@@ -1,1 +1,1 @@
-"""MoE cost study: expert-activity formulas, the prefill cost profile and the quantum advisor."""
+"""MoE cost study: expert-activity formulas, the prefill cost report and the quantum advisor."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quanta.moe import formulas
-from quanta.moe.profile import SATURATION_TOLERANCE
+from quanta.moe.prefill_cost import SATURATION_TOLERANCE
 from quanta.moe.report import cost_report_cache_path
 
 #: The seed study's saturation point, used when no profile of this machine is available.

@@ -129,7 +129,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     from quanta.launch import load_model, resolve_dtype
     from quanta.model.presets import make_model
-    from quanta.moe.profile import profile
+    from quanta.moe.prefill_cost import measure_prefill_cost
     from quanta.moe.report import format_report, write_report
 
     if args.threads:
@@ -150,8 +150,8 @@ def _profile(args: argparse.Namespace) -> int:
             print(f"quanta profile: error: {path} is a dense model; use quanta profile prefill", file=sys.stderr)
             return 2
         frag = args.frag_quantum or None
-        report = profile(loaded, _ints(args.quanta, "--quanta"), args.prompt_tokens, args.repeats, frag,
-                         _ints(args.frag_caps, "--frag-caps") if frag else ())
+        report = measure_prefill_cost(loaded, _ints(args.quanta, "--quanta"), args.prompt_tokens, args.repeats, frag,
+                                      _ints(args.frag_caps, "--frag-caps") if frag else ())
     print(format_report(report))
     for p in write_report(report, args.out):
         print(f"wrote {p}")

@@ -1,4 +1,4 @@
-"""Printing, plotting and storing a prefill cost report (see :mod:`quanta.moe.profile`).
+"""Printing, plotting and storing a prefill cost report (see :mod:`quanta.moe.prefill_cost`).
 
 Files written by :func:`write_report` (``STEM`` = ``moe_profile_<model>``,
 ``prefill_profile_<model>`` for a dense model):

@@ -128,8 +128,8 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def profile(loaded, quanta=DEFAULT_QUANTA, prompt_tokens: int = 8192, repeats: int = 3,
-            frag_quantum: int | None = 2048, frag_caps=(3072, 2560), seed: int = 0) -> dict:
+def measure_prefill_cost(loaded, quanta=DEFAULT_QUANTA, prompt_tokens: int = 8192, repeats: int = 3,
+                         frag_quantum: int | None = 2048, frag_caps=(3072, 2560), seed: int = 0) -> dict:
     """Measure the cost curve, the decode step and the fragmentation cost of ``loaded`` (a LoadedModel).
 
     Returns:
