@@ -183,9 +183,9 @@ class Engine:
         self._text.pop(seq.seq_id, None)
         self.executor.release(seq.seq_id)
 
-    def _output(self, seq: Sequence, tokens: list[int], text: str, now: float, stop_reason: str | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[int], text: str, now: float, stop_string: str | None = None) -> RequestOutput:
         return RequestOutput(
             seq.seq_id, tokens, text, seq.status is SequenceStatus.FINISHED, seq.finish_reason,
             seq.num_prompt_tokens, len(seq.output_token_ids), now, seq.arrival_time,
-            seq.num_cached_tokens, stop_reason,
+            seq.num_cached_tokens, stop_string,
         )
