@@ -31,7 +31,7 @@ from quanta.launch import cpu_summary, load_model, resolve_dtype
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 
 ROWS = (1, 2, 4, 8, 16, 32)
-FORMS = (("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4"))
+FORMS = (("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4"), ("fp16", "fp16"), ("int4", "fp16"))
 CONTEXT = 64
 
 
@@ -60,7 +60,7 @@ def step_ms(model, kv: KVCache, rows: int, repeats: int) -> float:
 
 def weight_bytes(model, forms: tuple[str, str]) -> int:
     """Bytes of weights one single-row decode step reads under ``forms``."""
-    per_param = {"none": model.embed_tokens.weight.element_size(), "int8": 1, "int4": 0.5}
+    per_param = {"none": model.embed_tokens.weight.element_size(), "fp16": 2, "int8": 1, "int4": 0.5}
     head = model.embed_tokens.weight.numel()
     total = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and p.dim() == 2)
     return int(total * per_param[forms[0]] + head * per_param[forms[1]])
@@ -70,16 +70,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for the raw numbers")
     args = ap.parse_args()
     dtype = resolve_dtype({"bf16": "bfloat16", "fp32": "float32", None: None}[args.dtype])
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bandwidth = memory_bandwidth()
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "default")
     results = {}
     for forms in FORMS:
         loaded = load_model(None, dtype, "none")
         model = loaded.model
-        model.quantize_weights(*forms, {"int8": max(ROWS), "int4": max(ROWS)})
+        model.quantize_weights(*(() if f == "none" else (f,) for f in forms), {k: max(ROWS) for k in ("int8", "int4", "fp16")})
         kv = KVCache(model.config.num_hidden_layers, max(ROWS), model.config.num_key_value_heads, CONTEXT + 1,
                      model.config.head_dim, dtype)
         results["/".join(forms)] = {"ms": {r: step_ms(model, kv, r, args.repeats) for r in ROWS},

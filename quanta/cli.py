@@ -62,9 +62,10 @@ class _OnceTrue(_Once):
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=sorted(_DTYPE_ALIASES), help="compute dtype (default: bf16 where the CPU has native bf16, else fp32)")
-    p.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
-                   help="weights of decode-sized matmuls: auto = the GGUF's own 4-/8-bit types (int4 for Q4_*, int8 for "
-                        "Q5-Q8), none = the dequantized reference only, int8, int4 (default: auto)")
+    p.add_argument("--quantization", choices=("auto", "none", "int8", "int4", "fp16"), default="auto",
+                   help="weight forms of decode- and chunk-sized matmuls: auto = the GGUF's own 4-/8-bit types (int4 for "
+                        "Q4_*, int8 for Q5-Q8) plus fp16 copies on CPUs without native bf16, none = the dequantized "
+                        "reference only, int8, int4, fp16 (default: auto)")
     p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
     p.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")

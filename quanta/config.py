@@ -114,8 +114,9 @@ class EngineConfig:
         served_model_name: the model id clients send; None uses the file's name.
         prefix_cache: reuse the K/V a free slot still holds for the longest
             common prefix of a new prompt (``--no-prefix-cache`` turns it off).
-        quantization: weight form for decode-sized matmuls: ``auto`` (a GGUF's
-            own 4-/8-bit types), ``none``, ``int8`` or ``int4``; see
+        quantization: weight forms for decode- and chunk-sized matmuls: ``auto``
+            (a GGUF's own 4-/8-bit types, plus fp16 copies on CPUs without
+            native bf16), ``none``, ``int8``, ``int4`` or ``fp16``; see
             :func:`quanta.launch.resolve_quantization`.
     """
 
@@ -130,8 +131,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"--quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4", "fp16"):
+            raise ValueError(f"--quantization must be auto, none, int8, int4 or fp16, got {self.quantization!r}")
         for name in ("max_model_len", "max_queue"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -19,7 +19,7 @@ from quanta.engine.stop_strings import TextState
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
-from quanta.model.quant import max_quantized_rows
+from quanta.model.quant import FORMS, max_form_rows
 from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("quanta")
@@ -63,7 +63,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     name: str
-    #: the matmul kernels chosen at load, e.g. ``projections=int4(rows<=32) lm_head=reference reference=float32-F.linear``
+    #: the matmul kernels chosen at load, e.g. ``projections=int4(rows<=2)+fp16(rows<=2048) lm_head=fp16(rows<=2048) reference=float32-F.linear``
     kernels: str = ""
 
 
@@ -72,36 +72,50 @@ class LoadedModel:
 #: 8-bit blocks are requantized to int8 per channel; float tensors stay as they are.
 _GGUF_FORMS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
                "Q6_K": "int8", "Q8_0": "int8", "Q8_K": "int8"}
+#: values of ``--quantization``
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16")
 
 
-def resolve_quantization(name: str, path: Path) -> tuple[str, str]:
-    """``(projections, lm_head)`` quantized forms for ``--quantization name``.
+def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(projection forms, lm_head forms)`` for ``--quantization name``.
 
-    ``none``: the dequantized reference weights only. ``int8`` / ``int4``: the
-    projections in that form. ``auto``: a GGUF's own type (its first layer's
-    ``attn_q``) mapped by ``_GGUF_FORMS``; ``none`` for other checkpoints. The
-    LM head always keeps the reference weights: an int8 head (per channel, from
-    the embedded model's Q8_0 embeddings) turned the README's greedy answer
-    "The capital of France is Paris." into "L'Étoile, la Marseillaise, ..."
-    (kept as ``tests/test_quant.py::test_default_quantization_answers_like_the_reference``).
+    ``none``: the dequantized reference weights only. ``fp16``: an fp16 copy
+    of every projection and the LM head. ``int8`` / ``int4``: that form of the
+    projections plus the fp16 copies. ``auto``: as ``int4`` / ``int8`` for a
+    GGUF whose first layer's ``attn_q`` has a type in ``_GGUF_FORMS``, else as
+    ``fp16``. Forms that never beat the reference on this kind of CPU
+    (:func:`quanta.model.quant.max_form_rows` is 0: fp16 beside a bf16
+    reference, int8 beside fp16) are dropped. The LM head never takes int8 or
+    int4: an int8 head (per channel, from the embedded model's Q8_0
+    embeddings) turned the README's greedy answer "The capital of France is
+    Paris." into "L'Étoile, la Marseillaise, ..." on an avx512_bf16 machine
+    (``tests/test_quant.py::test_default_quantization_answers_like_the_reference``;
+    the bf16 reference on an AVX2-only CPU gives that answer too, so the
+    prompt is a near-tie, but the head's bytes are a small part of a step).
 
     Raises:
         ValueError: an unknown name.
     """
-    if name in ("none", "int8", "int4"):
-        return name, "none"
-    if name != "auto":
-        raise ValueError(f"--quantization must be auto, none, int8 or int4, got {name!r}")
-    types = gguf_tensor_types(path) if path.is_file() else {}
-    return _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), "none"), "none"
+    if name not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {name!r}")
+    if name == "none":
+        return (), ()
+    if name == "auto":
+        types = gguf_tensor_types(path) if path.is_file() else {}
+        name = _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), "fp16")
+    projections = (name, "fp16") if name != "fp16" else ("fp16",)
+
+    def useful(forms: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(f for f in forms if max_form_rows(f, bf16_reference) > 0)
+    return useful(projections), useful(("fp16",))
 
 
 def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
 
-    ``quantization`` (see :func:`resolve_quantization`) adds int8/int4 forms of
-    the projections and LM head for decode-sized calls; the reference weights
-    in ``dtype`` stay for larger calls.
+    ``quantization`` (see :func:`resolve_quantization`) adds int8 / int4 /
+    fp16 forms of the projections and LM head for decode- and chunk-sized
+    calls; the reference weights in ``dtype`` stay for larger calls.
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -110,15 +124,15 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none")
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
-    forms = resolve_quantization(quantization, model_path)
+    bf16 = dtype == torch.bfloat16
+    forms = resolve_quantization(quantization, model_path, bf16)
     t0 = time.monotonic()
     cfg, state = load_checkpoint(model_path)
     model = LlamaModel(cfg)
     model.load_hf_state_dict(state)
     model.to(dtype).eval()
     model.pack_weights()
-    bf16 = dtype == torch.bfloat16
-    model.quantize_weights(*forms, {k: max_quantized_rows(k, bf16) for k in ("int8", "int4")})
+    model.quantize_weights(*forms, {k: max_form_rows(k, bf16) for k in FORMS})
     tokenizer = Tokenizer.from_path(model_path)
     kernels = model.describe_kernels()
     log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,

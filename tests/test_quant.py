@@ -1,8 +1,8 @@
-"""Weight-only int8 / int4 decode kernels against the dequantized reference.
+"""int8 / int4 / fp16 weight forms against the dequantized reference.
 
-Kernel level: each quantized form multiplies like the weight it represents,
-and int4 holds GGUF Q4_1-style blocks (``d * q + m`` per 32 weights) up to the
-bf16 rounding of its scales. Model level, on the embedded SmolLM2 (whose
+Kernel level: each form multiplies like the weight it represents, int4 holds
+GGUF Q4_1-style blocks (``d * q + m`` per 32 weights) up to the bf16 rounding
+of its scales, and fp16 holds the reference to half precision. Model level, on the embedded SmolLM2 (whose
 projections are Q4_1 and embeddings Q8_0): the logits of the quantized decode
 path stay close to the reference path's, and greedy outputs agree on most
 prompts (the stated bound below). Which form ``auto`` picks follows the GGUF.
@@ -18,12 +18,14 @@ from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model, resolve_quantization
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.loader import embedded_model_path
-from quanta.model.quant import INT4_GROUP, max_quantized_rows, quantize
+from quanta.model.quant import FORMS, INT4_GROUP, fp16_kernel_available, max_form_rows, quantize
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "The three primary colors are", "import numpy as np\n"]
 NEW_TOKENS = 16
-ALL_ROWS = {"int8": 64, "int4": 64}  # force the quantized kernel for every call of these tests
+ALL_ROWS = {"int8": 64, "int4": 64, "fp16": 64}  # force the form's kernel for every call of these tests
+NONE = ((), ())
+needs_fp16 = pytest.mark.skipif(not fp16_kernel_available(), reason="this torch build has no FBGEMM")
 
 
 def q4_1_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -36,13 +38,14 @@ def q4_1_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("fp16", marks=needs_fp16)])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_kernel_multiplies_like_its_dequantized_weight(kind, rows):
     w = torch.randn(96, 128) * 0.05
     qw = quantize(w, kind, max_rows=64)
     x = torch.randn(rows, 128)
-    want = x.bfloat16().float() @ qw.dequantize().t()
+    activations = x if kind == "fp16" else x.bfloat16().float()  # fp16 keeps fp32 activations
+    want = activations @ qw.dequantize().t()
     got = qw(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
@@ -65,23 +68,42 @@ def test_int4_holds_q4_1_blocks():
     assert (quantize(g, "int4", max_rows=4).dequantize() - g).abs().max() > 2**-5 * g.abs().max()
 
 
+@needs_fp16
+def test_fp16_holds_the_reference_to_half_precision():
+    w = q4_1_blocks(48, 256)
+    qw = quantize(w, "fp16", max_rows=4)
+    torch.testing.assert_close(qw.dequantize(), w.half().float(), atol=0, rtol=0)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(qw(x), x @ w.t(), atol=1e-3 * w.abs().max() * 16, rtol=1e-3)
+
+
 def test_int4_refuses_shapes_its_kernel_cannot_take():
     assert quantize(torch.randn(64, 48), "int4", 8) is None  # K not a multiple of 32
     assert quantize(torch.randn(64, 48), "int8", 8) is not None
 
 
-def test_auto_follows_the_gguf_types(tmp_path):
-    assert resolve_quantization("auto", embedded_model_path()) == ("int4", "none")  # Q4_1 blocks; the head stays
-    assert resolve_quantization("auto", tmp_path) == ("none", "none")  # an HF directory: its own dtype
-    assert resolve_quantization("int4", tmp_path) == ("int4", "none")
+@needs_fp16
+def test_auto_follows_the_gguf_types_and_the_cpu(tmp_path):
+    gguf = embedded_model_path()
+    # fp32 reference (CPUs without native bf16): int4 for the Q4_1 blocks, fp16 copies above it
+    assert resolve_quantization("auto", gguf, False) == (("int4", "fp16"), ("fp16",))
+    assert resolve_quantization("auto", tmp_path, False) == (("fp16",), ("fp16",))  # an HF directory
+    assert resolve_quantization("int8", tmp_path, False) == (("fp16",), ("fp16",))  # int8 never beats fp16 there
+    # bf16 reference (avx512_bf16 / AMX): fp16 copies never attached
+    assert resolve_quantization("auto", gguf, True) == (("int4",), ())
+    assert resolve_quantization("auto", tmp_path, True) == ((), ())
+    assert resolve_quantization("int8", tmp_path, True) == (("int8",), ())
+    assert resolve_quantization("none", gguf, False) == ((), ())
     with pytest.raises(ValueError, match="--quantization"):
-        resolve_quantization("int3", tmp_path)
+        resolve_quantization("int3", tmp_path, False)
 
 
-def test_crossover_rows_are_positive_for_every_form():
-    for kind in ("int8", "int4"):
-        for bf16 in (True, False):
-            assert max_quantized_rows(kind, bf16) >= 1
+def test_row_limits_are_ordered_so_each_form_has_a_range():
+    for bf16 in (True, False):
+        rows = {kind: max_form_rows(kind, bf16) for kind in FORMS}
+        assert all(r >= 0 for r in rows.values()) and max(rows.values()) >= 1
+        if rows["fp16"]:
+            assert rows["int4"] < rows["fp16"]  # int4 first, fp16 for the rows int4 is slower at
 
 
 @pytest.fixture(scope="module")
@@ -89,18 +111,18 @@ def loaded():
     return load_model(None, torch.float32, "none")
 
 
-def _decode_logits(model, prompt_ids: list[int], forms: tuple[str, str]) -> torch.Tensor:
+def _decode_logits(model, prompt_ids: list[int], forms: tuple[tuple[str, ...], tuple[str, ...]]) -> torch.Tensor:
     """Logits of one decode token under ``forms`` after ``prompt_ids`` prefilled on the reference path."""
     kv = KVCache(model.config.num_hidden_layers, 1, model.config.num_key_value_heads, 64,
                  model.config.head_dim, torch.float32)
-    model.quantize_weights("none", "none", ALL_ROWS)
+    model.quantize_weights(*NONE, ALL_ROWS)
     model(torch.tensor(prompt_ids[:-1]), AttentionBatch([SeqSlice(0, 0, len(prompt_ids) - 1)], kv))
     model.quantize_weights(*forms, ALL_ROWS)
     hidden = model(torch.tensor(prompt_ids[-1:]), AttentionBatch([SeqSlice(0, len(prompt_ids) - 1, 1)], kv))
     return model.compute_logits(hidden)[0]
 
 
-def _greedy(loaded, forms: tuple[str, str]) -> list[list[int]]:
+def _greedy(loaded, forms: tuple[tuple[str, ...], tuple[str, ...]]) -> list[list[int]]:
     loaded.model.quantize_weights(*forms, ALL_ROWS)
     engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", 2, {}))
     seqs = [engine.add_request(loaded.tokenizer.encode(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
@@ -110,31 +132,35 @@ def _greedy(loaded, forms: tuple[str, str]) -> list[list[int]]:
     return [s.output_token_ids for s in seqs]
 
 
-@pytest.mark.parametrize("forms", [("int8", "int8"), ("int4", "int8")])
+FORM_CASES = [(("int8",), ("int8",)), (("int4",), ("int8",)),
+              pytest.param((("fp16",), ("fp16",)), marks=needs_fp16)]
+
+
+@pytest.mark.parametrize("forms", FORM_CASES)
 def test_quantized_decode_logits_stay_close(loaded, forms):
     model = loaded.model
     try:
         for prompt in PROMPTS[:3]:
             ids = loaded.tokenizer.encode(prompt)
-            ref = _decode_logits(model, ids, ("none", "none"))
+            ref = _decode_logits(model, ids, NONE)
             got = _decode_logits(model, ids, forms)
             assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.99
             assert (got - ref).abs().max() < ref.std()  # within one reference std everywhere
             assert ref.argmax() in got.topk(3).indices
     finally:
-        model.quantize_weights("none", "none", ALL_ROWS)
+        model.quantize_weights(*NONE, ALL_ROWS)
 
 
-@pytest.mark.parametrize("forms", [("int8", "int8"), ("int4", "int8")])
+@pytest.mark.parametrize("forms", FORM_CASES)
 def test_quantized_greedy_agrees_with_the_reference(loaded, forms):
     """Measured: int8 and int4 agree on all 16 tokens for 3-5 of these 6 prompts (fp32 and bf16);
     the rest diverge later at near-ties. Bound: at least 3 prompts fully, and the
     first 2 tokens of at least 5."""
     try:
-        ref = _greedy(loaded, ("none", "none"))
+        ref = _greedy(loaded, NONE)
         got = _greedy(loaded, forms)
     finally:
-        loaded.model.quantize_weights("none", "none", ALL_ROWS)
+        loaded.model.quantize_weights(*NONE, ALL_ROWS)
     assert sum(r == g for r, g in zip(ref, got)) >= 3
     assert sum(r[:2] == g[:2] for r, g in zip(ref, got)) >= 5
 
@@ -142,24 +168,36 @@ def test_quantized_greedy_agrees_with_the_reference(loaded, forms):
 def test_describe_kernels_names_what_was_attached(loaded):
     model = loaded.model
     try:
-        model.quantize_weights("int4", "int8", {"int8": 4, "int4": 8})
+        model.quantize_weights(("int4",), ("int8",), {"int8": 4, "int4": 8})
         text = model.describe_kernels()
         assert text == "projections=int4(rows<=8) lm_head=int8(rows<=4) reference=float32-F.linear"
         assert model.quantized == {"int4": 4 * model.config.num_hidden_layers, "int8": 1}
+        if fp16_kernel_available():
+            model.quantize_weights(("fp16", "int4"), ("fp16",), {"int4": 2, "fp16": 100})
+            assert model.describe_kernels().startswith("projections=int4(rows<=2)+fp16(rows<=100) lm_head=fp16(rows<=100)")
     finally:
-        model.quantize_weights("none", "none", ALL_ROWS)
+        model.quantize_weights(*NONE, ALL_ROWS)
     assert model.describe_kernels().startswith("projections=reference lm_head=reference")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_default_quantization_answers_like_the_reference(dtype):
-    """The README's first example, greedy, under ``--quantization auto``: an int8 LM head
-    once answered "L'Étoile, la Marseillaise, ..." here instead of Paris."""
-    loaded = load_model(None, dtype, "auto")
+def _readme_answer(dtype, quantization: str) -> tuple[str, str]:
+    loaded = load_model(None, dtype, quantization)
     ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     engine = build_engine(loaded, EngineConfig(max_model_len=256), SchedulerConfig("batched", 1, {}))
     seq = engine.add_request(ids, SamplingParams(max_tokens=12, temperature=0))
     while engine.has_work():
         engine.step()
-    assert loaded.kernels.startswith("projections=int4(") and "lm_head=reference" in loaded.kernels
-    assert loaded.tokenizer.decode(seq.output_token_ids).startswith("The capital of France is Paris")
+    return loaded.kernels, loaded.tokenizer.decode(seq.output_token_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_quantization_answers_like_the_reference(dtype):
+    """The README's first example, greedy: ``--quantization auto`` answers as the reference
+    weights do in the same dtype. An int8 LM head once answered "L'Étoile, la Marseillaise,
+    ..." here on an avx512_bf16 machine; on an AVX2-only one the bf16 reference itself
+    answers that (bf16 is a near-tie for this prompt), fp32 answers Paris on both kinds."""
+    kernels, auto = _readme_answer(dtype, "auto")
+    assert kernels.startswith("projections=int4(") and "int8" not in kernels.split("lm_head=")[1]
+    assert auto == _readme_answer(dtype, "none")[1]
+    if dtype == torch.float32:
+        assert auto.startswith("The capital of France is Paris")

@@ -7,9 +7,10 @@ PyTorch's inductor uses for CPU linears) removes that work. Measured on the
 24.9 -> 12.9 ms at 1 row, 40.6 -> 24.7 ms at 32 rows, 1342 -> 1030 ms at
 2000 rows. fp32 keeps ``F.linear`` (MKL, no reorder).
 
-With a :class:`~quanta.model.quant.QuantizedWeight` attached, calls of at most
-its ``max_rows`` rows (decode steps) use the int8 / int4 kernel; larger calls
-(prefill chunks) use the reference weight.
+With :class:`~quanta.model.quant.QuantizedWeight` forms attached (sorted by
+``max_rows``), a call uses the first form whose ``max_rows`` covers its row
+count (decode steps: int4 / int8; on fp32 CPUs fp16 up to prefill-sized
+chunks); larger calls use the reference weight.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from quanta.model.quant import QuantizedWeight
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed weight, or None where oneDNN cannot pack it or disagrees with F.linear."""
     if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return None
@@ -37,12 +38,15 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           quantized: QuantizedWeight | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[T, in]``: quantized kernel for small ``T``,
-    else the packed weight when there is one, else ``F.linear``."""
-    if quantized is not None and x.shape[0] <= quantized.max_rows:
-        out = quantized(x)
-        return out if bias is None else out + bias
+           forms: tuple[QuantizedWeight, ...] = ()) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[T, in]``: the first of ``forms``
+    (ascending ``max_rows``) that takes ``T`` rows, else the packed weight when
+    there is one, else ``F.linear``."""
+    rows = x.shape[0]
+    for form in forms:
+        if rows <= form.max_rows:
+            out = form(x)
+            return out if bias is None else out + bias
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
@@ -52,17 +56,13 @@ class PackedLinear(nn.Linear):
     """``nn.Linear`` plus :meth:`pack`; ``forward`` takes ``[T, in]`` and returns ``[T, out]``."""
 
     packed: torch.Tensor | None = None
-    quantized: QuantizedWeight | None = None
+    forms: tuple[QuantizedWeight, ...] = ()
 
     def pack(self) -> bool:
         """Pack the current weight (call after loading and dtype conversion); True if packed."""
-        self.packed = _pack(self.weight.detach())
+        self.packed = pack_weight(self.weight.detach())
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.quantized)
+        return linear(x, self.weight, self.bias, self.packed, self.forms)
 
-
-def packed_lm_head(weight: torch.Tensor) -> torch.Tensor | None:
-    """Packed copy of a tied embedding used as LM head (the embedding keeps its plain weight)."""
-    return _pack(weight.detach())

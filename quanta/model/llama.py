@@ -20,7 +20,7 @@ from torch import nn
 
 from quanta.model.attention import AttentionBatch, attend
 from quanta.model.config import ModelConfig
-from quanta.model.linear import PackedLinear, linear, packed_lm_head
+from quanta.model.linear import PackedLinear, linear, pack_weight
 from quanta.model.moe import ExpertStats, MoEBlock, RoutedExperts, expert_stats
 from quanta.model.quant import QuantizedWeight, quantize
 from quanta.model.rope import RotaryEmbedding, apply_rotary
@@ -130,12 +130,12 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
         self._tied_head_packed: torch.Tensor | None = None
-        self._tied_head_quantized: QuantizedWeight | None = None
-        #: what :meth:`quantize_weights` did, e.g. ``{"int4": 120, "int8": 1}`` (linears per kind)
+        self._tied_head_forms: tuple[QuantizedWeight, ...] = ()
+        #: what :meth:`quantize_weights` did, e.g. ``{"int4": 120, "fp16": 121}`` (linears per form)
         self.quantized: dict[str, int] = {}
-        #: the forms asked of :meth:`quantize_weights` (projections, lm_head) and their row limits
-        self.quant_forms: tuple[str, str] = ("none", "none")
-        self.quant_rows: dict[str, int] = {}
+        #: the forms :meth:`quantize_weights` attached to (projections, lm_head), with their row limits
+        self.weight_forms: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self.form_rows: dict[str, int] = {}
         self.moe_blocks = [m for m in self.modules() if isinstance(m, MoEBlock)]
         self._last_num_tokens = 0
 
@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed, self._tied_head_quantized).float()
+        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed, self._tied_head_forms).float()
 
     def pack_weights(self) -> int:
         """Pre-pack bf16 projection weights for oneDNN (see :mod:`quanta.model.linear`).
@@ -178,52 +178,57 @@ class LlamaModel(nn.Module):
         """
         count = sum(m.pack() for m in self.modules() if isinstance(m, (PackedLinear, RoutedExperts)))
         if self.lm_head is None:
-            self._tied_head_packed = packed_lm_head(self.embed_tokens.weight)
+            self._tied_head_packed = pack_weight(self.embed_tokens.weight.detach())
             count += self._tied_head_packed is not None
         return count
 
-    def quantize_weights(self, projections: str, lm_head: str, max_rows: dict[str, int]) -> dict[str, int]:
-        """Attach quantized forms for small-row calls (see :mod:`quanta.model.quant`).
+    def quantize_weights(self, projections: tuple[str, ...], lm_head: tuple[str, ...],
+                         max_rows: dict[str, int]) -> dict[str, int]:
+        """Attach weight forms for small- and medium-row calls (see :mod:`quanta.model.quant`).
 
         Args:
-            projections: ``none``, ``int8`` or ``int4`` for the attention and
-                dense-MLP projections (MoE experts keep the reference path).
+            projections: forms (``int8``, ``int4``, ``fp16``) for the attention
+                and dense-MLP projections, e.g. ``("int4", "fp16")``; MoE experts
+                keep the reference path. ``()``: the reference only.
             lm_head: the same for the LM head (tied or not).
-            max_rows: per kind, the largest row count sent to the quantized kernel.
+            max_rows: per form, the largest row count sent to its kernel; forms
+                are tried in ascending order of it.
 
         Returns:
-            linears quantized per kind (a shape a kernel cannot take stays unquantized).
+            linears given each form (a shape a kernel cannot take keeps the forms it can).
         """
         counts: dict[str, int] = {}
 
-        def attach(weight: torch.Tensor, kind: str) -> QuantizedWeight | None:
-            q = quantize(weight, kind, max_rows[kind]) if kind != "none" else None
-            if q is not None:
-                counts[kind] = counts.get(kind, 0) + 1
-            return q
+        def attach(weight: torch.Tensor, kinds: tuple[str, ...]) -> tuple[QuantizedWeight, ...]:
+            forms = [q for kind in kinds if (q := quantize(weight, kind, max_rows[kind])) is not None]
+            for q in forms:
+                counts[q.kind] = counts.get(q.kind, 0) + 1
+            return tuple(sorted(forms, key=lambda q: q.max_rows))
 
         for layer in self.layers:
             linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             if isinstance(layer.mlp, MLP):
                 linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for lin in linears:
-                lin.quantized = attach(lin.weight, projections)
+                lin.forms = attach(lin.weight, projections)
         if self.lm_head is not None:
-            self.lm_head.quantized = attach(self.lm_head.weight, lm_head)
+            self.lm_head.forms = attach(self.lm_head.weight, lm_head)
         else:
-            self._tied_head_quantized = attach(self.embed_tokens.weight, lm_head)
-        self.quantized, self.quant_forms, self.quant_rows = counts, (projections, lm_head), dict(max_rows)
+            self._tied_head_forms = attach(self.embed_tokens.weight, lm_head)
+        self.quantized, self.weight_forms = counts, (tuple(projections), tuple(lm_head))
+        self.form_rows = {k: max_rows[k] for k in counts}
         return counts
 
     def describe_kernels(self) -> str:
-        """One line naming each part's matmul kernel, e.g.
-        ``projections=int4(rows<=32) lm_head=reference reference=float32-F.linear``."""
-        def form(kind: str) -> str:
-            return f"{kind}(rows<={self.quant_rows[kind]})" if self.quantized.get(kind) else "reference"
+        """One line naming each part's matmul kernels by row range, e.g.
+        ``projections=int4(rows<=2)+fp16(rows<=2048) lm_head=fp16(rows<=2048) reference=float32-F.linear``."""
+        def forms(kinds: tuple[str, ...]) -> str:
+            used = sorted((k for k in kinds if self.quantized.get(k)), key=lambda k: self.form_rows[k])
+            return "+".join(f"{k}(rows<={self.form_rows[k]})" for k in used) or "reference"
         packed = self._tied_head_packed is not None or any(
             isinstance(m, PackedLinear) and m.packed is not None for m in self.modules())
         ref = "bf16-onednn-packed" if packed else f"{str(self.embed_tokens.weight.dtype).removeprefix('torch.')}-F.linear"
-        return f"projections={form(self.quant_forms[0])} lm_head={form(self.quant_forms[1])} reference={ref}"
+        return f"projections={forms(self.weight_forms[0])} lm_head={forms(self.weight_forms[1])} reference={ref}"
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up.

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quanta.model.config import ModelConfig
-from quanta.model.linear import PackedLinear, _pack
+from quanta.model.linear import PackedLinear, pack_weight
 
 
 class Router(nn.Module):
@@ -100,7 +100,7 @@ class RoutedExperts(nn.Module):
 
     def pack(self) -> int:
         """Pre-pack every expert's bf16 weights for oneDNN; returns matrices packed (0 in fp32)."""
-        pairs = [(_pack(self.gate_up_proj[e].detach()), _pack(self.down_proj[e].detach())) for e in range(self.num_experts)]
+        pairs = [(pack_weight(self.gate_up_proj[e].detach()), pack_weight(self.down_proj[e].detach())) for e in range(self.num_experts)]
         if any(a is None or b is None for a, b in pairs):
             self._packed = None
             return 0

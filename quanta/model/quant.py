@@ -1,25 +1,33 @@
-"""Weight-only quantized matmuls for small row counts (decode steps).
+"""Weight forms for small and medium row counts: int8, int4 and fp16 copies.
 
 A decode step reads every weight once for a handful of rows, so its cost is
-the bytes it reads: fp32 SmolLM2-135M is ~540 MB a step, bf16 ~270 MB, int8
-~135 MB, int4 ~70 MB. These kernels multiply activations by int8 / int4
-weights directly (PyTorch's own CPU kernels ``aten._weight_int8pack_mm`` and
-``aten._weight_int4pack_mm_for_cpu``), but they do the arithmetic row by row
-block, so past a few rows the dequantized reference GEMM (oneDNN / MKL) is
-faster; :func:`max_quantized_rows` gives that crossover.
+the bytes it reads: fp32 SmolLM2-135M is ~540 MB a step, bf16 / fp16 ~270 MB,
+int8 ~135 MB, int4 ~70 MB. Each form multiplies activations by its own copy of
+a weight with a library kernel; which form a call uses depends on its row
+count (:func:`max_form_rows`, measured crossovers), and calls past every
+form's limit use the dequantized reference (oneDNN / MKL).
 
-Formats:
+Forms:
 
 - ``int8``: symmetric per output channel, ``w[n, k] = q[n, k] * scale[n]``,
-  ``q`` in [-127, 127].
+  ``q`` in [-127, 127]; ``aten._weight_int8pack_mm`` (bf16 activations).
 - ``int4``: asymmetric in groups of 32 along the input dimension,
   ``w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with ``g = k // 32``
   and ``q`` in [0, 15] — the same form as GGUF's Q4_0 / Q4_1 / Q4_K blocks
   (``d * q + m`` per 32 weights), so a Q4_1 tensor requantized here recovers
-  its own blocks up to the bf16 rounding of the scales.
+  its own blocks up to the bf16 rounding of the scales;
+  ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations).
+- ``fp16``: the reference weight stored in half precision, multiplied by
+  FBGEMM's fp16 GEMM (``quantized.linear_dynamic_fp16``: fp32 activations
+  and accumulation, weights widened with F16C). Not a quantization of the
+  values that matter here: fp16 holds Q4_1 / Q8_0 block values to 11 bits,
+  and the embedded model's logits move by at most ~0.03. It is the fastest
+  kernel on AVX2-only CPUs at every row count measured (1-2,048), since
+  MKL's fp32 GEMV reads twice the bytes and the int8/int4 kernels' AVX2
+  paths are compute-bound (``benchmarks/quant_kernels.py``).
 
-Both kernels are fast only with bf16 activations (their fp32 paths are
-scalar, 10-30x slower), so fp32 activations are cast to bf16 around the call.
+The int8 / int4 kernels are fast only with bf16 activations (their fp32 paths
+are scalar, 10-30x slower), so fp32 activations are cast to bf16 around them.
 """
 
 from __future__ import annotations
@@ -28,35 +36,46 @@ from dataclasses import dataclass
 
 import torch
 
-#: quantization names accepted by ``--quantization`` (``auto`` resolved by the loader)
-QUANTIZATIONS = ("none", "int8", "int4")
+#: weight forms a linear layer may hold besides its reference weight
+FORMS = ("int8", "int4", "fp16")
 INT4_GROUP = 32
 
-#: Largest row count at which the quantized kernel beat the reference GEMM,
-#: per (quantization, reference is bf16). Measured with
+#: Largest row count at which each form beat the next slower path, per
+#: (form, reference is bf16); 0 = never faster, not attached. Measured with
 #: ``benchmarks/quant_kernels.py`` (results in ``benchmarks/results/quant_kernels_*.md``)
-#: on the 2-core AMD EPYC dev VM: bf16 (AVX-512 + bf16), whole decode step
-#: int4/int8 vs reference 17.2 vs 27.5 ms at 1 row, 19.5 vs 29.4 at 4, 34.2 vs
-#: 28.7 at 8; fp32 with AVX2 dispatch forced (ATEN_CPU_CAPABILITY=avx2,
-#: ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2), 19.3 vs 55.8 ms at 1
-#: row, 63 vs 113 at 16, 130 vs 156 at 32 (int8 alone: 142 vs 156).
-_MAX_ROWS = {("int8", True): 4, ("int8", False): 32, ("int4", True): 4, ("int4", False): 32}
+#: on 2-core AMD EPYC VMs. bf16 reference (AVX-512 + bf16, oneDNN packed),
+#: whole decode step int4/int8 vs reference 17.2 vs 27.5 ms at 1 row, 19.5 vs
+#: 29.4 at 4, 34.2 vs 28.7 at 8 (fp16 not measured there: not attached). fp32
+#: reference (AVX2 + FMA only, no native bf16), 30 layers of projections, one
+#: thread, cold weights: int4 26.5 / fp16 34.8 / fp32 61.3 ms at 1 row, 31.2 /
+#: 36.8 / 116 at 2, 44.5 / 33.6 / 140 at 4; fp16 vs fp32 at 2 threads 244 vs
+#: 423 ms at 128 rows, 945 vs 1111 at 512, 4251 vs 4593 at 2,048; int8 (45.4 ms
+#: at 1 row) never beat fp16. LM head [49152, 576] at 1 row: fp16 6.1, fp32 17.5 ms.
+_MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
+             ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048}
 
 
-def max_quantized_rows(quantization: str, bf16_reference: bool) -> int:
-    """Row count up to which :class:`QuantizedWeight` is used (see ``_MAX_ROWS``):
-    the crossover against a bf16 oneDNN-packed reference or an fp32 MKL one."""
-    return _MAX_ROWS[(quantization, bf16_reference)]
+def max_form_rows(form: str, bf16_reference: bool) -> int:
+    """Row count up to which ``form`` is used (see ``_MAX_ROWS``; 0: never):
+    the crossover against the next form, or a bf16 oneDNN-packed / fp32 MKL reference."""
+    if form == "fp16" and not fp16_kernel_available():
+        return 0
+    return _MAX_ROWS[(form, bf16_reference)]
+
+
+def fp16_kernel_available() -> bool:
+    """Whether this torch build has FBGEMM's fp16 GEMM (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 @dataclass
 class QuantizedWeight:
-    """A ``[N, K]`` weight in ``int8`` or ``int4`` form; call it on ``[M, K]`` rows.
+    """A ``[N, K]`` weight in ``int8``, ``int4`` or ``fp16`` form; call it on ``[M, K]`` rows.
 
     Attributes:
-        kind: ``int8`` or ``int4``.
-        data: int8 ``[N, K]``, or the int4 kernel's packed layout.
-        scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero).
+        kind: ``int8``, ``int4`` or ``fp16``.
+        data: int8 ``[N, K]``, the int4 kernel's packed layout, or FBGEMM's packed fp16 weight.
+        scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); fp16: empty.
         max_rows: the largest ``M`` the caller should send here.
     """
 
@@ -66,7 +85,11 @@ class QuantizedWeight:
     max_rows: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (computed with bf16 activations)."""
+        """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (int8/int4: computed with bf16 activations)."""
+        if self.kind == "fp16":
+            xf = x if x.dtype == torch.float32 else x.float()
+            out = torch.ops.quantized.linear_dynamic_fp16(xf if xf.is_contiguous() else xf.contiguous(), self.data)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         xb = x.to(torch.bfloat16) if x.dtype != torch.bfloat16 else x
         xb = xb if xb.is_contiguous() else xb.contiguous()
         if self.kind == "int8":
@@ -77,6 +100,9 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight this form represents (for tests and checks)."""
+        if self.kind == "fp16":
+            k = torch.ops.quantized.linear_unpack_fp16(self.data)[0].shape[1]
+            return self(torch.eye(k)).t().contiguous()
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
         n = self.scales.shape[1]
@@ -88,7 +114,7 @@ def quantize(weight: torch.Tensor, kind: str, max_rows: int) -> QuantizedWeight 
     """Quantize a ``[N, K]`` weight; None where the kernel cannot take it.
 
     int4 needs ``K`` divisible by 32 and ``N`` by 16 (the kernel's tiling);
-    int8 takes any shape. A kernel missing from this torch build gives None.
+    int8 and fp16 take any shape. A kernel missing from this torch build gives None.
     """
     w = weight.detach().float()
     try:
@@ -96,6 +122,9 @@ def quantize(weight: torch.Tensor, kind: str, max_rows: int) -> QuantizedWeight 
             return _int8(w, max_rows)
         if kind == "int4" and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 16 == 0:
             return _int4(w, max_rows)
+        if kind == "fp16" and fp16_kernel_available():
+            packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+            return QuantizedWeight("fp16", packed, torch.empty(0), max_rows)
     except (RuntimeError, AttributeError):
         return None
     return None
