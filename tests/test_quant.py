@@ -201,3 +201,15 @@ def test_default_quantization_answers_like_the_reference(dtype):
     assert auto == _readme_answer(dtype, "none")[1]
     if dtype == torch.float32:
         assert auto.startswith("The capital of France is Paris")
+
+
+@needs_fp16
+def test_a_call_takes_the_first_form_whose_row_limit_covers_it():
+    from quanta.model.linear import linear
+    w = q4_1_blocks(64, 128)
+    int4, fp16 = quantize(w, "int4", max_rows=2), quantize(w, "fp16", max_rows=8)
+    forms = (int4, fp16)
+    for rows, want in ((1, int4), (2, int4), (3, fp16), (8, fp16), (9, None)):
+        x = torch.randn(rows, 128)
+        expected = torch.nn.functional.linear(x, w) if want is None else want(x)
+        torch.testing.assert_close(linear(x, w, None, None, forms), expected, atol=0, rtol=0)
