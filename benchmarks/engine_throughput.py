@@ -9,10 +9,11 @@ Measures, on one machine in one run:
   ``generate`` of N sequences, decode time = generate(64 new) - generate(1 new)).
 
 Each figure is the median of ``--repeats`` runs with the min-max range.
-quanta runs as served (``--quantization auto``: int4/int8 decode kernels for
-the Q4_1 GGUF, see :mod:`quanta.model.quant`); transformers holds the
-dequantized weights, which the int4 form represents up to bf16 scale rounding.
-Usage: ``python benchmarks/engine_throughput.py [--dtype bf16|fp32] [--quantization auto|none|int8|int4] [--repeats 3]``
+quanta runs as served (``--quantization auto``: int4 decode kernels for the
+Q4_1 GGUF, and fp16 copies on CPUs without native bf16, see
+:mod:`quanta.model.quant`); transformers holds the dequantized weights, which
+the int4 form represents up to bf16 scale rounding and fp16 to half precision.
+Usage: ``python benchmarks/engine_throughput.py [--dtype bf16|fp32] [--quantization auto|none|int8|int4|fp16] [--repeats 3]``
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from quanta.bench.output import machine
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
-from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
+from quanta.launch import QUANTIZATION_CHOICES, build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.model.loader import load_checkpoint
 
 PROMPT_LEN = 2000
@@ -122,7 +123,7 @@ def fmt(s: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
-    ap.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto")
+    ap.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json")
     args = ap.parse_args()
