@@ -7,12 +7,14 @@ and one started here with ``--api-key``, ``--allowed-hosts`` and ``--cors-origin
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
 import pytest
 
-from quanta import cli
+from quanta import cli, flags
 from quanta.bench.server import start
 from quanta.server.access import AccessPolicy
 
@@ -141,11 +143,11 @@ def test_no_cors_headers_by_default(server):
 
 def test_api_key_flag_and_environment(monkeypatch):
     monkeypatch.setenv("QUANTA_API_KEY", "from-env")
-    assert cli._access_policy(cli.parse_serve_flags([])).api_key == "from-env"
-    assert cli._access_policy(cli.parse_serve_flags(["--api-key", "flag"])).api_key == "flag"
+    assert flags.access_policy(flags.parse_serve_flags([])).api_key == "from-env"
+    assert flags.access_policy(flags.parse_serve_flags(["--api-key", "flag"])).api_key == "flag"
     monkeypatch.delenv("QUANTA_API_KEY")
-    policy = cli._access_policy(cli.parse_serve_flags(["--host", "box.lan", "--cors-origin", "http://a,http://b",
-                                                       "--cors-origin", "http://c"]))
+    policy = flags.access_policy(flags.parse_serve_flags(["--host", "box.lan", "--cors-origin", "http://a,http://b",
+                                                          "--cors-origin", "http://c"]))
     assert policy.api_key is None and policy.cors_origins == ("http://a", "http://b", "http://c")
     assert policy.host_allowed("box.lan:8000") and not policy.host_allowed("evil.example")
 
@@ -162,3 +164,21 @@ def test_empty_api_key_is_a_cli_error():
 def test_host_names(host, ok):
     assert AccessPolicy().host_allowed(host) is ok
     assert AccessPolicy(allowed_hosts=("*",)).host_allowed(host)
+
+
+def test_quanta_bench_sends_the_key_from_the_environment(keyed, model, tmp_path, monkeypatch):
+    """``quanta bench run`` against a keyed server: $QUANTA_API_KEY goes out as a Bearer token
+    (requests, /v1/config, /v1/trace and /metrics all answer); without it every request is a 401."""
+    argv = ["bench", "run", "--base-url", keyed.base_url, "--model", model, "--num-requests", "2", "--max-tokens", "4",
+            "--prompt-words", "8", "--repeats", "1", "--warmup", "0", "--no-progress", "--no-plots"]
+    monkeypatch.delenv("QUANTA_API_KEY", raising=False)
+    assert cli.main([*argv, "--out", str(tmp_path / "nokey")]) == 1
+    doc = json.loads((tmp_path / "nokey.json").read_text())
+    assert doc["conditions"][0]["runs"][0]["metrics"]["client"]["errors"] == {"http_401": 2}
+    monkeypatch.setenv("QUANTA_API_KEY", KEY)
+    assert cli.main([*argv, "--out", str(tmp_path / "key")]) == 0
+    doc = json.loads((tmp_path / "key.json").read_text())
+    run = doc["conditions"][0]["runs"][0]
+    assert run["metrics"]["client"]["num_ok"] == 2
+    assert doc["conditions"][0]["applied"]["max_model_len"] == 256  # /v1/config read with the key
+    assert run["metrics"]["trace"] is not None  # and /v1/trace

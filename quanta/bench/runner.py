@@ -42,6 +42,16 @@ def _get_json(client: httpx.Client, url: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+#: environment variable holding the API key ``quanta bench`` sends (the one ``quanta serve`` reads)
+API_KEY_ENV = "QUANTA_API_KEY"
+
+
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer`` (OpenAI) and ``x-api-key`` (Anthropic) from ``$QUANTA_API_KEY``; {} when unset."""
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}", "x-api-key": key} if key else {}
+
+
 def discover_model(base_url: str, timeout: float = 10.0) -> str:
     """The first model id of ``GET /v1/models``.
 
@@ -50,7 +60,7 @@ def discover_model(base_url: str, timeout: float = 10.0) -> str:
     """
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        with httpx.Client(timeout=timeout) as c:
+        with httpx.Client(timeout=timeout, headers=auth_headers()) as c:
             r = c.get(url)
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
@@ -66,7 +76,7 @@ class ServerProbe:
 
     def __init__(self, base_url: str, timeout: float = 10.0) -> None:
         self.base = base_url.rstrip("/")
-        self.client = httpx.Client(timeout=timeout)
+        self.client = httpx.Client(timeout=timeout, headers=auth_headers())
 
     def close(self) -> None:
         self.client.close()
@@ -99,7 +109,7 @@ class ServerProbe:
 
 
 async def _scraper(base: str, every: float, clock, out: list[dict]) -> None:
-    async with httpx.AsyncClient(timeout=max(every, 1.0)) as c:
+    async with httpx.AsyncClient(timeout=max(every, 1.0), headers=auth_headers()) as c:
         while True:
             try:
                 r = await c.get(base + "/metrics")
@@ -123,7 +133,7 @@ async def _measure(target: Target, w: Workload, max_duration: float, request_tim
     timeout = httpx.Timeout(request_timeout, connect=min(request_timeout, 10.0))
     scrapes: list[dict] = []
     with _progress(w.total_requests(), progress, desc) as bar:
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers()) as client:
             clock = Clock()
             scraper = None
             if scrape_every:
