@@ -183,7 +183,7 @@ def test_a_storm_with_cancels_and_poisoned_requests_loses_no_healthy_request(liv
             path, stream, text = detail
             assert (status == 500) if not stream else (status == 200 and "error id" in text), (i, status, text)
             assert "error id" in text and "Overflow" not in text
-    engine = live.state.engine
+    engine = live.state.async_engine
     for _ in range(100):  # aborts of hung-up clients reach the engine thread shortly after
         if engine.num_running == 0 and engine.num_waiting == 0 and sum(finished().values()) - sum(before.values()) == STORM_REQUESTS:
             break

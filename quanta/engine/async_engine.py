@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from quanta.engine.engine import Engine
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
+from quanta.engine.trace import Trace
 
 log = logging.getLogger("quanta.engine")
 
@@ -80,6 +81,22 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def trace(self) -> Trace:
+        """The engine's step records (read-only from other threads: :meth:`Trace.to_dicts` copies them)."""
+        return self.engine.trace
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request that cannot fit the context, before anything is built for it.
+
+        Safe from any thread (``max_model_len`` never changes).
+
+        Raises:
+            ValueError: an empty prompt, or ``num_prompt_tokens + max_tokens``
+                beyond ``max_model_len`` (the message names both numbers).
+        """
+        self.engine.check_length(num_prompt_tokens, max_tokens)
 
     @property
     def num_waiting(self) -> int:

@@ -37,7 +37,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -45,26 +45,13 @@ from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
 from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messages, tool_use_block
-from quanta.server.app import ServerState, check_model, submit, until_disconnect
-from quanta.engine.async_engine import RequestFailed
 from quanta.server.chat import constrain
 from quanta.server.chat_tokens import chat_prompt_ids
-from quanta.server.errors import APIError, anthropic_error_body, internal_error_message, log_internal_error
+from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.limits import PromptError
 from quanta.server.protocol import CacheSalt, NullMeansDefault, StrictFlag, check_stop_strings, integer, number
+from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolStream, render_for_template, template_reads_tools
-
-
-class AnthropicError(Exception):
-    """An error returned as Anthropic's body with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-    @property
-    def body(self) -> dict:
-        return anthropic_error_body(self.status, self.message)
 
 
 class ContentBlock(BaseModel):
@@ -105,16 +92,16 @@ class CountTokensRequest(NullMeansDefault):
         """Tools a call must come from (``any``: all, ``tool``: the named one), else None.
 
         Raises:
-            AnthropicError: 400 for a choice without tools or naming an unknown tool.
+            APIError: 400 for a choice without tools or naming an unknown tool.
         """
         choice = self.tool_choice
         if choice is None or choice.type in ("auto", "none"):
             return None
         if not self.tools:
-            raise AnthropicError(400, "tool_choice: requires tools")
+            raise APIError(400, "tool_choice: requires tools")
         tools = [t.openai() for t in self.tools if choice.type == "any" or t.name == choice.name]
         if not tools:
-            raise AnthropicError(400, f"tool_choice: names {choice.name!r}, which is not among tools")
+            raise APIError(400, f"tool_choice: names {choice.name!r}, which is not among tools")
         return tools
 
 
@@ -159,7 +146,7 @@ def _text(content: str | list[ContentBlock], where: str) -> str:
         return content
     for i, block in enumerate(content):
         if block.type != "text" or block.text is None:
-            raise AnthropicError(
+            raise APIError(
                 400, f"{where}.{i}: content blocks of type {block.type!r} are not supported "
                 "(text only)",
             )
@@ -174,13 +161,13 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     turns before it with the generation prompt, then its text follows.
 
     Raises:
-        AnthropicError: 400 for tools, non-text content, lone surrogates, a
+        APIError: 400 for tools, non-text content, lone surrogates, a
             prompt too long for the context or a template failure.
     """
     chat = []
     if body.system:
         chat.append({"role": "system", "content": _text(body.system, "system")})
-    chat += chat_messages(body.messages, AnthropicError)
+    chat += chat_messages(body.messages, APIError)
     tools = [t.openai() for t in body.tools] if body.use_tools else None
     prefill = None
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
@@ -189,11 +176,11 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     try:
         state.prompts.check((m["content"] for m in chat), "messages")
     except PromptError as exc:
-        raise AnthropicError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
     try:
         ids = await state.prompts.run(chat_prompt_ids, state.tokenizer, chat, template_tools)
     except Exception as exc:  # the model's own template may reject a conversation
-        raise AnthropicError(400, f"chat template failed: {exc}") from exc
+        raise APIError(400, f"chat template failed: {exc}") from exc
     if prefill:
         ids += await state.prompts.run(state.tokenizer.encode, prefill, False)
     return ids
@@ -203,22 +190,15 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     try:
         data = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise AnthropicError(400, f"malformed JSON body: {exc}") from exc
+        raise APIError(400, f"malformed JSON body: {exc}") from exc
     except RecursionError as exc:
-        raise AnthropicError(400, "malformed JSON body: nested too deeply") from exc
+        raise APIError(400, "malformed JSON body: nested too deeply") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        raise AnthropicError(400, f"{loc}: {first.get('msg')}" if loc else first.get("msg", "invalid request")) from exc
-
-
-def _check_model(state: ServerState, model: str) -> None:
-    try:
-        check_model(state, model)
-    except APIError as exc:
-        raise AnthropicError(exc.status, exc.message) from exc
+        raise APIError(400, f"{loc}: {first.get('msg')}" if loc else first.get("msg", "invalid request")) from exc
 
 
 def _stop(out: RequestOutput, called: bool = False) -> tuple[str, str | None]:
@@ -258,63 +238,55 @@ def _event(kind: str, payload: dict) -> str:
 
 async def _events(msg_id: str, model: str, stream: RequestStream):
     """Anthropic's SSE events for one request (see the module docstring)."""
-    try:
-        first = await anext(stream)
-        yield _event("message_start", {"message": _message(msg_id, model, None, first, final=False)})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        yield _event("ping", {})
-        out = first
-        while True:
-            if out.text:
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
-            if out.finished:
-                break
-            out = await anext(stream)
-        stop_reason, stop_sequence = _stop(out)
-        yield _event("content_block_stop", {"index": 0})
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
-        yield _event("message_stop", {})
-    except Exception as exc:  # the response began: the error goes in the stream
-        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
-        yield _event("error", anthropic_error_body(500, message))
-    finally:
-        stream.abort()
+    first = await anext(stream)
+    yield _event("message_start", {"message": _message(msg_id, model, None, first, final=False)})
+    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {})
+    out = first
+    while True:
+        if out.text:
+            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
+        if out.finished:
+            break
+        out = await anext(stream)
+    stop_reason, stop_sequence = _stop(out)
+    yield _event("content_block_stop", {"index": 0})
+    yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
+    yield _event("message_stop", {})
 
 
 async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream):
     """The events of a request with tools: text block opened lazily, then one tool_use block per call."""
-    try:
+    out = await anext(stream)
+    yield _event("message_start", {"message": _message(msg_id, model, None, out, final=False)})
+    yield _event("ping", {})
+    index, text_open, calls = 0, False, []
+    while True:
+        text = tools.feed(out.text)
+        if out.finished:
+            rest, calls = tools.finish()
+            text += rest
+        if text:
+            if not text_open:
+                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                text_open, index = True, 1
+            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        if out.finished:
+            break
         out = await anext(stream)
-        yield _event("message_start", {"message": _message(msg_id, model, None, out, final=False)})
-        yield _event("ping", {})
-        index, text_open, calls = 0, False, []
-        while True:
-            text = tools.feed(out.text)
-            if out.finished:
-                rest, calls = tools.finish()
-                text += rest
-            if text:
-                if not text_open:
-                    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                    text_open, index = True, 1
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
-            if out.finished:
-                break
-            out = await anext(stream)
-        if text_open:
-            yield _event("content_block_stop", {"index": 0})
-        for i, call in enumerate(calls, start=index):
-            yield _event("content_block_start", {"index": i, "content_block": tool_use_block(call, with_input=False)})
-            yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
-            yield _event("content_block_stop", {"index": i})
-        stop_reason, stop_sequence = _stop(out, bool(calls))
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
-        yield _event("message_stop", {})
-    except Exception as exc:  # the response began: the error goes in the stream
-        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
-        yield _event("error", anthropic_error_body(500, message))
-    finally:
-        stream.abort()
+    if text_open:
+        yield _event("content_block_stop", {"index": 0})
+    for i, call in enumerate(calls, start=index):
+        yield _event("content_block_start", {"index": i, "content_block": tool_use_block(call, with_input=False)})
+        yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+        yield _event("content_block_stop", {"index": i})
+    stop_reason, stop_sequence = _stop(out, bool(calls))
+    yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
+    yield _event("message_stop", {})
+
+
+def _error_event(message: str) -> str:
+    return _event("error", anthropic_error_body(500, message))
 
 
 async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Response:
@@ -330,35 +302,32 @@ async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Re
     return JSONResponse(_message(msg_id, model, text, last, final=True, calls=calls))
 
 
-def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
-    """Register ``/v1/messages``, ``/v1/messages/count_tokens`` and their error body."""
+def router(state: ServerState) -> APIRouter:
+    """Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` over ``state``
+    (their errors get Anthropic's body from :func:`quanta.server.errors.route_error_body`)."""
+    routes = APIRouter()
 
-    @app.exception_handler(AnthropicError)
-    async def _error(_: Request, exc: AnthropicError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status)
-
-    @app.post("/v1/messages/count_tokens")
+    @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict:
         body = await _parse(request, CountTokensRequest)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         return {"input_tokens": len(await render_prompt(state, body))}
 
-    @app.post("/v1/messages")
+    @routes.post("/v1/messages")
     async def messages(request: Request) -> Response:
         body = await _parse(request, MessagesRequest)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         prompt = await render_prompt(state, body)
         forced = body.forced_tools() if body.use_tools else None
         parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         grammar = state.tool_parser.grammar(forced, parallel) if forced else None
-        try:
-            stream = await submit(state, prompt, body.max_tokens,
-                                  lambda n: constrain(state, body.sampling_params(n), grammar, "tool_choice"))
-        except APIError as exc:
-            raise AnthropicError(exc.status, exc.message) from exc
+        stream = await submit(state, prompt, body.max_tokens,
+                              lambda n: constrain(state, body.sampling_params(n), grammar, "tool_choice"))
         msg_id = "msg_" + uuid.uuid4().hex
         parser = state.tool_parser if body.use_tools else None
         if body.stream:
             events = _tool_events(msg_id, body.model, stream, ToolStream(parser)) if parser else _events(msg_id, body.model, stream)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(ending_in_error(events, stream, _error_event), media_type="text/event-stream")
         return await until_disconnect(request, _collect(msg_id, body.model, stream, parser), stream)
+
+    return routes

@@ -21,18 +21,19 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from quanta.engine.async_engine import RequestFailed, RequestStream
+from quanta.engine.async_engine import RequestStream
 from quanta.engine.grammar import Grammar, GrammarError
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams, TokenLogprob
 from quanta.server.chat_tokens import chat_prompt_ids
-from quanta.server.errors import APIError, error_body, internal_error_message, log_internal_error
+from quanta.server.errors import APIError, error_body
 from quanta.server.limits import PromptError
 from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
+from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall, ToolStream, render_for_template, template_reads_tools
 
 
@@ -107,8 +108,6 @@ async def serve_completion(state, request: Request, body: CompletionsRequest) ->
 
 
 async def _serve(state, request: Request, body, prompt: list[int], fmt: "_Format") -> Response:
-    from quanta.server.app import check_model, submit, until_disconnect
-
     check_model(state, body.model)
     grammar, param = _request_grammar(state, body)
     made: list[SamplingParams] = []
@@ -143,30 +142,33 @@ async def _collect(fmt: "_Format", stream: RequestStream, records: list | None) 
 
 
 async def _sse(fmt: "_Format", stream: RequestStream, include_usage: bool, records: list | None):
+    """The chunks, then ``data: [DONE]``, also after an error event (as vLLM sends it)."""
+    async for event in ending_in_error(_chunks(fmt, stream, include_usage, records), stream, _error_event):
+        yield event
+    yield "data: [DONE]\n\n"
+
+
+def _error_event(message: str) -> str:
+    return f"data: {json.dumps(error_body(500, message))}\n\n"
+
+
+async def _chunks(fmt: "_Format", stream: RequestStream, include_usage: bool, records: list | None):
     def event(payload: dict) -> str:
         if include_usage:
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     seen = 0
-    try:
-        for opening in fmt.opening():
-            yield event(opening)
-        async for out in stream:
-            mine = None
-            if records is not None:
-                mine, seen = records[seen:seen + len(out.token_ids)], seen + len(out.token_ids)
-            for payload in fmt.chunks(out, mine):
-                yield event(payload)
-        if include_usage:
-            yield f"data: {json.dumps(fmt.usage_chunk(out))}\n\n"
-    except Exception as exc:  # the response began: the error goes in the stream, then [DONE], as vLLM sends it
-        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
-        yield f"data: {json.dumps(error_body(500, message))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        stream.abort()
-    yield "data: [DONE]\n\n"
+    for opening in fmt.opening():
+        yield event(opening)
+    async for out in stream:
+        mine = None
+        if records is not None:
+            mine, seen = records[seen:seen + len(out.token_ids)], seen + len(out.token_ids)
+        for payload in fmt.chunks(out, mine):
+            yield event(payload)
+    if include_usage:
+        yield f"data: {json.dumps(fmt.usage_chunk(out))}\n\n"
 
 
 def usage(out: RequestOutput) -> dict:
@@ -269,3 +271,18 @@ class ChatFormat(_Format):
 def _tool_finish(finish: str | None) -> str | None:
     """``tool_calls`` when the model ended after its calls (a cut-off output keeps ``length``)."""
     return "tool_calls" if finish == "stop" else finish
+
+
+def router(state: ServerState) -> APIRouter:
+    """OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions`` over ``state``."""
+    routes = APIRouter()
+
+    @routes.post("/v1/completions")
+    async def completions(body: CompletionsRequest, request: Request) -> Response:
+        return await serve_completion(state, request, body)
+
+    @routes.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        return await serve_chat(state, request, body)
+
+    return routes

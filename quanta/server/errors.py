@@ -40,7 +40,8 @@ ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class APIError(Exception):
-    """An error to return to the client with ``status`` and an OpenAI body."""
+    """An error to return to the client with HTTP ``status``, in the body of the
+    route's protocol (:func:`route_error_body`); ``param`` and ``code`` appear in OpenAI's."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -55,15 +56,11 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def route_error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
-    """The error body of the API that serves ``path``."""
+def route_error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error body of the API that serves ``path`` (the one place a domain error meets a protocol)."""
     if path.startswith(ANTHROPIC_PREFIX):
         return anthropic_error_body(status, message)
-    return error_body(status, message, param)
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return error_body(status, message, param, code)
 
 
 def internal_error_message(error_id: str) -> str:
@@ -100,17 +97,17 @@ def _json_error(error: dict) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Turn validation failures, API errors, HTTP errors and crashes into error bodies."""
 
-    def respond(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse(route_error_body(request.url.path, status, message, param), status_code=status)
+    def respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        return JSONResponse(route_error_body(request.url.path, status, message, param, code), status_code=status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe(exc)
-        return error_response(400, message, param)
+        return respond(request, 400, message, param)
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestFailed)
     async def _failed(request: Request, exc: RequestFailed) -> JSONResponse:

@@ -26,16 +26,17 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from quanta.engine.async_engine import RequestFailed, RequestStream
+from quanta.engine.async_engine import RequestStream
 from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
-from quanta.server.errors import APIError, internal_error_message, log_internal_error
+from quanta.server.errors import APIError
 from quanta.server.openai_requests import ResponseFormat
 from quanta.server.protocol import CacheSalt
+from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall, ToolStream
 
 
@@ -245,39 +246,40 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.n - 1, **payload}, ensure_ascii=False)}\n\n"
 
 
-async def _stream(b: _Builder, stream: RequestStream, tools: ToolStream | None):
-    ev, output, text, out = _Events(), [], "", None
-    try:
-        yield ev("response.created", {"response": b.response([], None, "in_progress")})
-        yield ev("response.in_progress", {"response": b.response([], None, "in_progress")})
-        async for out in stream:
-            delta = tools.feed(out.text) if tools else out.text
-            calls: list[ToolCall] = []
-            if out.finished and tools:
-                rest, calls = tools.finish()
-                delta += rest
-            if delta:
-                if not text:
-                    for e in _open_message(ev, b):
-                        yield e
-                text += delta
-                yield ev("response.output_text.delta", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []})
-            if out.finished:
-                if text or not calls:
-                    for e in _close_message(ev, b, text, opened=bool(text)):
-                        yield e
-                    output.append(b.message(text))
-                for call in calls:
-                    for e in _call_events(ev, b, call, len(output)):
-                        yield e
-                    output.append(b.call(call))
-        final = b.response(output, out)
-        yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final})
-    except Exception as exc:  # the response began: the error goes in the stream
-        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
-        yield ev("error", {"code": "server_error", "message": message, "param": None})
-    finally:
-        stream.abort()
+def _stream(b: _Builder, stream: RequestStream, tools: ToolStream | None):
+    """The response's events; a failure mid-stream ends them with an ``error`` event."""
+    ev = _Events()
+    return ending_in_error(_events(ev, b, stream, tools), stream,
+                           lambda message: ev("error", {"code": "server_error", "message": message, "param": None}))
+
+
+async def _events(ev: _Events, b: _Builder, stream: RequestStream, tools: ToolStream | None):
+    output, text, out = [], "", None
+    yield ev("response.created", {"response": b.response([], None, "in_progress")})
+    yield ev("response.in_progress", {"response": b.response([], None, "in_progress")})
+    async for out in stream:
+        delta = tools.feed(out.text) if tools else out.text
+        calls: list[ToolCall] = []
+        if out.finished and tools:
+            rest, calls = tools.finish()
+            delta += rest
+        if delta:
+            if not text:
+                for e in _open_message(ev, b):
+                    yield e
+            text += delta
+            yield ev("response.output_text.delta", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []})
+        if out.finished:
+            if text or not calls:
+                for e in _close_message(ev, b, text, opened=bool(text)):
+                    yield e
+                output.append(b.message(text))
+            for call in calls:
+                for e in _call_events(ev, b, call, len(output)):
+                    yield e
+                output.append(b.call(call))
+    final = b.response(output, out)
+    yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final})
 
 
 def _open_message(ev: _Events, b: _Builder) -> list[str]:
@@ -308,11 +310,11 @@ def _call_events(ev: _Events, b: _Builder, call: ToolCall, index: int) -> list[s
     ]
 
 
-def add_responses_route(app: FastAPI, state) -> None:
-    """Register ``POST /v1/responses``."""
-    from quanta.server.app import check_model, submit, until_disconnect
+def router(state: ServerState) -> APIRouter:
+    """OpenAI's ``POST /v1/responses`` over ``state``."""
+    routes = APIRouter()
 
-    @app.post("/v1/responses")
+    @routes.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         check_model(state, body.model)
         tools = body.chat_tools() if body.tool_choice != "none" else []
@@ -332,3 +334,5 @@ def add_responses_route(app: FastAPI, state) -> None:
         if body.stream:
             return StreamingResponse(_stream(builder, stream, ToolStream(parser) if parser else None), media_type="text/event-stream")
         return await until_disconnect(request, _collect(builder, stream, parser), stream)
+
+    return routes

@@ -1,0 +1,129 @@
+"""What every protocol's routes share: the server state, submission to the
+engine, the client-disconnect watch, and the end of a stream that failed.
+
+The routers (:mod:`quanta.server.chat` for OpenAI chat and text completions,
+:mod:`quanta.server.responses`, :mod:`quanta.server.anthropic`) import this
+module and nothing of each other; :mod:`quanta.server.app` composes them.
+Routes raise :class:`quanta.server.errors.APIError`; the handlers of
+:mod:`quanta.server.errors` write it in the body of the route's protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestFailed, RequestStream
+from quanta.engine.grammar import GrammarCompiler
+from quanta.model.tokenizer import Tokenizer
+from quanta.server.access import AccessPolicy
+from quanta.server.errors import APIError, internal_error_message, log_internal_error
+from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptWork
+from quanta.server.metrics import EngineMetrics
+from quanta.server.tools import ToolParser, choose_parser
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the engine, its tokenizer, names and limits.
+
+    Attributes:
+        async_engine: the engine thread's front (started by the caller).
+        model_name: the model's id (the first ``--served-model-name``).
+        aliases: further ids the routes accept (later ``--served-model-name`` values).
+        tool_call_parser: ``--tool-call-parser`` (None: chosen from the chat template).
+        access: ``--api-key``, ``--allowed-hosts``, ``--cors-origin`` (:mod:`quanta.server.access`).
+    """
+
+    async_engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    config: dict
+    metrics: EngineMetrics
+    #: request bodies over this many bytes get HTTP 413; None: no limit
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
+    aliases: tuple[str, ...] = ()
+    tool_call_parser: str | None = None
+    access: AccessPolicy = field(default_factory=AccessPolicy)
+    prompts: PromptWork = field(init=False)
+    tool_parser: ToolParser = field(init=False)
+    grammars: GrammarCompiler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptWork(self.tokenizer, self.max_model_len)
+        self.tool_parser = choose_parser(self.tokenizer.chat_template, self.tool_call_parser)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.aliases)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    """Raise a 404 :class:`APIError` unless ``model`` is one of the served model's ids."""
+    if model not in state.model_names:
+        served = " or ".join(repr(n) for n in state.model_names)
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served}", "model", "model_not_found")
+
+
+async def submit(state: ServerState, prompt: list[int], max_tokens: int, make_params) -> RequestStream:
+    """Check lengths, build the sampling parameters and hand the request to the engine.
+
+    The length check comes first, so no grammar is compiled for a request that cannot run.
+
+    Args:
+        max_tokens: output tokens at most.
+        make_params: ``max_tokens -> SamplingParams`` (may raise ``ValueError``).
+
+    Raises:
+        APIError: 400 (lengths, parameters), 429 (queue full), 503 (engine down).
+    """
+    try:
+        state.async_engine.check_length(len(prompt), max(max_tokens, 1))
+        params = make_params(max_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "max_tokens" if "max_model_len" in str(exc) else None) from exc
+    try:
+        return await state.async_engine.submit(prompt, params)
+    except QueueFullError as exc:
+        raise APIError(429, str(exc)) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    except RuntimeError as exc:
+        raise APIError(503, str(exc)) from exc
+
+
+async def until_disconnect(request: Request, work, stream: RequestStream) -> Response:
+    """Await ``work``; abort the request if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            stream.abort()
+            return Response(status_code=499)
+    return task.result()
+
+
+async def ending_in_error(events: AsyncIterator[str], stream: RequestStream,
+                          error_event: Callable[[str], str]) -> AsyncIterator[str]:
+    """The SSE ``events`` of one request; if they fail after the response began,
+    the stream ends with ``error_event(message)`` instead of a silent cut.
+
+    The message is the engine's own for :class:`RequestFailed` (it names an
+    error id); any other exception is logged under a new id that the message
+    names. The request is aborted when the stream ends, however it ends.
+    """
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # the response began: the error goes in the stream
+        message = str(exc) if isinstance(exc, RequestFailed) else internal_error_message(log_internal_error("stream", exc))
+        yield error_event(message)
+    finally:
+        stream.abort()
