@@ -10,17 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from quanta.engine.policies import POLICIES
+from quanta.engine.policies.knobs import PREFILL_CAP, Knob
 from quanta.engine.scheduler import Scheduler
 
-#: Default value of every scheduler knob (tokens, or sequences for max_num_seqs).
-KNOB_DEFAULTS: dict[str, int] = {
-    "prefill_quantum": 2048,
-    "mixed_prefill_quantum": 2048,
-    "prefill_cap": 4096,
-    "admit_k": 1,
-    "chunk": 512,
-    "max_num_batched_tokens": 512,
-}
+DEFAULT_POLICY = "batched"
+DEFAULT_MAX_NUM_SEQS = 8
 
 
 @dataclass(slots=True)
@@ -30,8 +24,10 @@ class SchedulerConfig:
     Args:
         name: a key of :data:`quanta.engine.policies.POLICIES`.
         max_num_seqs: resident sequences (KV slots), >= 1.
-        knobs: knob name -> value; missing knobs of the policy take
-            :data:`KNOB_DEFAULTS`.
+        knobs: knob name -> value; missing knobs of the policy take their
+            declared default (:class:`~quanta.engine.policies.knobs.Knob`).
+            After construction it holds every knob of the policy, in the
+            policy's order.
 
     Raises:
         ValueError: unknown policy, a knob the policy does not take, a size
@@ -40,34 +36,14 @@ class SchedulerConfig:
             below ``max_num_seqs``.
     """
 
-    name: str = "batched"
-    max_num_seqs: int = 8
+    name: str = DEFAULT_POLICY
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     knobs: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise ValueError(f"unknown scheduler {self.name!r}; choose one of: {', '.join(POLICIES)}")
-        allowed = POLICIES[self.name][1]
-        foreign = sorted(set(self.knobs) - set(allowed))
-        if foreign:
-            flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
-            raise ValueError(f"{flags} does not apply to --scheduler {self.name} (it takes: {_flags(allowed) or 'no knobs'})")
-        for k, v in [("max_num_seqs", self.max_num_seqs), *self.knobs.items()]:  # the user's values first
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
-        given, cap = self.knobs, self.knobs.get("prefill_cap", KNOB_DEFAULTS["prefill_cap"])
-        self.knobs = {k: given.get(k, _default(k, cap)) for k in allowed}
-        cap = self.knobs.get("prefill_cap")
-        for k in ("prefill_quantum", "mixed_prefill_quantum", "chunk"):
-            if cap is not None and self.knobs.get(k, 0) > cap:
-                raise ValueError(f"--{k.replace('_', '-')} ({self.knobs[k]}) is larger than --prefill-cap ({cap})")
-        if self.knobs.get("admit_k", 0) > self.max_num_seqs:
-            raise ValueError(f"--admit-k ({self.knobs['admit_k']}) is larger than --max-num-seqs ({self.max_num_seqs}); nothing would ever be admitted")
-        if self.knobs.get("max_num_batched_tokens", self.max_num_seqs) < self.max_num_seqs:
-            raise ValueError(
-                f"--max-num-batched-tokens ({self.knobs['max_num_batched_tokens']}) is smaller than --max-num-seqs "
-                f"({self.max_num_seqs}); a step must fit one decode token per resident sequence"
-            )
+        self.knobs = _checked_knobs(POLICIES[self.name].knobs, self.name, self.max_num_seqs, self.knobs)
 
     def with_knob(self, knob: str, value: int) -> "SchedulerConfig":
         """A validated copy with ``knob`` set to ``value`` (e.g. a resolved ``auto`` quantum).
@@ -79,8 +55,7 @@ class SchedulerConfig:
 
     def build(self) -> Scheduler:
         """A fresh scheduler instance of this configuration."""
-        cls = POLICIES[self.name][0]
-        return cls(self.max_num_seqs, **self.knobs)
+        return POLICIES[self.name](self.max_num_seqs, **self.knobs)
 
     def describe(self) -> str:
         """``scheduler=batched max_num_seqs=8 prefill_quantum=2048 ...`` (the startup line)."""
@@ -89,15 +64,31 @@ class SchedulerConfig:
         return " ".join(parts)
 
 
-def _default(knob: str, cap: int) -> int:
-    """A knob's default, with chunk sizes lowered to a smaller prefill cap the user chose."""
-    if knob in ("prefill_quantum", "mixed_prefill_quantum", "chunk"):
-        return min(KNOB_DEFAULTS[knob], cap)
-    return KNOB_DEFAULTS[knob]
+def _checked_knobs(declared: tuple[Knob, ...], policy: str, max_num_seqs: int, given: dict[str, int]) -> dict[str, int]:
+    """Every knob of the policy (``given`` values, else defaults), checked against the declarations.
 
-
-def _flags(names) -> str:
-    return ", ".join("--" + n.replace("_", "-") for n in names)
+    Raises:
+        ValueError: as :class:`SchedulerConfig`, naming the flags.
+    """
+    foreign = sorted(set(given) - {k.name for k in declared})
+    if foreign:
+        flags, takes = ", ".join("--" + k.replace("_", "-") for k in foreign), ", ".join(k.flag for k in declared)
+        raise ValueError(f"{flags} does not apply to --scheduler {policy} (it takes: {takes or 'no knobs'})")
+    for k, v in [("max_num_seqs", max_num_seqs), *given.items()]:  # the user's values first
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
+    cap = given.get(PREFILL_CAP.name, PREFILL_CAP.default)
+    knobs = {k.name: given.get(k.name, min(k.default, cap) if k.within_cap else k.default) for k in declared}
+    for k in declared:
+        if k.within_cap and PREFILL_CAP.name in knobs and knobs[k.name] > cap:
+            raise ValueError(f"{k.flag} ({knobs[k.name]}) is larger than {PREFILL_CAP.flag} ({cap})")
+    for k in declared:
+        value = knobs[k.name]
+        if k.seqs_bound == "at_most" and value > max_num_seqs:
+            raise ValueError(f"{k.flag} ({value}) is larger than --max-num-seqs ({max_num_seqs}); {k.seqs_reason}")
+        if k.seqs_bound == "at_least" and value < max_num_seqs:
+            raise ValueError(f"{k.flag} ({value}) is smaller than --max-num-seqs ({max_num_seqs}); {k.seqs_reason}")
+    return knobs
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from quanta import cli
+from quanta import cli, flags
 
 
 
@@ -209,9 +209,9 @@ def test_missing_model_is_one_line_and_exit_2(command, capsys, tmp_path, no_mode
 
 
 def test_served_model_name_takes_aliases_and_tool_call_parser_is_checked(capsys, no_model_load):
-    args = cli.build_parser().parse_args(["serve", "--served-model-name", "main", "alias-1", "alias-2"])
+    args = flags.parse_serve_flags(["--served-model-name", "main", "alias-1", "alias-2"])
     assert args.served_model_name == ["main", "alias-1", "alias-2"]
-    engine_cfg, _ = cli.configs_from_args(args)
+    engine_cfg, _ = flags.configs_from_args(args)
     assert engine_cfg.served_model_name == "main"
     code, err = main_exit(["serve", "--tool-call-parser", "nope"], capsys)
     assert code == 2 and "--tool-call-parser" in err and "hermes" in err

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from quanta.config import KNOB_DEFAULTS, SchedulerConfig
+from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.policies import (
@@ -272,7 +272,7 @@ def test_config_defaults_build_every_policy():
                 "budget": BudgetScheduler, "batched": BatchedScheduler}
     for name, cls in expected.items():
         cfg = SchedulerConfig(name)
-        assert type(cfg.build()) is cls and cfg.knobs == {k: KNOB_DEFAULTS[k] for k in POLICIES[name][1]}
+        assert type(cfg.build()) is cls and cfg.knobs == {k.name: k.default for k in POLICIES[name].knobs}
     assert SchedulerConfig("chunked").knobs == {"admit_k": 1, "chunk": 512, "prefill_cap": 4096}
     assert SchedulerConfig("budget").describe() == "scheduler=budget max_num_seqs=8 max_num_batched_tokens=512"
     SchedulerConfig("chunked", 8, {"admit_k": 8, "chunk": 4096})  # the limits themselves are accepted
@@ -304,7 +304,7 @@ def test_default_quanta_follow_a_smaller_cap_explicit_ones_do_not():
     assert SchedulerConfig("batched", 8, {"prefill_cap": 1024}).knobs == {
         "prefill_quantum": 1024, "mixed_prefill_quantum": 1024, "prefill_cap": 1024}
     assert SchedulerConfig("chunked", 8, {"prefill_cap": 256}).knobs["chunk"] == 256
-    assert SchedulerConfig("batched", 8, {"prefill_cap": 8192}).knobs["prefill_quantum"] == KNOB_DEFAULTS["prefill_quantum"]
+    assert SchedulerConfig("batched", 8, {"prefill_cap": 8192}).knobs["prefill_quantum"] == 2048
     with pytest.raises(ValueError, match="--mixed-prefill-quantum"):
         SchedulerConfig("batched", 8, {"prefill_cap": 1024, "mixed_prefill_quantum": 2048})
 

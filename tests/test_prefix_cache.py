@@ -18,13 +18,13 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from quanta.cli import build_parser, configs_from_args
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.policies import POLICIES
 from quanta.engine.prefix_cache import SlotPrefixCache, common_prefix_len
 from quanta.engine.sampling import SamplingParams
+from quanta.flags import configs_from_args, parse_serve_flags
 from quanta.launch import build_engine, load_model
 
 # --------------------------------------------------------------------------- slot choice
@@ -95,9 +95,9 @@ def test_claim_keeps_only_the_reused_prefix():
 
 
 def test_no_prefix_cache_flag():
-    cfg, _ = configs_from_args(build_parser().parse_args(["serve", "--no-prefix-cache"]))
+    cfg, _ = configs_from_args(parse_serve_flags(["--no-prefix-cache"]))
     assert cfg.prefix_cache is False
-    cfg, _ = configs_from_args(build_parser().parse_args(["serve"]))
+    cfg, _ = configs_from_args(parse_serve_flags([]))
     assert cfg.prefix_cache is True
 
 

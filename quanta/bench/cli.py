@@ -10,59 +10,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import shlex
 import sys
 from pathlib import Path
 
 from quanta.bench import external
 from quanta.bench.workloads import CLIENT_ONLY, KINDS, Workload
-
-
-def _number_type(parse, accept, what: str):
-    """An argparse ``type``: ``parse`` the text, keep values where ``accept(v)``, else say ``expected {what}``."""
-
-    def convert(s: str):
-        try:
-            v = parse(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
-        if not accept(v):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
-        return v
-
-    return convert
-
-
-_positive_int = _number_type(int, lambda v: v >= 1, "a positive integer")
-_nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
-_positive_float = _number_type(float, lambda v: v > 0 and not math.isinf(v), "a positive number")  # NaN fails v > 0
-_nonneg_float = _number_type(float, lambda v: v >= 0 and not math.isinf(v), "a number >= 0")
-
-
-def _base_url(s: str) -> str:
-    if not s.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {s!r}")
-    return s.rstrip("/").removesuffix("/v1")
+from quanta.engine.policies import KNOBS
+from quanta.flags import (
+    base_url, command_line, nonneg_float, nonneg_int, positive_float, positive_int, register_once,
+)
 
 
 def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str, ...] = KINDS) -> argparse._ArgumentGroup:
     """The workload flags shared by ``quanta bench`` and ``quanta simulate``; returns the group."""
     g = p.add_argument_group(title)
     g.add_argument("--workload", choices=kinds, default="burst", help="arrival pattern (default burst)")
-    g.add_argument("--num-requests", type=_positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
-    g.add_argument("--prompt-words", type=_positive_int, default=32, help="prompt size (default 32)")
-    g.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
-    g.add_argument("--rate", type=_positive_float, default=4.0, help="poisson/gamma: requests per second (default 4)")
-    g.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma: shape; 1 = poisson, <1 burstier (default 1)")
-    g.add_argument("--concurrency", type=_positive_int, default=8, help="concurrency: requests in flight (default 8)")
-    g.add_argument("--sessions", type=_positive_int, default=4, help="probe/replay: sessions (default 4)")
-    g.add_argument("--session-tokens", type=_positive_int, default=256, help="probe: max tokens of each decoding session (default 256)")
-    g.add_argument("--probe-words", type=_positive_int, default=1024, help="probe: cold prompt size (default 1024)")
-    g.add_argument("--probe-delay", type=_nonneg_float, default=1.0, help="probe: wait before and after the probe (default 1)")
-    g.add_argument("--turns", type=_positive_int, default=3, help="replay: turns per session (default 3)")
-    g.add_argument("--tool-words", type=_positive_int, default=128, help="replay: tool output appended per turn (default 128)")
-    g.add_argument("--stagger", type=_nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
+    g.add_argument("--num-requests", type=positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
+    g.add_argument("--prompt-words", type=positive_int, default=32, help="prompt size (default 32)")
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request (default 64)")
+    g.add_argument("--rate", type=positive_float, default=4.0, help="poisson/gamma: requests per second (default 4)")
+    g.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma: shape; 1 = poisson, <1 burstier (default 1)")
+    g.add_argument("--concurrency", type=positive_int, default=8, help="concurrency: requests in flight (default 8)")
+    g.add_argument("--sessions", type=positive_int, default=4, help="probe/replay: sessions (default 4)")
+    g.add_argument("--session-tokens", type=positive_int, default=256, help="probe: max tokens of each decoding session (default 256)")
+    g.add_argument("--probe-words", type=positive_int, default=1024, help="probe: cold prompt size (default 1024)")
+    g.add_argument("--probe-delay", type=nonneg_float, default=1.0, help="probe: wait before and after the probe (default 1)")
+    g.add_argument("--turns", type=positive_int, default=3, help="replay: turns per session (default 3)")
+    g.add_argument("--tool-words", type=positive_int, default=128, help="replay: tool output appended per turn (default 128)")
+    g.add_argument("--stagger", type=nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
     g.add_argument("--seed", type=int, default=0, help="prompt/arrival/length RNG seed (simulate: repeat r uses seed + r) (default 0)")
     g.add_argument("--prompt-dist", default="fixed", metavar="DIST",
                    help="prompt sizes around --prompt-words: fixed, uniform:R (as vllm --random-range-ratio), "
@@ -72,11 +47,11 @@ def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str,
                         "eos (natural EOS length, --max-tokens caps it) (default fixed)")
     t = p.add_argument_group("trace workload (--workload trace: a Mooncake JSONL request trace)")
     t.add_argument("--trace", metavar="FILE", help="trace file: timestamp (ms), input_length, output_length, hash_ids per line")
-    t.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiply the trace's arrival gaps (2: half the rate) (default 1)")
-    t.add_argument("--length-scale", type=_positive_float, default=1.0,
+    t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply the trace's arrival gaps (2: half the rate) (default 1)")
+    t.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply prompt, output and 512-token block lengths (0.05: 7k-token prompts become 350) (default 1)")
-    t.add_argument("--start", dest="trace_start", type=_nonneg_int, default=0, help="first trace line replayed, 0-based (default 0)")
-    t.add_argument("--limit", dest="trace_limit", type=_positive_int, help="requests replayed (default: to the end of the trace)")
+    t.add_argument("--start", dest="trace_start", type=nonneg_int, default=0, help="first trace line replayed, 0-based (default 0)")
+    t.add_argument("--limit", dest="trace_limit", type=positive_int, help="requests replayed (default: to the end of the trace)")
     return g
 
 
@@ -84,11 +59,11 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g = add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)", (*KINDS, *CLIENT_ONLY))
     g.add_argument("--sessions-file", metavar="FILE", help="sessions: agent sessions recorded by quanta record (JSONL), replayed identically")
     m = p.add_argument_group("measurement")
-    m.add_argument("--repeats", type=_positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
-    m.add_argument("--warmup", type=_nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")
-    m.add_argument("--scrape", type=_positive_float, help="scrape /metrics every S seconds (seed 000 used 15)")
-    m.add_argument("--max-duration", type=_positive_float, default=600.0, help="bound of one run; later requests fail as deadline (default 600)")
-    m.add_argument("--request-timeout", type=_positive_float, default=300.0, help="bound of one request (default 300)")
+    m.add_argument("--repeats", type=positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
+    m.add_argument("--warmup", type=nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")
+    m.add_argument("--scrape", type=positive_float, help="scrape /metrics every S seconds (seed 000 used 15)")
+    m.add_argument("--max-duration", type=positive_float, default=600.0, help="bound of one run; later requests fail as deadline (default 600)")
+    m.add_argument("--request-timeout", type=positive_float, default=300.0, help="bound of one request (default 300)")
     m.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="OpenAI endpoint (default completions)")
     m.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="do not send ignore_eos (outputs may end early)")
     m.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -100,24 +75,22 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register ``bench`` and its subcommands on the root CLI's subparsers."""
-    from quanta.cli import KNOB_FLAGS, _register_once
-
     bench = sub.add_parser("bench", help="measure an OpenAI-compatible server; sweep quanta's flags")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     run = bsub.add_parser("run", help="load-test one running server (quanta, llama-server, vLLM, ...)")
-    _register_once(run)
-    run.add_argument("--base-url", type=_base_url, required=True, help="server root, e.g. http://127.0.0.1:8000")
+    register_once(run)
+    run.add_argument("--base-url", type=base_url, required=True, help="server root, e.g. http://127.0.0.1:8000")
     run.add_argument("--model", help="model id (default: the first of GET /v1/models)")
     run.add_argument("--name", help="condition name in the report (default: the base URL)")
     _workload_flags(run)
     sw = bsub.add_parser("sweep", help="start a fresh quanta server per grid condition and measure each")
-    _register_once(sw)
+    register_once(sw)
     sw.add_argument("--grid", action="append", metavar="SPEC", help="serve flags with comma lists, e.g. '--scheduler continuous --admit-k 1,2,4'; "
                     "repeat for a union of grids")
     sw.add_argument("--scheduler", dest="grid_scheduler", metavar="LIST", help="comma list of schedulers (instead of --grid)")
     sw.add_argument("--max-num-seqs", dest="grid_max_num_seqs", metavar="LIST", help="comma list (instead of --grid)")
-    for flag in KNOB_FLAGS:
-        sw.add_argument(flag, dest="grid_" + flag[2:].replace("-", "_"), metavar="LIST", help="comma list (instead of --grid)")
+    for knob in KNOBS.values():
+        sw.add_argument(knob.flag, dest="grid_" + knob.name, metavar="LIST", help="comma list (instead of --grid)")
     sw.add_argument("--server-flags", default="", metavar="FLAGS", help="serve flags shared by every condition, e.g. '--max-num-seqs 16'")
     sw.add_argument("--baseline", help="condition name that throughput is normalized to (default: the first)")
     sw.add_argument("--dry-run", action="store_true", help="list the conditions and exit")
@@ -127,7 +100,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                     "throughput ratios are then paired per round")
     _workload_flags(sw)
     rep = bsub.add_parser("report", help="recompute figures and write the report from result JSON files")
-    _register_once(rep)
+    register_once(rep)
     rep.add_argument("results", nargs="+", help="PREFIX.json files of bench run/sweep (conditions are merged)")
     rep.add_argument("--out", required=True, help="output prefix")
     rep.add_argument("--baseline", help="condition name for throughput ratios")
@@ -135,7 +108,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     rep.add_argument("--no-plots", dest="plots", action="store_false")
     tr = bsub.add_parser("trace", help="server-side figures of a quanta trace (JSONL file or server URL)")
     tr.add_argument("source", help="trace file (JSONL, or JSON {records: [...]}) or http://HOST:PORT of a quanta server")
-    tr.add_argument("--since", type=_nonneg_int, default=0, help="first step (URL source only)")
+    tr.add_argument("--since", type=nonneg_int, default=0, help="first step (URL source only)")
     for p in (run, sw, rep, tr):
         p.set_defaults(bench_parser=p)
     return bench
@@ -151,10 +124,6 @@ def workload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     except ValueError as exc:
         parser.error(str(exc))
     return w
-
-
-def _command(argv: list[str] | None) -> str:
-    return "quanta " + shlex.join(argv if argv is not None else sys.argv[1:])
 
 
 def _say(msg: str) -> None:
@@ -212,7 +181,7 @@ def _run(args, parser, argv) -> int:
         c = run["metrics"]["client"]
         _say(f"repeat {r + 1}/{args.repeats}: {c['num_ok']} ok, {c['num_failed']} failed {c['errors'] or ''}".rstrip())
     cond["summary"] = aggregate(cond["figures"])
-    doc = output.document("run", _command(argv), w, args.repeats, [cond], None, args.note)
+    doc = output.document("run", command_line(argv), w, args.repeats, [cond], None, args.note)
     _finish(doc, args, args.title or f"quanta bench run: {name}")
     if all(r["metrics"]["client"]["num_ok"] == 0 for r in cond["runs"]):
         first = next((s for r in cond["runs"] for s in r["samples"] if s["error"]), None)
@@ -257,7 +226,7 @@ def _sweep(args, parser, argv) -> int:
     with sigterm_unwinds():  # every started server is stopped; the caller's handler is back afterwards
         results = run_sweep(conds, w, st, interleave=args.interleave, say=_say)
     note = "; ".join(x for x in (args.note, server.describe() if server else "") if x)
-    doc = output.document("sweep", _command(argv), w, args.repeats, results, args.baseline or names[0], note)
+    doc = output.document("sweep", command_line(argv), w, args.repeats, results, args.baseline or names[0], note)
     doc["interleaved"] = args.interleave
     _finish(doc, args, args.title or "quanta bench sweep")
     return 0 if any(r["valid"] for r in results) else 1
@@ -299,7 +268,7 @@ def _trace(args, parser) -> int:
     from quanta.bench.runner import ServerProbe
 
     if args.source.startswith(("http://", "https://")):
-        sp = ServerProbe(_base_url(args.source))
+        sp = ServerProbe(base_url(args.source))
         records = sp.trace(args.since)
         sp.close()
         if records is None:

@@ -226,7 +226,7 @@ def condition_values(flags: list[str]) -> dict[str, str]:
 
 def add_flags(sweep_parser) -> None:
     """``bench sweep``'s flags for any server (``--server-cmd`` and its companions)."""
-    from quanta.bench.cli import _positive_float
+    from quanta.flags import positive_float
 
     ext = sweep_parser.add_argument_group("any server (instead of quanta serve)")
     ext.add_argument("--server-cmd", metavar="TEMPLATE", help="server command line with {port} and one {knob} per grid flag, "
@@ -236,7 +236,7 @@ def add_flags(sweep_parser) -> None:
     ext.add_argument("--verify", action="append", default=[], metavar="KNOB=RULE",
                      help="applied-value check, repeatable: KNOB=log:REGEX (first group of the last match in the startup log) "
                      "or KNOB=json:/PATH:FIELD.SUB; a difference marks the condition invalid")
-    ext.add_argument("--startup-timeout", type=_positive_float, default=srvmod.STARTUP_TIMEOUT_S,
+    ext.add_argument("--startup-timeout", type=positive_float, default=srvmod.STARTUP_TIMEOUT_S,
                      help=f"seconds to wait for health (default {srvmod.STARTUP_TIMEOUT_S:g})")
 
 

@@ -264,10 +264,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``quanta record``: exit 2 on bad flags, 1 if the upstream is unreachable; else serve until SIGINT/SIGTERM."""
     import uvicorn
 
-    from quanta.bench.cli import _base_url
+    from quanta.flags import base_url
 
     try:
-        upstream = _base_url(args.upstream)
+        upstream = base_url(args.upstream)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--upstream: {exc}")
     out = Path(args.out)

@@ -143,9 +143,9 @@ def start(flags: list[str], log_dir: Path, timeout: float = STARTUP_TIMEOUT_S) -
 def requested_values(flags: list[str]) -> dict[str, str]:
     """``--admit-k 4 --scheduler continuous`` -> ``{"admit_k": "4", "scheduler": "continuous"}``
     (scheduling flags only: ``--scheduler``, ``--max-num-seqs`` and the knobs)."""
-    from quanta.cli import KNOB_FLAGS
+    from quanta.flags import SCHEDULER_FLAGS
 
-    wanted = {"--scheduler", "--max-num-seqs", *KNOB_FLAGS}
+    wanted = set(SCHEDULER_FLAGS)
     out = {}
     for i, f in enumerate(flags):
         if f in wanted and i + 1 < len(flags):

@@ -121,7 +121,7 @@ def validate(cond: Condition) -> None:
     Sets ``cond.invalid_reason`` for a configuration quanta rejects (e.g.
     ``--admit-k`` above ``--max-num-seqs``).
     """
-    from quanta.cli import configs_from_args, parse_serve_flags
+    from quanta.flags import configs_from_args, parse_serve_flags
 
     try:
         args = parse_serve_flags(cond.flags)
@@ -287,10 +287,10 @@ def specs_from_args(args: argparse.Namespace) -> list[str]:
     Raises:
         GridError: both forms were given (one would be silently ignored).
     """
-    from quanta.cli import KNOB_FLAGS
+    from quanta.flags import SCHEDULER_FLAGS
 
     parts = []
-    for flag in ("--scheduler", "--max-num-seqs", *KNOB_FLAGS):
+    for flag in SCHEDULER_FLAGS:
         value = getattr(args, "grid_" + flag[2:].replace("-", "_"), None)
         if value is not None:
             parts.append(f"{flag} {shlex.quote(value)}")

@@ -1,7 +1,7 @@
 """The MoE subcommands of ``quanta``: ``make-model``, ``profile`` and ``advise``.
 
 Kept out of :mod:`quanta.cli` so the main command line stays small; the
-flags follow its rules (each given once, errors exit 2 before any model loads).
+flags follow its rules (:mod:`quanta.flags`: each given once, errors exit 2 before any model loads).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def add_commands(sub, register_once) -> None:
     """Add the three subparsers to ``sub`` (``register_once`` makes their flags refuse repeats)."""
+    from quanta.engine.policies.knobs import PREFILL_CAP
+    from quanta.flags import add_dtype_flag
     from quanta.model.presets import PRESETS
 
     make = sub.add_parser("make-model", help="write a synthetic random-weight model for cost experiments")
@@ -53,7 +55,7 @@ def add_commands(sub, register_once) -> None:
     prof.add_argument("--frag-quantum", type=int, default=2048, help="fragmentation study quantum (0: skip; default 2048)")
     prof.add_argument("--frag-caps", default="3072,2560", help="lowered prefill caps of the fragmentation study")
     prof.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
-    prof.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype (default as serve)")
+    add_dtype_flag(prof, "compute dtype (default as serve)")
 
     adv = sub.add_parser("advise", help="recommend the mixed prefill quantum from the expert shape")
     register_once(adv)
@@ -61,7 +63,8 @@ def add_commands(sub, register_once) -> None:
     adv.add_argument("--num-experts", type=int, help="E, routed experts (instead of --model)")
     adv.add_argument("--top-k", type=int, help="K, experts per token (instead of --model)")
     adv.add_argument("--target", type=float, help="tokens per expert to reach (default: the profile's saturation point, else 48)")
-    adv.add_argument("--prefill-cap", type=int, default=4096, help="the scheduler's prefill cap (default 4096)")
+    adv.add_argument(PREFILL_CAP.flag, type=int, default=PREFILL_CAP.default,
+                     help=f"the scheduler's prefill cap (default {PREFILL_CAP.default})")
     adv.add_argument("--profile", help="a profile JSON from quanta profile (default: this machine's cached profile of --model)")
 
 
@@ -127,6 +130,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     import torch
 
+    from quanta.flags import dtype_name
     from quanta.launch import load_model, resolve_dtype
     from quanta.model.presets import make_model
     from quanta.moe.prefill_cost import measure_prefill_cost
@@ -134,7 +138,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype({"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype))
+    dtype = resolve_dtype(dtype_name(args.dtype))
     with tempfile.TemporaryDirectory(prefix="quanta-profile-") as tmp:
         path = args.model
         if path is None and args.what == "prefill":

@@ -10,20 +10,24 @@ table of ``quanta bench``; ``--sweep SPEC`` (repeatable, the grid syntax of
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
+
+from quanta.flags import (
+    SCHEDULER_FLAGS, add_dtype_flag, add_scheduler_flags, command_line, positive_float, positive_int, register_once,
+    scheduler_config, writable_prefix,
+)
 
 COMMANDS = ("simulate", "profile-engine")
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
-    from quanta.bench.cli import _positive_float, _positive_int, add_workload_group
+    from quanta.bench.cli import add_workload_group
 
     g = add_workload_group(p, "workload (as quanta bench; sizes in words, see --tokens-per-word)")
-    g.add_argument("--tokens-per-word", type=_positive_float, default=1.0, help="prompt tokens per word (default 1)")
-    g.add_argument("--repeats", type=_positive_int, default=1, help="simulated runs per condition (default 1)")
-    g.add_argument("--max-duration", type=_positive_float, default=3600.0, help="simulated seconds at most (default 3600)")
+    g.add_argument("--tokens-per-word", type=positive_float, default=1.0, help="prompt tokens per word (default 1)")
+    g.add_argument("--repeats", type=positive_int, default=1, help="simulated runs per condition (default 1)")
+    g.add_argument("--max-duration", type=positive_float, default=3600.0, help="simulated seconds at most (default 3600)")
     g.add_argument("--out", help="output prefix: PREFIX.json, PREFIX.md, PREFIX-*.png")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     g.add_argument("--no-raw", dest="raw", action="store_false",
@@ -37,17 +41,10 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
 
 def add_commands(sub, register_once) -> None:
     """Register ``simulate`` and ``profile-engine`` on the root CLI's subparsers."""
-    from quanta.cli import KNOB_FLAGS, int_or_auto
-    from quanta.engine.policies import POLICIES
-
     sim = sub.add_parser("simulate", help="run a bench workload on the scheduler with a cost profile (virtual clock)")
     register_once(sim)
     sim.add_argument("--profile", required=True, help="cost profile JSON (profiles/*.json or quanta profile-engine --out)")
-    sim.add_argument("--scheduler", default="batched", choices=sorted(POLICIES), help="scheduling policy (default: batched)")
-    sim.add_argument("--max-num-seqs", type=int, default=8, help="resident sequences / KV slots (default 8)")
-    for flag, text in KNOB_FLAGS.items():
-        sim.add_argument(flag, type=int_or_auto if flag == "--mixed-prefill-quantum" else int,
-                         help=text.replace("for the model", "for the profile's cost curve and MoE shape"))
+    add_scheduler_flags(sim, "quanta advise's choice for the profile's cost curve and MoE shape")
     sim.add_argument("--sweep", action="append", metavar="SPEC",
                      help="grid of scheduler flags with comma lists (as bench sweep --grid); repeatable")
     sim.add_argument("--baseline", help="sweep: condition name throughput is normalized to")
@@ -61,7 +58,7 @@ def add_commands(sub, register_once) -> None:
     register_once(prof)
     prof.add_argument("--out", required=True, help="profile JSON to write")
     prof.add_argument("--model", help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    prof.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default: as quanta serve)")
+    add_dtype_flag(prof, "compute dtype (default: as quanta serve)")
     prof.add_argument("--chunks", default="32,128,512", help="prefill chunk sizes, comma list (default 32,128,512)")
     prof.add_argument("--positions", default="0,512", help="context positions of the prefill chunks (default 0,512)")
     prof.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (default 1,2,4,8)")
@@ -83,20 +80,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[s
 
 
 def _sched_config(args, parser, profile):
-    from quanta.cli import KNOB_FLAGS
-    from quanta.config import SchedulerConfig
-    from quanta.moe.auto import AUTO_PLACEHOLDER
-
-    knobs = {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f in KNOB_FLAGS}
-    knobs = {k: v for k, v in knobs.items() if v is not None}
-    auto = knobs.get("mixed_prefill_quantum") == "auto"
-    if auto:
-        knobs["mixed_prefill_quantum"] = AUTO_PLACEHOLDER
     try:
-        sched = SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
+        sched = scheduler_config(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if auto:
+    if args.mixed_prefill_quantum == "auto":
         from quanta.sim.auto import resolve_auto
 
         sched, advice = resolve_auto(profile, sched)
@@ -106,14 +94,13 @@ def _sched_config(args, parser, profile):
 
 def _sweep_configs(args, parser, profile) -> list[tuple[str, list[str], object]]:
     from quanta.bench.sweep import GridError, expand
-    from quanta.cli import KNOB_FLAGS
 
     try:
         conds = expand(args.sweep)
     except GridError as exc:
         parser.error(str(exc))
     out = []
-    allowed = {"--scheduler", "--max-num-seqs", *KNOB_FLAGS}
+    allowed = set(SCHEDULER_FLAGS)
     for c in conds:
         foreign = [f for f in c.flags if f.startswith("--") and f not in allowed]
         if foreign:
@@ -130,11 +117,9 @@ def _sweep_configs(args, parser, profile) -> list[tuple[str, list[str], object]]
 
 def build_sub_parser() -> argparse.ArgumentParser:
     """A standalone ``simulate`` parser (to read the flags of a sweep condition)."""
-    from quanta.cli import _register_once
-
     root = argparse.ArgumentParser(prog="quanta", exit_on_error=False)
     sub = root.add_subparsers(dest="command")
-    add_commands(sub, _register_once)
+    add_commands(sub, register_once)
     return sub.choices["simulate"]
 
 
@@ -181,7 +166,7 @@ def _simulate(args, parser, argv) -> int:
     note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
     note += "".join(f" {a}." for a in autos)
     note = f"{args.note} {note}" if args.note else note
-    doc = output.document("simulate", "quanta " + shlex.join(argv if argv is not None else sys.argv[1:]), w, args.repeats,
+    doc = output.document("simulate", command_line(argv), w, args.repeats,
                           conds, baseline, note)
     doc["profile"] = {"path": args.profile, "name": profile.meta.get("name"), "machine": profile.meta.get("machine"),
                       "model": profile.meta.get("model"), "source": profile.meta.get("source")}
@@ -209,22 +194,6 @@ def _ignored_by_compare(argv: list[str]) -> list[str]:
     used = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     keep = {"--help", "--profile", "--compare", "--also-profile", "--out", "--title", "--max-duration", "--no-plots"}
     return sorted(used - keep)
-
-
-def writable_prefix(prefix: str, parser, flag: str = "--out") -> Path:
-    """``prefix`` as a Path whose directory exists (created) and is writable, else exit 2 before any work."""
-    import os
-
-    out = Path(prefix)
-    if not out.name:
-        parser.error(f"{flag} needs a file name prefix, got {prefix!r}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"{flag}: cannot create {out.parent}: {exc.strerror or exc}")
-    if not os.access(out.parent, os.W_OK):
-        parser.error(f"{flag}: {out.parent} is not writable")
-    return out
 
 
 def _compare(args, parser, argv, profile) -> int:
@@ -259,7 +228,7 @@ def _compare(args, parser, argv, profile) -> int:
         parser.error(f"--also-profile: {exc}")
     except compare.CompareError as exc:
         parser.error(f"--compare: {exc}")
-    command = "quanta " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = command_line(argv)
     doc = compare.document(args.profile, rows, command, also)
     print(compare.markdown_table(rows))
     print(compare.summary_lines(doc["summary"]))

@@ -49,7 +49,7 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
     Raises:
         CompareError: flags ``quanta serve`` rejects, or ``auto`` without an applied value.
     """
-    from quanta.cli import configs_from_args, parse_serve_flags
+    from quanta.flags import configs_from_args, parse_serve_flags
 
     try:
         args = parse_serve_flags(flags)
@@ -120,7 +120,7 @@ def applied_config(applied: dict | None) -> SchedulerConfig:
     if not applied or applied.get("scheduler") not in POLICIES:
         raise CompareError("a condition has neither serve flags nor the server's applied config "
                            "(a server other than quanta?): its scheduler is unknown")
-    knobs = {k: applied[k] for k in POLICIES[applied["scheduler"]][1] if k in applied}
+    knobs = {k.name: applied[k.name] for k in POLICIES[applied["scheduler"]].knobs if k.name in applied}
     try:
         return SchedulerConfig(applied["scheduler"], int(applied["max_num_seqs"]), knobs)
     except (KeyError, TypeError, ValueError) as exc:

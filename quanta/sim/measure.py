@@ -135,7 +135,7 @@ def _machine() -> dict:
 
 
 def profile_engine_cli(args, parser) -> int:
-    from quanta.sim.cli import writable_prefix
+    from quanta.flags import dtype_name, writable_prefix
 
     writable_prefix(args.out, parser)
     if args.from_bench:
@@ -148,7 +148,7 @@ def profile_engine_cli(args, parser) -> int:
     contexts = _ints(args.decode_contexts, "--decode-contexts", parser)
     if args.repeats < 1:
         parser.error("--repeats must be a positive integer")
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype) if args.dtype else None
+    dtype = dtype_name(args.dtype)
     loaded = load_model(args.model, resolve_dtype(dtype), getattr(args, "quantization", "auto"))
     prof = measure(loaded, chunks, positions, batches, contexts, args.repeats)
     assert prof.to_dict()["format"] == FORMAT

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import itertools
 
+from quanta.engine.policies.knobs import PREFILL_CAP, Knob
 from quanta.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, decode_plan, tokens_to_boundary
 from quanta.engine.sequence import Sequence, SequenceStatus
+
+PREFILL_QUANTUM = Knob("prefill_quantum", 2048, "tokens per prefill cycle while no sequence decodes", within_cap=True)
+MIXED_PREFILL_QUANTUM = Knob("mixed_prefill_quantum", 2048, "tokens per prefill cycle while a sequence decodes",
+                             within_cap=True, auto=True)
 
 
 class BatchedScheduler(Scheduler):
@@ -27,9 +32,13 @@ class BatchedScheduler(Scheduler):
         mixed_prefill_quantum: tokens per cycle while something decodes.
         prefill_cap: executor graph boundary, in positions; chunks never cross
             a multiple of it.
+
+    Both quanta are at most ``prefill_cap``; :class:`~quanta.config.SchedulerConfig`
+    checks the values against :attr:`knobs`.
     """
 
     name = "batched"
+    knobs = (PREFILL_QUANTUM, MIXED_PREFILL_QUANTUM, PREFILL_CAP)
 
     def __init__(self, max_num_seqs: int, prefill_quantum: int, mixed_prefill_quantum: int, prefill_cap: int) -> None:
         super().__init__(max_num_seqs)

@@ -13,13 +13,17 @@ and vLLM's chunked-prefill scheduler, whose budget knob has the same name;
 512 tokens was vLLM's chunked-prefill default budget.
 
 ``max_num_batched_tokens >= max_num_seqs`` is required (checked by
-:class:`~quanta.config.SchedulerConfig` and here), so all decodes always fit
+:class:`~quanta.config.SchedulerConfig`), so all decodes always fit
 and at least one token is left for each resident prefilling sequence.
 """
 
 from __future__ import annotations
 
+from quanta.engine.policies.knobs import Knob
 from quanta.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+
+MAX_NUM_BATCHED_TOKENS = Knob("max_num_batched_tokens", 512, "tokens per fused step, decodes first",
+                              seqs_bound="at_least", seqs_reason="a step must fit one decode token per resident sequence")
 
 
 class BudgetScheduler(Scheduler):
@@ -28,19 +32,13 @@ class BudgetScheduler(Scheduler):
     Args:
         max_num_seqs: resident sequences (KV slots).
         max_num_batched_tokens: tokens per step at most, >= max_num_seqs.
-
-    Raises:
-        ValueError: a budget smaller than ``max_num_seqs``.
     """
 
     name = "budget"
+    knobs = (MAX_NUM_BATCHED_TOKENS,)
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         super().__init__(max_num_seqs)
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_num_seqs ({max_num_seqs})"
-            )
         self.max_num_batched_tokens = max_num_batched_tokens
 
     def schedule(self) -> StepPlan | None:

@@ -17,9 +17,12 @@ group whose prompt is done join those decode steps.
 
 from __future__ import annotations
 
-from quanta.engine.policies.continuous import ContinuousScheduler
+from quanta.engine.policies.continuous import ADMIT_K, ContinuousScheduler
+from quanta.engine.policies.knobs import PREFILL_CAP, Knob
 from quanta.engine.scheduler import ScheduledChunk, StepPlan, decode_plan, tokens_to_boundary
 from quanta.engine.sequence import Sequence
+
+CHUNK = Knob("chunk", 512, "prompt tokens per sequence per prefill call", within_cap=True)
 
 
 class ChunkedScheduler(ContinuousScheduler):
@@ -32,16 +35,14 @@ class ChunkedScheduler(ContinuousScheduler):
         prefill_cap: executor graph boundary, in positions; chunks never cross
             a multiple of it.
 
-    Raises:
-        ValueError: ``admit_k`` out of range, or ``chunk`` larger than ``prefill_cap``.
+    :class:`~quanta.config.SchedulerConfig` checks the values against :attr:`knobs`.
     """
 
     name = "chunked"
+    knobs = (ADMIT_K, CHUNK, PREFILL_CAP)
 
     def __init__(self, max_num_seqs: int, admit_k: int, chunk: int, prefill_cap: int) -> None:
         super().__init__(max_num_seqs, admit_k)
-        if chunk > prefill_cap:
-            raise ValueError(f"chunk ({chunk}) is larger than prefill_cap ({prefill_cap})")
         self.chunk = chunk
         self.prefill_cap = prefill_cap
         self._decode_due = False  # True right after a prefill call

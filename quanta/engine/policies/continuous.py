@@ -14,7 +14,11 @@ the next one is admitted.
 
 from __future__ import annotations
 
+from quanta.engine.policies.knobs import Knob
 from quanta.engine.scheduler import Scheduler, StepPlan
+
+ADMIT_K = Knob("admit_k", 1, "admit only when at least K slots are free",
+               seqs_bound="at_most", seqs_reason="nothing would ever be admitted")
 
 
 class ContinuousScheduler(Scheduler):
@@ -22,18 +26,16 @@ class ContinuousScheduler(Scheduler):
 
     Args:
         max_num_seqs: resident sequences (KV slots).
-        admit_k: free slots (sequences) needed before admitting, 1..max_num_seqs.
-
-    Raises:
-        ValueError: ``admit_k`` outside 1..max_num_seqs (admission could never happen).
+        admit_k: free slots (sequences) needed before admitting, 1..max_num_seqs
+            (above it admission could never happen; :class:`~quanta.config.SchedulerConfig`
+            checks the values against :attr:`knobs`).
     """
 
     name = "continuous"
+    knobs = (ADMIT_K,)
 
     def __init__(self, max_num_seqs: int, admit_k: int) -> None:
         super().__init__(max_num_seqs)
-        if not 1 <= admit_k <= max_num_seqs:
-            raise ValueError(f"admit_k ({admit_k}) must be between 1 and max_num_seqs ({max_num_seqs})")
         self.admit_k = admit_k
 
     def should_admit(self) -> bool:

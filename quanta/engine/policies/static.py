@@ -20,6 +20,7 @@ class StaticScheduler(Scheduler):
     """
 
     name = "static"
+    knobs = ()
 
     def schedule(self) -> StepPlan | None:
         if not self.running:

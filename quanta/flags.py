@@ -1,0 +1,253 @@
+"""The flag pieces the ``quanta`` subcommands share; a leaf: it imports no command module.
+
+- every flag may be given once (:func:`register_once`): in the seed study a
+  duplicated flag silently overrode the intended value and spoiled a whole
+  measurement, so a repeat is an error (exit code 2) naming the flag;
+- argparse types for sizes and URLs, ``--dtype`` aliases, an ``--out`` prefix check;
+- the scheduler flag group, derived from the policies' knob declarations
+  (:class:`~quanta.engine.policies.knobs.Knob`);
+- ``quanta serve`` / ``generate`` flags and their configs, validated before any
+  model loads, and :func:`parse_serve_flags` for sweeps and replays;
+- :func:`command_line`, the ``quanta ...`` line that reports record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, EngineConfig, SchedulerConfig
+from quanta.engine.policies import KNOBS, POLICIES, takers
+from quanta.server import DEFAULT_MAX_REQUEST_BYTES
+
+#: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+#: the scheduler flag group: policy, slots and every policy's knobs.
+SCHEDULER_FLAGS = ("--scheduler", "--max-num-seqs", *(k.flag for k in KNOBS.values()))
+
+
+class _Once(argparse.Action):
+    """``store`` that refuses a second occurrence of the same option."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_seen_flags", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} was given more than once; give each flag once")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
+class _OnceTrue(_Once):
+    """A switch (no value) that, like every other flag, may be given once."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
+
+
+def register_once(p: argparse.ArgumentParser) -> None:
+    """Make every plain ``store`` option of ``p`` refuse repeats."""
+    p.register("action", None, _Once)
+    p.register("action", "store", _Once)
+
+
+def number_type(parse, accept, what: str):
+    """An argparse ``type``: ``parse`` the text, keep values where ``accept(v)``, else say ``expected {what}``."""
+
+    def convert(s: str):
+        try:
+            v = parse(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if not accept(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+
+    return convert
+
+
+positive_int = number_type(int, lambda v: v >= 1, "a positive integer")
+nonneg_int = number_type(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = number_type(float, lambda v: v > 0 and not math.isinf(v), "a positive number")  # NaN fails v > 0
+nonneg_float = number_type(float, lambda v: v >= 0 and not math.isinf(v), "a number >= 0")
+
+
+def int_or_auto(text: str) -> int | str:
+    """``auto`` or an int (argparse reports anything else as an invalid value)."""
+    return "auto" if text == "auto" else int(text)
+
+
+def base_url(s: str) -> str:
+    """``http://HOST:PORT`` with any trailing ``/`` and ``/v1`` dropped (an argparse ``type``)."""
+    if not s.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {s!r}")
+    return s.rstrip("/").removesuffix("/v1")
+
+
+def add_dtype_flag(p, text: str) -> None:
+    """``--dtype`` with its aliases and the help ``text``; :func:`dtype_name` reads it."""
+    p.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), help=text)
+
+
+def dtype_name(alias: str | None) -> str | None:
+    """``bf16`` -> ``bfloat16``, ``fp32`` -> ``float32``; None stays None (the engine's choice)."""
+    return DTYPE_ALIASES[alias] if alias else None
+
+
+def writable_prefix(prefix: str, parser, flag: str = "--out") -> Path:
+    """``prefix`` as a Path whose directory exists (created) and is writable, else exit 2 before any work."""
+    out = Path(prefix)
+    if not out.name:
+        parser.error(f"{flag} needs a file name prefix, got {prefix!r}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"{flag}: cannot create {out.parent}: {exc.strerror or exc}")
+    if not os.access(out.parent, os.W_OK):
+        parser.error(f"{flag}: {out.parent} is not writable")
+    return out
+
+
+def command_line(argv: list[str] | None) -> str:
+    """``quanta ARGS`` as typed (``argv``, else this process's arguments), for reports."""
+    return "quanta " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+
+def add_scheduler_flags(p, auto_help: str) -> None:
+    """``--scheduler``, ``--max-num-seqs`` and one flag per knob (help and default from its declaration);
+    ``auto_help`` says what ``auto`` picks, for knobs that take it."""
+    p.add_argument("--scheduler", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help=f"scheduling policy (default: {DEFAULT_POLICY})")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"resident sequences / KV slots (default {DEFAULT_MAX_NUM_SEQS})")
+    for k in KNOBS.values():
+        text = f"{'/'.join(takers(k))}: {k.help} (default {k.default})" + (f", or 'auto' ({auto_help})" if k.auto else "")
+        p.add_argument(k.flag, type=int_or_auto if k.auto else int, help=text)
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The validated config of the scheduler flags; a knob given as ``auto`` holds
+    :data:`quanta.moe.auto.AUTO_PLACEHOLDER` until the caller resolves it.
+
+    Raises:
+        ValueError: a value :class:`SchedulerConfig` rejects, naming the flag.
+    """
+    knobs = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}
+    if "auto" in knobs.values():
+        from quanta.moe.auto import AUTO_PLACEHOLDER
+
+        knobs = {name: AUTO_PLACEHOLDER if v == "auto" else v for name, v in knobs.items()}
+    return SchedulerConfig(args.scheduler, args.max_num_seqs, knobs)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """What ``serve`` and ``generate`` load, and how they schedule it."""
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    add_dtype_flag(p, "compute dtype (default: bf16 where the CPU has native bf16, else fp32)")
+    p.add_argument("--quantization", choices=("auto", "none", "int8", "int4", "fp16"), default="auto",
+                   help="weight forms of decode- and chunk-sized matmuls: auto = the GGUF's own 4-/8-bit types (int4 for "
+                        "Q4_*, int8 for Q5-Q8) plus fp16 copies on CPUs without native bf16, none = the dequantized "
+                        "reference only, int8, int4, fp16 (default: auto)")
+    p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
+    add_scheduler_flags(p, "quanta advise's choice for the model")
+
+
+def add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """Every ``quanta serve`` flag (repeats refused)."""
+    from quanta.server.tools import PARSERS as TOOL_PARSERS
+
+    register_once(serve)
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429 (default: unbounded)")
+    serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                       help="model id(s) clients send, as vLLM takes them: --served-model-name ID ALIAS... "
+                            "(default: the model file's name; the first is the id responses report)")
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="tool-call format to parse and enforce (default: chosen from the model's chat template)")
+    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
+    serve.add_argument("--no-prefix-cache", action=_OnceTrue,
+                       help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="clients must send 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health "
+                            "(default: $QUANTA_API_KEY; unset: no key)")
+    serve.add_argument("--allowed-hosts", action="append", metavar="H1,H2",
+                       help="more Host header names to accept besides localhost, IP literals and --host ('*': any)")
+    serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                       help="origin(s) web pages may call this server from (repeatable or a comma list; default: none)")
+
+
+def add_generate_flags(gen: argparse.ArgumentParser) -> None:
+    """Every ``quanta generate`` flag (repeats refused)."""
+    register_once(gen)
+    add_engine_flags(gen)
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def parse_serve_flags(flags: list[str]) -> argparse.Namespace:
+    """``quanta serve FLAGS`` parsed without exiting (for sweeps and replays of other commands).
+
+    Raises:
+        ValueError: flags the serve parser rejects, with argparse's own message.
+    """
+    serve = argparse.ArgumentParser(prog="quanta serve")
+    add_serve_flags(serve)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return serve.parse_args(flags, argparse.Namespace(command="serve"))
+    except SystemExit as exc:
+        lines = err.getvalue().strip().splitlines()
+        raise ValueError(lines[-1] if lines else "invalid serve flags") from exc
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SchedulerConfig]:
+    """Validated configs of ``serve`` / ``generate`` flags; raises ``ValueError`` with a flag-level message."""
+    sched = scheduler_config(args)
+    engine = EngineConfig(
+        model=args.model, dtype=dtype_name(args.dtype),
+        max_model_len=args.max_model_len, max_queue=getattr(args, "max_queue", None),
+        served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
+        quantization=getattr(args, "quantization", "auto"),
+    )
+    _check_command_args(args)
+    return engine, sched
+
+
+def _check_command_args(args: argparse.Namespace) -> None:
+    """The command's own flags that need no model to validate (else they fail after the load)."""
+    if getattr(args, "model", None) and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model}: no such file or directory")
+    if args.command == "serve" and not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.command == "serve" and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be a positive integer, got {args.max_request_bytes}")
+    if args.command == "serve" and args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    if args.command == "generate":
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
+        if not 0.0 <= args.temperature <= 2.0:
+            raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
+
+
+def access_policy(args: argparse.Namespace):
+    """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts`` and ``--cors-origin`` as an AccessPolicy."""
+    from quanta.server.access import AccessPolicy, split_list
+
+    key = args.api_key if args.api_key is not None else (os.environ.get("QUANTA_API_KEY") or None)
+    return AccessPolicy(key, args.host, split_list(args.allowed_hosts), split_list(args.cors_origin))
