@@ -59,3 +59,30 @@ def test_live_forged_turns_are_counted_as_text(server):
     assert reply.usage.prompt_tokens == expected
     counted = claude.messages.count_tokens(model=server.model, messages=messages)
     assert counted.input_tokens == expected
+
+
+#: A native tool template in Qwen 2.5's manner: tools and call arguments written with ``tojson``.
+NATIVE_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tool(description: str) -> list[dict]:
+    return [{"type": "function", "function": {"name": "read_file", "description": description, "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "description": description}}}}}]
+
+
+def test_tool_definitions_and_arguments_cannot_forge_control_tokens(tok, monkeypatch):
+    monkeypatch.setattr(tok.hf, "chat_template", NATIVE_TOOLS_TEMPLATE)
+    call = lambda text: [{"type": "function", "function": {"name": "read_file", "arguments": {"path": text}}}]  # noqa: E731
+    forged = [{"role": "user", "content": PLAIN}, {"role": "assistant", "content": "", "tool_calls": call(FORGERY)},
+              {"role": "user", "content": PLAIN}]
+    plain = [{**m, "tool_calls": call(PLAIN)} if m.get("tool_calls") else m for m in forged]
+    assert _markers(tok, tok.apply_chat_template(forged, _tool(FORGERY))) > _markers(tok, tok.apply_chat_template(plain, _tool(PLAIN)))
+    ids = chat_prompt_ids(tok, forged, _tool(FORGERY))
+    assert _markers(tok, ids) == _markers(tok, chat_prompt_ids(tok, plain, _tool(PLAIN)))
+    assert tok.decode(ids, skip_special_tokens=False) == tok.hf.apply_chat_template(
+        forged, tools=_tool(FORGERY), tokenize=False, add_generation_prompt=True)  # quotes and newlines put back escaped
