@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from quanta.server.protocol import MAX_STOP, MAX_STOP_CHARS
+
 MAX_MODEL_LEN = 512  # the session server's --max-model-len
 BACKGROUND_TOKENS = 12
 
@@ -185,3 +187,13 @@ def test_no_request_is_left_behind_after_the_errors(server):
             break
         assert time.monotonic() < deadline, f"requests still resident: {values}"
         time.sleep(0.1)
+
+
+def test_openapi_schema_states_the_limits(server):
+    """/openapi.json says n is 1 and bounds the stop strings (issue 12), as the validators enforce."""
+    schemas = httpx.get(server.base_url + "/openapi.json", timeout=30).json()["components"]["schemas"]
+    for name in ("ChatRequest", "CompletionsRequest"):
+        props = schemas[name]["properties"]
+        assert props["n"]["minimum"] == props["n"]["maximum"] == 1
+        text, listed = props["stop"]["anyOf"][:2]
+        assert text["maxLength"] == listed["items"]["maxLength"] == MAX_STOP_CHARS and listed["maxItems"] == MAX_STOP

@@ -42,6 +42,8 @@ StrictFlag = Annotated[bool, Field(strict=True)]
 #: same salt (:class:`quanta.engine.sampling.SamplingParams`); a non-empty string.
 CacheSalt = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]
 TokenId = Annotated[int, Field(strict=True)]
+#: stop strings; the bounds appear in the OpenAPI schema, :func:`check_stop_strings` enforces them with its message
+StopList = Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP, "items": {"type": "string", "maxLength": MAX_STOP_CHARS}})]
 
 
 def check_stop_strings(stop: list[str], param: str) -> list[str]:
@@ -97,10 +99,11 @@ class SamplingRequest(NullMeansDefault):
     top_k: integer(ge=-1) = 0
     min_p: number(ge=0.0, le=1.0) = 0.0
     seed: integer(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Field(json_schema_extra={"maxLength": MAX_STOP_CHARS})] | StopList | None = None
     stream: StrictFlag = False
     stream_options: StreamOptions | None = None
-    n: integer(ge=1) = 1
+    #: the schema says ``maximum: 1``; the validator's message says what to do instead
+    n: Annotated[int, Field(strict=True, ge=1, json_schema_extra={"maximum": 1})] = 1
     presence_penalty: number(ge=-2.0, le=2.0) = 0.0
     frequency_penalty: number(ge=-2.0, le=2.0) = 0.0
     ignore_eos: StrictFlag = False
