@@ -32,7 +32,6 @@ class KVCache:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.num_slots = num_slots
         self.max_len = max_len
 
 
