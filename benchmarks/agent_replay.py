@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -222,7 +222,8 @@ def markdown(doc: dict) -> str:
         f"{a['repeats']} repeats per condition, run alternately (on, off, on, off, ...)", "",
         "TTFT is client side (sent -> first token) and includes waiting behind the other sessions' steps; "
         "new tok/s = computed (new) prompt tokens / TTFT. Figures: median (min-max) over the repeats.", "",
-        "| session | turn | prompt tok | on: cached | on: new | on: TTFT s | on: new tok/s | off: new | off: TTFT s | off: new tok/s | same output |",
+        "| session | turn | prompt tok | on: cached | on: new | on: TTFT s | on: new tok/s | off: new | off: TTFT s | off: new tok/s | "
+        "same output |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = on + off
@@ -240,7 +241,8 @@ def markdown(doc: dict) -> str:
         prompt = sum(x["prompt"] for x in rows[0])
         cached = _median(sum(x["cached"] for x in rr) for rr in rows)
         sv = [r["server"] for r in reps]
-        lines.append(f"| {name} | {prompt} | {cached:.0f} | {cached / prompt:.0%} | {_span(_median(x['ttft'] for x in rr) for rr in rows)} | "
+        lines.append(f"| {name} | {prompt} | {cached:.0f} | {cached / prompt:.0%} | "
+                     f"{_span(_median(x['ttft'] for x in rr) for rr in rows)} | "
                      f"{_median(v['prefill_tokens'] for v in sv):.0f} | {_span((v['prefill_seconds'] for v in sv), 1)} | "
                      f"{_span((v['prefill_tok_per_s'] for v in sv), 0)} | {_span((r['wall_s'] for r in reps), 1)} |")
     n = len(on[0]["samples"])
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         conditions["on"].append(run_condition("on", flags, args))
         conditions["off"].append(run_condition("off", flags + ["--no-prefix-cache"], args))
-    doc = {"kind": "agent_replay", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    doc = {"kind": "agent_replay", "date": datetime.now(UTC).isoformat(timespec="seconds"),
            "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
            "code_version": code_version(), "machine": machine(), "args": vars(args), "conditions": conditions}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -23,7 +23,7 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -156,7 +156,7 @@ def main() -> int:
         print(f"| {label} | {fmt(r['quanta'])} | {fmt(r['transformers'])} | "
               f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"date": datetime.now(timezone.utc).isoformat(), "machine": info, "dtype": dtype_name, "repeats": args.repeats,
+    record = {"date": datetime.now(UTC).isoformat(), "machine": info, "dtype": dtype_name, "repeats": args.repeats,
               "quantization": args.quantization, "kernels": loaded.kernels,
               "results": results}
     args.out.write_text(json.dumps(record, indent=2))

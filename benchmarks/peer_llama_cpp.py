@@ -32,7 +32,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -183,7 +183,7 @@ def main() -> int:
     print(f"bench results (quanta's carry its server trace, for quanta profile-engine --from-bench): {workdir}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(table)
-    record = {"date": datetime.now(timezone.utc).isoformat(), "machine": info, "rounds": args.rounds,
+    record = {"date": datetime.now(UTC).isoformat(), "machine": info, "rounds": args.rounds,
               "results": {w: {s: summarize(v) for s, v in r.items()} for w, r in results.items()}}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=2))
     return 0
@@ -196,11 +196,11 @@ def _startup_line(log: Path) -> str:
 
 
 def render(results: dict, info: dict, rounds: int) -> str:
-    out = [f"# quanta vs llama-server ({datetime.now(timezone.utc).date()})", "",
+    out = [f"# quanta vs llama-server ({datetime.now(UTC).date()})", "",
            f"- machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {info['cpu_flags']}",
            f"- llama-server: llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON}, CPU Release, `{' '.join(LLAMA_ARGS)}`",
            f"- quanta: `quanta serve {' '.join(info['quanta_args'])}`; startup: `{info['quanta_startup']}`",
-           f"- model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF for both; client: `quanta bench run` on the same machine",
+           "- model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF for both; client: `quanta bench run` on the same machine",
            f"- {rounds} rounds, servers alternating first; median (min-max) over rounds; ratio = quanta / llama-server "
            "of the medians (for time per token: llama / quanta, so > 1 means quanta is faster)", "",
            "| workload | llama-server | quanta | quanta / llama (speed) |", "|---|---|---|---|"]

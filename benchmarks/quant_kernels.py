@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -99,7 +99,7 @@ def main() -> int:
         mb = r["weight_bytes"] / 1e6
         print(f"| {name} | {mb:.0f} | {mb / bandwidth:.1f} | " + " | ".join(f"{r['ms'][n]:.1f}" for n in ROWS) + " |")
     if args.out:
-        args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "machine": info,
+        args.out.write_text(json.dumps({"date": datetime.now(UTC).isoformat(), "machine": info,
                                         "bandwidth_gb_s": bandwidth, "results": results}, indent=2))
     return 0
 

@@ -45,7 +45,7 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduler {self.name!r}; choose one of: {', '.join(POLICIES)}")
         self.knobs = _checked_knobs(POLICIES[self.name].knobs, self.name, self.max_num_seqs, self.knobs)
 
-    def with_knob(self, knob: str, value: int) -> "SchedulerConfig":
+    def with_knob(self, knob: str, value: int) -> SchedulerConfig:
         """A validated copy with ``knob`` set to ``value`` (e.g. a resolved ``auto`` quantum).
 
         Raises:

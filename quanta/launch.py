@@ -63,7 +63,8 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     name: str
-    #: the matmul kernels chosen at load, e.g. ``projections=int4(rows<=2)+fp16(rows<=2048) lm_head=fp16(rows<=2048) reference=float32-F.linear``
+    #: the matmul kernels chosen at load, e.g.
+    #: ``projections=int4(rows<=2)+fp16(rows<=2048) lm_head=fp16(rows<=2048) reference=float32-F.linear``
     kernels: str = ""
 
 

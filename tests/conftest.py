@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from quanta.bench.server import ServerProcess, free_port, start
+from quanta.bench.server import ServerProcess, start
 
 STARTUP_TIMEOUT_S = 120.0
 

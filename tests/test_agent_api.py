@@ -83,10 +83,12 @@ def test_tool_result_round_trip_reaches_the_prompt(server, named_call):
         {"role": "tool", "tool_call_id": call.id, "content": "The notes say: buy milk."},
     ]
     client = client_for(server)
-    r = client.chat.completions.create(model=server.model, messages=history, tools=[READ_FILE], tool_choice="none", temperature=0, max_tokens=8)
+    r = client.chat.completions.create(model=server.model, messages=history, tools=[READ_FILE], tool_choice="none", temperature=0,
+                                       max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     longer = history[:-1] + [{"role": "tool", "tool_call_id": call.id, "content": "The notes say: buy milk and eggs and bread."}]
-    r2 = client.chat.completions.create(model=server.model, messages=longer, tools=[READ_FILE], tool_choice="none", temperature=0, max_tokens=1)
+    r2 = client.chat.completions.create(model=server.model, messages=longer, tools=[READ_FILE], tool_choice="none", temperature=0,
+                                        max_tokens=1)
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the tool result is in the prompt
 
 
@@ -145,7 +147,7 @@ def test_completion_logprobs_offsets(server):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 2 and math.isclose(max(top.values()), logprob, abs_tol=1e-6)
     assert "".join(lp.tokens).startswith(r.choices[0].text)
 

@@ -5,7 +5,13 @@ import math
 import pytest
 
 from quanta.analysis.requests import (
-    RequestSample, client_intervals, client_metrics, gaps_overlapping, probe_metrics, request_latencies, token_times,
+    RequestSample,
+    client_intervals,
+    client_metrics,
+    gaps_overlapping,
+    probe_metrics,
+    request_latencies,
+    token_times,
 )
 from quanta.analysis.scrape import by_kind, parse_prometheus, scrape_deltas, scrape_overlap
 

@@ -6,7 +6,13 @@ import math
 import pytest
 
 from quanta.analysis.server_trace import (
-    decoding_intervals, emission_times, load_trace_file, phase_split, step_counts, trace_itl, trace_metrics,
+    decoding_intervals,
+    emission_times,
+    load_trace_file,
+    phase_split,
+    step_counts,
+    trace_itl,
+    trace_metrics,
 )
 
 

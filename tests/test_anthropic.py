@@ -149,7 +149,9 @@ def _expect_error(exc_info, status: int, kind: str, fragment: str) -> None:
     ({"tools": [{"name": "ls", "description": "list", "input_schema": {"type": "object"}}],
       "tool_choice": {"type": "tool", "name": "rm"}}, "'rm', which is not among tools"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "ls", "input": {}}]}]}, "tool_use"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image",
+                                                 "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+     "image"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
 ])

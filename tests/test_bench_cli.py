@@ -17,8 +17,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
-from conftest import free_port
 from quanta.cli import main
+
+from conftest import free_port
 
 
 def _bench(*argv: str) -> int:
@@ -203,7 +204,8 @@ def test_probe_and_replay_workloads_against_quanta(server, tmp_path):
 
 def test_sweep_starts_verifies_and_stops_a_server_per_condition(tmp_path):
     prefix = tmp_path / "bench_sweep"
-    assert _bench("sweep", "--interleave", "--grid", "--scheduler continuous --admit-k 2,8", "--server-flags", "--max-num-seqs 4 --max-model-len 256",
+    assert _bench("sweep", "--interleave", "--grid", "--scheduler continuous --admit-k 2,8",
+                  "--server-flags", "--max-num-seqs 4 --max-model-len 256",
                   "--num-requests", "4", "--max-tokens", "6", "--prompt-words", "8", "--repeats", "2", "--warmup", "0",
                   "--no-progress", "--out", str(prefix)) == 0
     doc = json.loads(prefix.with_suffix(".json").read_text())

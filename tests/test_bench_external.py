@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from quanta.bench.external import ExternalServer, TemplateError, condition_values, from_args, parse_rule
+from quanta.bench.external import TemplateError, condition_values, from_args, parse_rule
 from quanta.bench.sweep import expand
 from quanta.cli import main
 

@@ -12,7 +12,8 @@ from quanta.bench.workloads import Workload, arrival_times
 def test_seed_002_grid_is_a_union_of_grids():
     conds = expand(["--scheduler static", "--scheduler continuous --admit-k 1,2,4,8,16,32", "--scheduler chunked --chunk 8,16,32"],
                    "--max-num-seqs 32")
-    assert [c.name for c in conds] == ["static"] + [f"continuous K={k}" for k in (1, 2, 4, 8, 16, 32)] + [f"chunked C={c}" for c in (8, 16, 32)]
+    assert [c.name for c in conds] == (["static"] + [f"continuous K={k}" for k in (1, 2, 4, 8, 16, 32)]
+                                       + [f"chunked C={c}" for c in (8, 16, 32)])
     assert conds[1].flags == ["--scheduler", "continuous", "--admit-k", "1", "--max-num-seqs", "32"]
     cross = expand(["--scheduler batched --prefill-quantum 64,128 --mixed-prefill-quantum 32,64"])
     assert len(cross) == 4 and cross[-1].name == "batched pq=128 mpq=64"

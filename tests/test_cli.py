@@ -17,7 +17,6 @@ import pytest
 from quanta import cli, flags
 
 
-
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "quanta.cli", *args], capture_output=True, text=True, timeout=timeout)
 
@@ -95,7 +94,8 @@ INVALID = [
     (["serve", "--mixed-prefill-quantum", "0"], ["--mixed-prefill-quantum"]),
     (["serve", "--prefill-cap", "0"], ["--prefill-cap"]),
     (["serve", "--prefill-quantum", "8192"], ["--prefill-quantum", "8192", "--prefill-cap", "4096"]),
-    (["serve", "--prefill-quantum", "256", "--mixed-prefill-quantum", "600", "--prefill-cap", "512"], ["--mixed-prefill-quantum", "600", "--prefill-cap", "512"]),
+    (["serve", "--prefill-quantum", "256", "--mixed-prefill-quantum", "600", "--prefill-cap", "512"],
+     ["--mixed-prefill-quantum", "600", "--prefill-cap", "512"]),
     (["serve", "--scheduler", "static", "--prefill-cap", "1024"], ["--prefill-cap", "static"]),
     (["serve", "--scheduler", "static", "--prefill-quantum", "64"], ["--prefill-quantum", "static"]),
     (["serve", "--max-model-len", "0"], ["--max-model-len"]),

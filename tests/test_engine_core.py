@@ -9,10 +9,10 @@ import sys
 
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
-from quanta.engine.stop_strings import StopMatcher, TextState
 from quanta.engine.policies.chunked import ChunkedScheduler
 from quanta.engine.policies.continuous import ContinuousScheduler
 from quanta.engine.sampling import SamplingParams
+from quanta.engine.stop_strings import StopMatcher, TextState
 
 #: token ``i`` decodes to ``PIECES[i]``
 PIECES = ["", "a", "b", "<stop>", "c"]

@@ -19,11 +19,11 @@ import httpx
 import openai
 import pytest
 import torch
-from inprocess_server import CRASH_SEED, POISON_TOP_K, SECRET, PoisoningEngine, serve_in_process
 
+from inprocess_server import CRASH_SEED, POISON_TOP_K, SECRET, PoisoningEngine, serve_in_process
 from quanta.config import EngineConfig, SchedulerConfig
-from quanta.engine.stop_strings import TextState
 from quanta.engine.sampling import SamplingParams
+from quanta.engine.stop_strings import TextState
 from quanta.launch import build_engine, load_model
 
 MAX_MODEL_LEN = 256
@@ -238,7 +238,8 @@ def _anthropic_cases(model: str) -> list[tuple[str, str, object, list[str]]]:
         ("max-tokens-digit-string", "/v1/messages", msg(max_tokens="4"), ["max_tokens"]),
         ("max-tokens-null", "/v1/messages", msg(max_tokens=None), ["max_tokens", "required"]),
         ("temperature-nan", "/v1/messages",
-         f'{{"model": "{model}", "max_tokens": 4, "temperature": NaN, "messages": [{{"role": "user", "content": "hi"}}]}}', ["temperature"]),
+         f'{{"model": "{model}", "max_tokens": 4, "temperature": NaN, "messages": [{{"role": "user", "content": "hi"}}]}}',
+         ["temperature"]),
         ("top-k-bool", "/v1/messages", msg(top_k=True), ["top_k"]),
         ("prompt-chars-beyond-context", "/v1/messages", msg(messages=[{"role": "user", "content": "word " * 10_000}]),
          ["50000 characters", str(MAX_MODEL_LEN - 1)]),

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_helpers import tiny_moe_dir
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model
+
+from moe_helpers import tiny_moe_dir
 
 
 def test_each_step_records_the_expert_statistics_of_its_own_forward_pass(tmp_path_factory):

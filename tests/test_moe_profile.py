@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
-from moe_helpers import tiny_moe_dir
 from quanta.launch import load_model
 from quanta.moe import formulas
 from quanta.moe.advisor import advise, load_cost_report
 from quanta.moe.prefill_cost import saturation_point
-from quanta.moe.report import format_report, cost_report_cache_path, write_report
+from quanta.moe.report import cost_report_cache_path, format_report, write_report
+
+from moe_helpers import tiny_moe_dir
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_helpers import tiny_moe_dir
 from quanta import cli
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_checkpoint
+
+from moe_helpers import tiny_moe_dir
 
 
 @pytest.fixture(scope="module")

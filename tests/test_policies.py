@@ -18,7 +18,12 @@ from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.policies import (
-    POLICIES, BatchedScheduler, BudgetScheduler, ChunkedScheduler, ContinuousScheduler, StaticScheduler,
+    POLICIES,
+    BatchedScheduler,
+    BudgetScheduler,
+    ChunkedScheduler,
+    ContinuousScheduler,
+    StaticScheduler,
 )
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.sequence import Sequence

@@ -158,7 +158,8 @@ def test_only_the_tail_is_prefilled_and_the_cap_split_starts_there():
 
 
 def test_without_reuse_the_same_turn_is_prefilled_whole():
-    engine, ex = fake_engine(SchedulerConfig("batched", 2, {"prefill_quantum": 8, "mixed_prefill_quantum": 8, "prefill_cap": 8}), reuse=False)
+    engine, ex = fake_engine(SchedulerConfig("batched", 2, {"prefill_quantum": 8, "mixed_prefill_quantum": 8, "prefill_cap": 8}),
+                             reuse=False)
     engine.add_request(list(range(100, 110)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     drain(engine)
     ex.chunks.clear()

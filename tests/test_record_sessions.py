@@ -17,9 +17,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port
 from quanta.bench.sessions import SessionFileError, load
 from quanta.cli import main
+
+from conftest import free_port
 
 MARK = "zebraquartz"  # a word of every prompt: the file must not contain it without --record-text
 
@@ -209,8 +210,10 @@ def test_observed_parses_streams_split_anywhere():
                   b"data: [DONE]\n\n")
     anthropic_sse = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":3,'
                      b'"cache_read_input_tokens":5,"output_tokens":0}}}\n\n'
-                     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}\n\n'
-                     b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"output_tokens":1}}\n\n')
+                     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                     b'"delta":{"type":"text_delta","text":"Hi"}}\n\n'
+                     b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
+                     b'"usage":{"output_tokens":1}}\n\n')
     for raw, expected in [(openai_sse, ("Hello", 7, 2, 4, "length")), (anthropic_sse, ("Hi", 8, 1, 5, "max_tokens"))]:
         obs = Observed("chat")
         obs.sse = True

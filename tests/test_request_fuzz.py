@@ -23,8 +23,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inprocess_server import CRASH_SEED, POISON_TOP_K, serve_in_process
 
+from inprocess_server import CRASH_SEED, POISON_TOP_K, serve_in_process
 from quanta.launch import load_model
 
 MAX_MODEL_LEN = 192

@@ -431,7 +431,8 @@ def test_metrics_names_and_counters_move(server):
     assert delta("quanta:e2e_request_latency_seconds_count") == 1
     assert delta("quanta:inter_token_latency_seconds_count") == max_tokens - 1
     assert delta('quanta:request_success_total{finished_reason="length"}') == 1
-    for name in ("quanta:time_to_first_token_seconds_sum", "quanta:inter_token_latency_seconds_sum", "quanta:e2e_request_latency_seconds_sum"):
+    for name in ("quanta:time_to_first_token_seconds_sum", "quanta:inter_token_latency_seconds_sum",
+                 "quanta:e2e_request_latency_seconds_sum"):
         assert delta(name) > 0, name
     # the request's end-to-end time covers its first token
     assert delta("quanta:e2e_request_latency_seconds_sum") >= delta("quanta:time_to_first_token_seconds_sum")

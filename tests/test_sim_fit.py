@@ -17,7 +17,7 @@ from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
 from quanta.sim import Profile
 from quanta.sim.fit import FitError, fit, steps_from_trace
-from quanta.sim.run import condition, simulate
+from quanta.sim.run import simulate
 
 TRUE = Profile(prefill_points=[(8, 3e-3), (64, 1.5e-3), (256, 1e-3)], decode_points=[(1, 0.03), (4, 0.033), (8, 0.04)],
                overhead_s=0.005, prefill_ctx=1e-7, decode_ctx=1e-6)

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from quanta.server.tools import (
-    HermesParser, Llama3JsonParser, MistralParser, ToolStream, choose_parser, render_for_template, template_reads_tools,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolStream,
+    choose_parser,
+    render_for_template,
+    template_reads_tools,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {

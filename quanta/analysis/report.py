@@ -94,7 +94,8 @@ def main_table(conditions: list[dict], baseline: str | None, paired: bool = Fals
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in conditions:
         if not c.get("valid", True) or not c.get("figures"):
-            lines.append(f"| {c['name']} | " + " | ".join(["invalid: " + c.get("invalid_reason", "no data")] + [""] * (len(head) - 2)) + " |")
+            cells = ["invalid: " + c.get("invalid_reason", "no data")] + [""] * (len(head) - 2)
+            lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
             continue
         p99_vals = _vals(c, "itl_p99")
         p99 = median_iqr(p99_vals)

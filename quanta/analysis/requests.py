@@ -61,7 +61,7 @@ class RequestSample:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RequestSample":
+    def from_dict(cls, d: dict) -> RequestSample:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 

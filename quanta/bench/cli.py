@@ -17,7 +17,13 @@ from quanta.bench import external
 from quanta.bench.workloads import CLIENT_ONLY, KINDS, Workload
 from quanta.engine.policies import KNOBS
 from quanta.flags import (
-    base_url, command_line, nonneg_float, nonneg_int, positive_float, positive_int, register_once,
+    base_url,
+    command_line,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    register_once,
 )
 
 
@@ -47,7 +53,8 @@ def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str,
                         "eos (natural EOS length, --max-tokens caps it) (default fixed)")
     t = p.add_argument_group("trace workload (--workload trace: a Mooncake JSONL request trace)")
     t.add_argument("--trace", metavar="FILE", help="trace file: timestamp (ms), input_length, output_length, hash_ids per line")
-    t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply the trace's arrival gaps (2: half the rate) (default 1)")
+    t.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="multiply the trace's arrival gaps (2: half the rate) (default 1)")
     t.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply prompt, output and 512-token block lengths (0.05: 7k-token prompts become 350) (default 1)")
     t.add_argument("--start", dest="trace_start", type=nonneg_int, default=0, help="first trace line replayed, 0-based (default 0)")
@@ -57,12 +64,14 @@ def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str,
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
     g = add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)", (*KINDS, *CLIENT_ONLY))
-    g.add_argument("--sessions-file", metavar="FILE", help="sessions: agent sessions recorded by quanta record (JSONL), replayed identically")
+    g.add_argument("--sessions-file", metavar="FILE",
+                   help="sessions: agent sessions recorded by quanta record (JSONL), replayed identically")
     m = p.add_argument_group("measurement")
     m.add_argument("--repeats", type=positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
     m.add_argument("--warmup", type=nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")
     m.add_argument("--scrape", type=positive_float, help="scrape /metrics every S seconds (seed 000 used 15)")
-    m.add_argument("--max-duration", type=positive_float, default=600.0, help="bound of one run; later requests fail as deadline (default 600)")
+    m.add_argument("--max-duration", type=positive_float, default=600.0,
+                   help="bound of one run; later requests fail as deadline (default 600)")
     m.add_argument("--request-timeout", type=positive_float, default=300.0, help="bound of one request (default 300)")
     m.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="OpenAI endpoint (default completions)")
     m.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="do not send ignore_eos (outputs may end early)")
@@ -85,8 +94,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     _workload_flags(run)
     sw = bsub.add_parser("sweep", help="start a fresh quanta server per grid condition and measure each")
     register_once(sw)
-    sw.add_argument("--grid", action="append", metavar="SPEC", help="serve flags with comma lists, e.g. '--scheduler continuous --admit-k 1,2,4'; "
-                    "repeat for a union of grids")
+    sw.add_argument("--grid", action="append", metavar="SPEC",
+                    help="serve flags with comma lists, e.g. '--scheduler continuous --admit-k 1,2,4'; repeat for a union of grids")
     sw.add_argument("--scheduler", dest="grid_scheduler", metavar="LIST", help="comma list of schedulers (instead of --grid)")
     sw.add_argument("--max-num-seqs", dest="grid_max_num_seqs", metavar="LIST", help="comma list (instead of --grid)")
     for knob in KNOBS.values():

@@ -122,7 +122,7 @@ class ExternalServer:
     startup_timeout: float = srvmod.STARTUP_TIMEOUT_S
 
     @classmethod
-    def from_args(cls, template: str, health: str, verify: list[str], startup_timeout: float) -> "ExternalServer":
+    def from_args(cls, template: str, health: str, verify: list[str], startup_timeout: float) -> ExternalServer:
         """Raises TemplateError: no ``{port}`` in the template, a bad rule, a knob verified twice."""
         try:
             shlex.split(template)

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import platform
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from quanta.analysis import plots
@@ -85,7 +85,8 @@ def code_version() -> str | None:
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True,
+                               timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if head.returncode != 0:
@@ -111,7 +112,7 @@ def document(kind: str, command: str, workload, repeats: int, conditions: list[d
         from quanta.bench.mooncake import reuse
 
         extra["trace_reuse"] = reuse(workload.trace_requests(), workload.block_tokens())
-    return {**extra, "kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    return {**extra, "kind": kind, "created": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
             "command": command, "workload": workload.to_dict(), "workload_text": workload.describe(), "repeats": repeats,
             "baseline": baseline, "note": note, "code": code_version(), "conditions": conditions}
 
@@ -174,10 +175,11 @@ def _probe_section(doc: dict) -> str:
         ps = [r["metrics"].get("probe") for r in c.get("runs", []) if r["metrics"].get("probe")]
         if not ps:
             continue
-        g = lambda f: [f(p) for p in ps]  # noqa: E731
+        g = lambda f, ps=ps: [f(p) for p in ps]  # noqa: E731
         rows.append(f"| {c['name']} | {fmt_spread(g(lambda p: p['prompt_tokens'] or math.nan), 1, 0)} | "
                     f"{fmt_spread(g(lambda p: p['prefill_tok_s']), 1, 0)} | {fmt_spread(g(lambda p: p['itl_during']['p50']), 1e3, 1)} | "
-                    f"{fmt_spread(g(lambda p: p['itl_during']['p99']), 1e3, 1)} | {fmt_spread(g(lambda p: p['itl_outside']['p99']), 1e3, 1)} |")
+                    f"{fmt_spread(g(lambda p: p['itl_during']['p99']), 1e3, 1)} | "
+                    f"{fmt_spread(g(lambda p: p['itl_outside']['p99']), 1e3, 1)} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

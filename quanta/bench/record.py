@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -128,7 +128,7 @@ class Recorder:
         self.pending: dict[int, tuple] = {}
         self.written = 0
         self.file = open(out, "x", encoding="utf-8")  # never overwrites (checked before; 'x' closes the race)
-        self._line({"format": FORMAT, "upstream": upstream, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        self._line({"format": FORMAT, "upstream": upstream, "started": datetime.now(UTC).isoformat(timespec="seconds"),
                     "record_text": record_text, "time_unit": "s", "token_source": "upstream usage"})
 
     def now(self) -> float:

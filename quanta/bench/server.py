@@ -113,7 +113,8 @@ def launch(command: list[str], base_url: str, health_url: str, log_path: Path, t
         with httpx.Client(timeout=5.0) as client:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode} ({server.last_line()})\n--- log tail ---\n{server.log_tail()}")
+                    raise RuntimeError(f"{name} exited with code {proc.returncode} ({server.last_line()})\n"
+                                       f"--- log tail ---\n{server.log_tail()}")
                 try:
                     if client.get(health_url).status_code == 200:
                         return server

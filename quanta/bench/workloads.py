@@ -80,7 +80,7 @@ class Workload:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Workload":
+    def from_dict(cls, d: dict) -> Workload:
         """A workload from :meth:`to_dict` output; keys missing (older results) take their defaults.
 
         Raises:
@@ -216,7 +216,7 @@ def arrival_times(kind: str, n: int, rate: float, burstiness: float, rng: random
     if kind == "burst":
         return [0.0] * n
     t, out = 0.0, []
-    for i in range(n):
+    for _i in range(n):
         out.append(t)
         if kind == "poisson":
             t += rng.expovariate(rate)
@@ -333,7 +333,7 @@ async def execute(client: httpx.AsyncClient, target: Target, w: Workload, max_du
     task = asyncio.ensure_future(_RUNNERS[w.kind](run))
     try:
         await asyncio.wait_for(task, timeout=max_duration)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     for s in run.samples:  # requests never sent before the deadline
         if s.sent is None and s.error is None:

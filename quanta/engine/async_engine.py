@@ -106,7 +106,7 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Hand a request to the engine; returns once the engine has accepted it.
 
         Raises:
@@ -234,7 +234,7 @@ class RequestStream:
         self._owner, self._sub = owner, sub
         self.finished = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:

@@ -38,3 +38,4 @@ class Executor(ABC):
 
     def release(self, seq_id: int) -> None:
         """Forget per-sequence state of a finished sequence (default: none kept)."""
+        return None

@@ -61,9 +61,9 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    constraint: "TokenConstraint | None" = None
+    constraint: TokenConstraint | None = None
     logprobs: int | None = None
-    logprob_records: list["TokenLogprob"] = field(default_factory=list)
+    logprob_records: list[TokenLogprob] = field(default_factory=list)
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
@@ -118,7 +118,7 @@ class FailedSample(int):
 
     error: Exception
 
-    def __new__(cls, error: Exception) -> "FailedSample":
+    def __new__(cls, error: Exception) -> FailedSample:
         self = super().__new__(cls, -1)
         self.error = error
         return self

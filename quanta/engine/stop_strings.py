@@ -102,7 +102,7 @@ class TextState:
     stop_string: str | None = None
 
     @classmethod
-    def create(cls, detokenizer: IncrementalDetokenizer, stop: list[str]) -> "TextState":
+    def create(cls, detokenizer: IncrementalDetokenizer, stop: list[str]) -> TextState:
         """A fresh state over ``detokenizer`` that ends at the first of ``stop`` (empty strings ignored)."""
         stops = [s for s in stop if s]
         return cls(detokenizer, StopMatcher(stops) if stops else None)

@@ -70,7 +70,7 @@ class AttentionBatch:
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     _write_slots: torch.Tensor = field(init=False)
     _prefills: list[tuple[int, SeqSlice]] = field(init=False)
-    _decode: "_DecodeGroup | None" = field(init=False)
+    _decode: _DecodeGroup | None = field(init=False)
 
     def __post_init__(self) -> None:
         positions, slots, self._prefills = [], [], []

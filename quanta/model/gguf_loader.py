@@ -178,7 +178,8 @@ def _gguf_config(
         # ggml shapes are innermost-first: token_embd is [hidden, vocab].
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=_gguf_field(reader, f"{gguf_arch}.feed_forward_length") or moe.get("moe_intermediate_size") or required("feed_forward_length"),
+        intermediate_size=(_gguf_field(reader, f"{gguf_arch}.feed_forward_length") or moe.get("moe_intermediate_size")
+                           or required("feed_forward_length")),
         num_hidden_layers=required("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=_gguf_field(reader, f"{gguf_arch}.attention.head_count_kv", heads),

@@ -185,6 +185,7 @@ def format_advice(advice: Advice, chosen_label: str = "recommended") -> str:
         lines.append(f"{c.quantum:>8}  {cell(c.tokens_per_expert, '.1f', 13)}  {cell(c.unique_experts_expected, '.1f', 14)}  "
                      f"{cell(c.ms_per_token, '.3f', 9)}  {cell(c.moe_ms_per_token, '.3f', 12)}  {cell(c.decode_gap_ms, '.0f', 13)}{mark}")
     lines += ["", "unique experts: random-routing expectation E(1-(1-K/E)^Q); ms/token: measured pure prefill cost "
-              "of whole steps, MoE ms/token: of the MoE blocks alone (quanta profile, this model only); decode gap: what a decoding session waits per token while another "
+              "of whole steps, MoE ms/token: of the MoE blocks alone (quanta profile, this model only); "
+              "decode gap: what a decoding session waits per token while another "
               "prefills, one decode step + Q x ms/token ('-': not measured)."]
     return "\n".join(lines)

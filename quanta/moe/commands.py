@@ -46,7 +46,8 @@ def add_commands(sub, register_once) -> None:
     prof = sub.add_parser("profile", help="measure pure prefill cost per token against the quantum")
     register_once(prof)
     prof.add_argument("what", choices=["moe", "prefill"], help="moe: an MoE model (expert statistics included); prefill: any model")
-    prof.add_argument("--model", help="model directory or GGUF (default: moe: made from --preset in a temporary directory; prefill: the embedded model)")
+    prof.add_argument("--model", help="model directory or GGUF "
+                      "(default: moe: made from --preset in a temporary directory; prefill: the embedded model)")
     prof.add_argument("--preset", default="seed-moe-mini", help="synthetic preset used when --model is not given (default seed-moe-mini)")
     prof.add_argument("--out", default="benchmarks/results", help="report directory (default benchmarks/results)")
     prof.add_argument("--quanta", default="128,256,512,1024,2048,4096,8192", help="comma-separated quanta (tokens)")

@@ -151,7 +151,8 @@ def measure_prefill_cost(loaded, quanta=DEFAULT_QUANTA, prompt_tokens: int = 819
         for q in quanta:
             t0 = time.monotonic()
             runs[q].append(summarize_run(prefill_run(executor, prompt, q, max(prompt_tokens, q)), prompt_tokens))
-            log.info("repeat %d/%d quantum %5d: %.3f ms/token (%.1f s)", rep + 1, repeats, q, runs[q][-1]["ms_per_token"], time.monotonic() - t0)
+            log.info("repeat %d/%d quantum %5d: %.3f ms/token (%.1f s)", rep + 1, repeats, q, runs[q][-1]["ms_per_token"],
+                     time.monotonic() - t0)
         for cap in frag_runs:
             frag_runs[cap].append(summarize_run(prefill_run(executor, prompt, frag_quantum, cap), prompt_tokens))
             log.info("repeat %d/%d fragmentation cap %d: %d calls, %.3f ms/token", rep + 1, repeats, cap,
@@ -170,10 +171,12 @@ def measure_prefill_cost(loaded, quanta=DEFAULT_QUANTA, prompt_tokens: int = 819
         "synthetic": cfg.synthetic,
         "model": model_shape(loaded),
         "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": _loadavg()},
-        "method": {"prompt_tokens": prompt_tokens, "repeats": repeats, "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "method": {"prompt_tokens": prompt_tokens, "repeats": repeats,
+                   "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
                    "scheduler": "batched, max_num_seqs=1, prefill_quantum=Q, prefill_cap=max(prompt, Q)",
                    "timing": "sum of trace step durations (time.monotonic around Executor.execute) / prompt tokens",
-                   "moe_timing": "wall time of the MoE blocks (router to output, perf_counter), summed over layers and steps / prompt tokens",
+                   "moe_timing": "wall time of the MoE blocks (router to output, perf_counter), "
+                                 "summed over layers and steps / prompt tokens",
                    "statistic": "median of repeats, spread min-max", "saturation_tolerance": SATURATION_TOLERANCE,
                    "saturation_rule": "smallest tokens per expert whose median MoE-block cost is within the tolerance of the best"},
         "rows": rows,

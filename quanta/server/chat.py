@@ -107,7 +107,7 @@ async def serve_completion(state, request: Request, body: CompletionsRequest) ->
     return await _serve(state, request, body, prompt, CompletionFormat(LogprobFormatter(state.tokenizer)))
 
 
-async def _serve(state, request: Request, body, prompt: list[int], fmt: "_Format") -> Response:
+async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format) -> Response:
     check_model(state, body.model)
     grammar, param = _request_grammar(state, body)
     made: list[SamplingParams] = []
@@ -133,7 +133,7 @@ class _Meta:
     model: str
 
 
-async def _collect(fmt: "_Format", stream: RequestStream, records: list | None) -> Response:
+async def _collect(fmt: _Format, stream: RequestStream, records: list | None) -> Response:
     texts, last = [], None
     async for out in stream:
         texts.append(out.text)
@@ -141,7 +141,7 @@ async def _collect(fmt: "_Format", stream: RequestStream, records: list | None) 
     return JSONResponse(fmt.full("".join(texts), last, records))
 
 
-async def _sse(fmt: "_Format", stream: RequestStream, include_usage: bool, records: list | None):
+async def _sse(fmt: _Format, stream: RequestStream, include_usage: bool, records: list | None):
     """The chunks, then ``data: [DONE]``, also after an error event (as vLLM sends it)."""
     async for event in ending_in_error(_chunks(fmt, stream, include_usage, records), stream, _error_event):
         yield event
@@ -152,7 +152,7 @@ def _error_event(message: str) -> str:
     return f"data: {json.dumps(error_body(500, message))}\n\n"
 
 
-async def _chunks(fmt: "_Format", stream: RequestStream, include_usage: bool, records: list | None):
+async def _chunks(fmt: _Format, stream: RequestStream, include_usage: bool, records: list | None):
     def event(payload: dict) -> str:
         if include_usage:
             payload["usage"] = None
@@ -261,7 +261,8 @@ class ChatFormat(_Format):
             text += rest
         chunks = [self._chunk({"content": text}, None, records)] if text or records else []
         for i, call in enumerate(calls):
-            chunks.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
+            chunks.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                                       "function": {"name": call.name, "arguments": ""}}]}))
             chunks.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}))
         if out.finished:
             chunks.append(self._chunk({}, _tool_finish(finish) if calls else finish))

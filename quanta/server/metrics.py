@@ -66,7 +66,8 @@ class EngineMetrics:
             buckets=EXPERT_BUCKETS, registry=r,
         )
         self.moe_last_unique_experts = Gauge("quanta:moe_last_unique_experts", "Unique experts of the last step.", registry=r)
-        self.moe_last_tokens_per_expert = Gauge("quanta:moe_last_tokens_per_expert", "Tokens per active expert of the last step.", registry=r)
+        self.moe_last_tokens_per_expert = Gauge("quanta:moe_last_tokens_per_expert", "Tokens per active expert of the last step.",
+                                                registry=r)
         self.step_seconds = Counter("quanta:engine_step_seconds", "Busy time of executed steps by kind.", ["kind"], registry=r)
         self._last_token_time: dict[int, float] = {}
 

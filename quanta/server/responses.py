@@ -268,7 +268,8 @@ async def _events(ev: _Events, b: _Builder, stream: RequestStream, tools: ToolSt
                 for e in _open_message(ev, b):
                     yield e
             text += delta
-            yield ev("response.output_text.delta", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []})
+            yield ev("response.output_text.delta",
+                     {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []})
         if out.finished:
             if text or not calls:
                 for e in _close_message(ev, b, text, opened=bool(text)):
@@ -305,7 +306,8 @@ def _call_events(ev: _Events, b: _Builder, call: ToolCall, index: int) -> list[s
     return [
         ev("response.output_item.added", {"output_index": index, "item": b.call(call, "in_progress")}),
         ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index, "delta": call.arguments}),
-        ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments}),
+        ev("response.function_call_arguments.done",
+           {"item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments}),
         ev("response.output_item.done", {"output_index": index, "item": item}),
     ]
 

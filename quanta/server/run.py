@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import uvicorn
 
 from quanta.config import EngineConfig, SchedulerConfig

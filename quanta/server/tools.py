@@ -267,7 +267,8 @@ def render_for_template(messages: list[dict], tools: list[dict] | None, native: 
             else:
                 out.append({"role": "user", "content": block, "_tool_results": True})
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"]["arguments"] or "{}"}}}\n</tool_call>'
+            blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
+                      f'"arguments": {c["function"]["arguments"] or "{}"}}}\n</tool_call>'
                       for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m.get("content") else []) + blocks)})
         else:

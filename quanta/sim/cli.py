@@ -14,8 +14,15 @@ import sys
 from pathlib import Path
 
 from quanta.flags import (
-    SCHEDULER_FLAGS, add_dtype_flag, add_scheduler_flags, command_line, positive_float, positive_int, register_once,
-    scheduler_config, writable_prefix,
+    SCHEDULER_FLAGS,
+    add_dtype_flag,
+    add_scheduler_flags,
+    command_line,
+    positive_float,
+    positive_int,
+    register_once,
+    scheduler_config,
+    writable_prefix,
 )
 
 COMMANDS = ("simulate", "profile-engine")

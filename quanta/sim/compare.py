@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import replace
+from datetime import UTC
 
 from quanta.analysis.report import aggregate, repeat_figures
 from quanta.analysis.server_trace import trace_entries
@@ -249,10 +250,11 @@ def _profile_line(label: str, path: str, p: Profile) -> str:
 
 def document(profile_path: str, rows: list[dict], command: str, also: tuple[str, list[dict]] | None = None) -> dict:
     """The comparison result (written as ``PREFIX.json``)."""
-    from quanta.bench.output import code_version, machine
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    doc = {"kind": "sim-compare", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    from quanta.bench.output import code_version, machine
+
+    doc = {"kind": "sim-compare", "created": datetime.now(UTC).isoformat(timespec="seconds"),
            "machine": machine(), "code": code_version(), "command": command, "profile": profile_path,
            "rows": rows, "summary": summary(rows)}
     if also:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -162,7 +162,7 @@ def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
     prof.step_noise = [float(x) for x in np.quantile(resid, (np.arange(100) + 0.5) / 100)]
     prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(resid)} "
                               "fitted steps")
-    prof.meta.setdefault("created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    prof.meta.setdefault("created", datetime.now(UTC).isoformat(timespec="seconds"))
     prof.meta["fit"] = {"steps": len(steps), "decode_steps": sum(1 for s in steps if s.decode and not s.prefill),
                         "prefill_steps": sum(1 for s in steps if s.prefill and not s.decode),
                         "mixed_steps": len(ratios), "idle_gap_s": gap}

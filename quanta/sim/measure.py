@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from quanta.engine.sampling import SamplingParams
@@ -116,7 +116,7 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
         "name": f"engine_{loaded.config.model_type if hasattr(loaded.config, 'model_type') else 'model'}",
         "source": ("measured by quanta profile-engine on this machine: ModelExecutor.execute on hand-built plans, "
                    f"median of {repeats} timed repeats after one warm-up; overhead = intercept of the decode step cost vs batch size"),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": _machine(), "model": str(getattr(loaded, "name", "") or "embedded SmolLM2-135M-Instruct"),
         "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
         "measured": {"chunks": chunks, "positions": positions, "batches": batches, "decode_contexts": decode_contexts,

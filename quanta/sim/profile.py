@@ -64,7 +64,7 @@ class Profile:
 
     # ------------------------------------------------------------------ JSON
     @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
+    def from_dict(cls, d: dict) -> Profile:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             d = d if isinstance(d, dict) else {}
             raise ProfileError(f"not a cost profile: format is {d.get('format')!r}, expected {FORMAT!r}")
@@ -124,7 +124,7 @@ class Profile:
         return d
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:

@@ -33,8 +33,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from quanta.analysis.requests import RequestSample
 from quanta.bench import mooncake, prompts
@@ -55,7 +55,7 @@ class _Req:
     sample: RequestSample
     prompt_len: int
     max_tokens: int
-    on_done: Callable[["_Req"], None] | None = None
+    on_done: Callable[[_Req], None] | None = None
     seq_id: int | None = None
     trace_request: mooncake.TraceRequest | None = None
 
@@ -198,7 +198,8 @@ def _probe(sim: Simulation) -> None:
 
     def hook() -> None:
         if state["probe"] is None and all(s.sample.chunks or s.sample.done is not None for s in sessions):
-            state["probe"] = sim.schedule(sim.clock.t + w.probe_delay, w.probe_words + prompts.nonce_tokens(prompts.PROBE_NONCE_CHARS), w.max_tokens, "probe", on_done=done)
+            state["probe"] = sim.schedule(sim.clock.t + w.probe_delay, w.probe_words + prompts.nonce_tokens(prompts.PROBE_NONCE_CHARS),
+                                          w.max_tokens, "probe", on_done=done)
         if state["stop_at"] is not None and sim.clock.t >= state["stop_at"]:
             for s in sessions:
                 sim.cancel(s)
