@@ -17,9 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
+from quanta.bench.server import free_port
 from quanta.cli import main
-
-from conftest import free_port
 
 
 def _bench(*argv: str) -> int:

@@ -17,10 +17,9 @@ import httpx
 import openai
 import pytest
 
+from quanta.bench.server import free_port
 from quanta.bench.sessions import SessionFileError, load
 from quanta.cli import main
-
-from conftest import free_port
 
 MARK = "zebraquartz"  # a word of every prompt: the file must not contain it without --record-text
 
