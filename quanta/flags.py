@@ -24,7 +24,7 @@ from pathlib import Path
 
 from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
-from quanta.server import DEFAULT_MAX_REQUEST_BYTES
+from quanta.server import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
@@ -249,5 +249,5 @@ def access_policy(args: argparse.Namespace):
     """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts`` and ``--cors-origin`` as an AccessPolicy."""
     from quanta.server.access import AccessPolicy, split_list
 
-    key = args.api_key if args.api_key is not None else (os.environ.get("QUANTA_API_KEY") or None)
+    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     return AccessPolicy(key, args.host, split_list(args.allowed_hosts), split_list(args.cors_origin))

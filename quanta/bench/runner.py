@@ -22,6 +22,7 @@ from quanta.analysis.scrape import STEP_SECONDS, STEPS, by_kind, parse_prometheu
 from quanta.analysis.server_trace import trace_metrics
 from quanta.bench.client import Clock, Target
 from quanta.bench.workloads import Workload, execute
+from quanta.server import API_KEY_ENV
 
 
 class ServerError(RuntimeError):
@@ -40,10 +41,6 @@ def _get_json(client: httpx.Client, url: str) -> dict | None:
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
-
-
-#: environment variable holding the API key ``quanta bench`` sends (the one ``quanta serve`` reads)
-API_KEY_ENV = "QUANTA_API_KEY"
 
 
 def auth_headers() -> dict[str, str]:

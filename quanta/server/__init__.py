@@ -4,3 +4,7 @@
 #: far above what ``max_model_len`` tokens of text or token ids take in JSON
 #: for the contexts quanta serves. Here so the CLI needs no server imports.
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+
+#: Environment variable with the API key: ``quanta serve`` requires it where
+#: ``--api-key`` is not given, ``quanta bench`` sends it.
+API_KEY_ENV = "QUANTA_API_KEY"
