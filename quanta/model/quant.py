@@ -21,10 +21,10 @@ Forms:
   FBGEMM's fp16 GEMM (``quantized.linear_dynamic_fp16``: fp32 activations
   and accumulation, weights widened with F16C). Not a quantization of the
   values that matter here: fp16 holds Q4_1 / Q8_0 block values to 11 bits,
-  and the embedded model's logits move by at most ~0.03. It is the fastest
-  kernel on AVX2-only CPUs at every row count measured (1-2,048), since
-  MKL's fp32 GEMV reads twice the bytes and the int8/int4 kernels' AVX2
-  paths are compute-bound (``benchmarks/quant_kernels.py``).
+  and the embedded model's logits move by at most ~0.03. On AVX2-only CPUs
+  it beats MKL's fp32 at every row count measured (1-2,048: fp32 reads twice
+  the bytes) and the int8/int4 kernels from 3-4 rows on (their AVX2 paths are
+  compute-bound); see ``_MAX_ROWS``.
 
 The int8 / int4 kernels are fast only with bf16 activations (their fp32 paths
 are scalar, 10-30x slower), so fp32 activations are cast to bf16 around them.
@@ -41,16 +41,18 @@ FORMS = ("int8", "int4", "fp16")
 INT4_GROUP = 32
 
 #: Largest row count at which each form beat the next slower path, per
-#: (form, reference is bf16); 0 = never faster, not attached. Measured with
-#: ``benchmarks/quant_kernels.py`` (results in ``benchmarks/results/quant_kernels_*.md``)
-#: on 2-core AMD EPYC VMs. bf16 reference (AVX-512 + bf16, oneDNN packed),
-#: whole decode step int4/int8 vs reference 17.2 vs 27.5 ms at 1 row, 19.5 vs
-#: 29.4 at 4, 34.2 vs 28.7 at 8 (fp16 not measured there: not attached). fp32
-#: reference (AVX2 + FMA only, no native bf16), 30 layers of projections, one
-#: thread, cold weights: int4 26.5 / fp16 34.8 / fp32 61.3 ms at 1 row, 31.2 /
-#: 36.8 / 116 at 2, 44.5 / 33.6 / 140 at 4; fp16 vs fp32 at 2 threads 244 vs
-#: 423 ms at 128 rows, 945 vs 1111 at 512, 4251 vs 4593 at 2,048; int8 (45.4 ms
-#: at 1 row) never beat fp16. LM head [49152, 576] at 1 row: fp16 6.1, fp32 17.5 ms.
+#: (form, reference is bf16); 0 = never faster, not attached. Whole decode
+#: steps from ``benchmarks/quant_kernels.py`` (results in
+#: ``benchmarks/results/quant_kernels_*.md``), 2-core AMD EPYC VMs: bf16
+#: reference (AVX-512 + bf16, oneDNN packed), int4/int8 vs reference 17.2 vs
+#: 27.5 ms at 1 row, 19.5 vs 29.4 at 4, 34.2 vs 28.7 at 8 (fp16 not measured
+#: there: not attached); fp32 reference (AVX2 + FMA only), one thread, int4 /
+#: fp16 / fp32 (int4 rows with an fp16 head) 56.2 / 65.8 / 113 ms at 1 row,
+#: 60.7 / 72.0 / 199 at 2, 79.3 / 80.0 / 210 at 4, 123 / 128 / 232 at 8,
+#: fp16 vs fp32 272 vs 379 at 32; int8 (80 ms at 1 row) never beat fp16.
+#: Beyond 32 rows, an ad hoc loop over the 30 layers' projection shapes (cold
+#: weights, 2 threads): fp16 vs fp32 244 vs 423 ms at 128 rows, 945 vs 1111 at
+#: 512, 4251 vs 4593 at 2,048.
 _MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
              ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048}
 
