@@ -212,7 +212,8 @@ def test_observed_parses_streams_split_anywhere():
                      b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
                      b'"delta":{"type":"text_delta","text":"Hi"}}\n\n'
                      b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
-                     b'"usage":{"output_tokens":1}}\n\n')
+                     b'"usage":{"output_tokens":1}}\n\n'
+                     b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
     for raw, expected in [(openai_sse, ("Hello", 7, 2, 4, "length")), (anthropic_sse, ("Hi", 8, 1, 5, "max_tokens"))]:
         obs = Observed("chat")
         obs.sse = True
@@ -221,10 +222,20 @@ def test_observed_parses_streams_split_anywhere():
         obs.close(now=999.0)
         assert (obs.reply(), obs.prompt_tokens, obs.completion_tokens, obs.cached_tokens, obs.finish) == expected
         assert obs.first is not None and obs.first < 999.0
+        assert obs.ended  # the last event was seen: complete even if the client closes before the upstream's EOF
+        cut = Observed("chat")
+        cut.sse = True
+        cut.feed(raw[:len(raw) * 2 // 3], now=0.0)
+        cut.close(now=1.0)
+        assert not cut.ended  # cut before its last event: incomplete
+    half = Observed("chat")
+    half.feed(b'{"choices":[{"message":{"content":"Ye', 1.0)
+    half.close(2.0)
+    assert not half.ended
     obs = Observed("chat")  # a JSON body
     obs.feed(b'{"choices":[{"message":{"content":"Yes"},"finish_reason":"stop"}],"usage":{"prompt_tokens":4,"completion_tokens":1}}', 1.0)
     obs.close(2.0)
-    assert (obs.reply(), obs.prompt_tokens, obs.first) == ("Yes", 4, 2.0)
+    assert (obs.reply(), obs.prompt_tokens, obs.first, obs.ended) == ("Yes", 4, 2.0, True)
 
 
 def test_record_text_keeps_text_and_the_replay_sends_it(tmp_path):

@@ -49,6 +49,7 @@ class Observed:
         self.completion_tokens: int | None = None
         self.cached_tokens: int | None = None
         self.finish: str | None = None
+        self.ended = False  # the protocol's last event was seen ([DONE], message_stop, a whole JSON body)
         self.sse = False
         self._buf = b""
 
@@ -61,6 +62,7 @@ class Observed:
         for line in lines:
             if line.startswith(b"data:"):
                 data = line[5:].strip()
+                self.ended = self.ended or data == b"[DONE]"
                 if data and data != b"[DONE]":
                     try:
                         self._event(json.loads(data), now)
@@ -71,6 +73,7 @@ class Observed:
         if not self.sse and self._buf:
             try:
                 self._event(json.loads(self._buf), now, whole=True)
+                self.ended = True
             except ValueError:
                 pass
 
@@ -110,6 +113,8 @@ class Observed:
             self._text((obj.get("delta") or {}).get("text"), now)
         elif kind == "message_delta":
             self.finish = (obj.get("delta") or {}).get("stop_reason") or self.finish
+        elif kind == "message_stop":
+            self.ended = True
         elif kind == "message" and whole:
             self._text(relation._text([b for b in obj.get("content") or [] if isinstance(b, dict) and b.get("type") == "text"]), now)
             self.finish = obj.get("stop_reason") or self.finish
@@ -240,7 +245,8 @@ def build_app(upstream: str, recorder: Recorder) -> FastAPI:
                 await resp.aclose()
                 if handle is not None:
                     obs.close(recorder.now())
-                    recorder.finish(handle, resp.status_code, obs, complete)
+                    # a client may close as soon as it has the last event, before the upstream's EOF reaches us
+                    recorder.finish(handle, resp.status_code, obs, complete or obs.ended)
 
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP and k.lower() != "content-encoding"}
         return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
