@@ -5,6 +5,12 @@ Engine with a :class:`~quanta.sim.executor.CostModelExecutor` and prints the
 table of ``quanta bench``; ``--sweep SPEC`` (repeatable, the grid syntax of
 ``quanta bench sweep --grid``) simulates every condition of a grid and, with
 ``--out``, writes the same report files (JSON, markdown, plots).
+
+``profile-engine`` writes a cost profile: timed in-process on the real
+executor (:mod:`quanta.sim.measure`) or, with ``--from-bench``, fitted to the
+server traces of ``quanta bench`` results (:mod:`quanta.sim.fit`). This module
+is the command line (flags, their checks with exit 2, what is printed and
+written); the timing and the fit are in those modules.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from quanta.flags import (
     add_dtype_flag,
     add_scheduler_flags,
     command_line,
+    dtype_name,
     positive_float,
     positive_int,
     register_once,
@@ -80,10 +87,76 @@ def add_commands(sub, register_once) -> None:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     if args.command == "profile-engine":
-        from quanta.sim.measure import profile_engine_cli
-
-        return profile_engine_cli(args, parser)
+        return _profile_engine(args, parser)
     return _simulate(args, parser, argv)
+
+
+def _ints(text: str, flag: str, parser) -> list[int]:
+    """The sorted distinct integers of a comma list (``--positions`` may hold 0); else exit 2."""
+    try:
+        xs = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        parser.error(f"{flag} must be a comma list of positive integers, got {text!r}")
+    if not xs or xs[0] < 0 or (flag != "--positions" and xs[0] < 1):
+        parser.error(f"{flag} must be a comma list of positive integers, got {text!r}")
+    return xs
+
+
+def _profile_engine(args, parser) -> int:
+    """``quanta profile-engine``: time the executor in-process (:mod:`quanta.sim.measure`) or fit ``--from-bench``."""
+    writable_prefix(args.out, parser)
+    if args.from_bench:
+        return _from_bench(args, parser)
+    from quanta.launch import load_model, resolve_dtype
+    from quanta.sim.measure import measure
+
+    chunks = _ints(args.chunks, "--chunks", parser)
+    positions = _ints(args.positions, "--positions", parser)
+    batches = _ints(args.batches, "--batches", parser)
+    contexts = _ints(args.decode_contexts, "--decode-contexts", parser)
+    if args.repeats < 1:
+        parser.error("--repeats must be a positive integer")
+    loaded = load_model(args.model, resolve_dtype(dtype_name(args.dtype)), getattr(args, "quantization", "auto"))
+    prof = measure(loaded, chunks, positions, batches, contexts, args.repeats)
+    prof.validate()
+    prof.save(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _from_bench(args, parser) -> int:
+    """``profile-engine --from-bench``: fit a profile to the bench results' server traces (:mod:`quanta.sim.fit`)."""
+    from quanta.sim.fit import FitError, bench_traces, fit
+    from quanta.sim.profile import ProfileError
+
+    if len(set(args.from_bench)) != len(args.from_bench):
+        parser.error("--from-bench: the same file is given twice")
+    traces, applied, machine = [], {}, {}
+    for path in args.from_bench:
+        try:
+            t, a, m = bench_traces(path)
+        except ValueError as exc:
+            parser.error(f"--from-bench: {exc}")
+        traces += t
+        applied, machine = applied or a, machine or m
+    if not traces:
+        parser.error("--from-bench: the results hold no server trace (was the server quanta?)")
+    meta = {"name": Path(args.out).stem,
+            "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
+                       + ", ".join(args.from_bench) + " (quanta.sim.fit: decode least squares, prefill bins, residual quantiles)"),
+            "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
+    try:
+        prof = fit(traces, meta)
+        prof.validate()
+    except (FitError, ProfileError) as exc:
+        parser.error(f"--from-bench: {exc}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"--from-bench: malformed trace record ({type(exc).__name__}: {exc})")
+    prof.save(args.out)
+    f = prof.meta["fit"]
+    print(f"fitted {f['steps']} steps ({f['decode_steps']} decode, {f['prefill_steps']} prefill, {f['mixed_steps']} fused) "
+          f"of {len(traces)} runs; wrote {args.out}")
+    return 0
 
 
 def _sched_config(args, parser, profile):

@@ -47,6 +47,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 
@@ -167,3 +168,26 @@ def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
                         "prefill_steps": sum(1 for s in steps if s.prefill and not s.decode),
                         "mixed_steps": len(ratios), "idle_gap_s": gap}
     return prof
+
+
+def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
+    """The server traces of every measured run of a bench result, its first applied config and machine.
+
+    Raises:
+        ValueError: not a readable, measured quanta bench result.
+    """
+    import json
+
+    from quanta.sim.compare import CompareError, check_measured
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        check_measured(path, doc)
+        conds = [c for c in doc["conditions"] if c.get("valid", True)]
+        traces = [r["trace"] for c in conds for r in c.get("runs") or [] if r.get("trace")]
+        applied = next((c.get("applied") for c in conds if c.get("applied")), None) or {}
+    except CompareError as exc:
+        raise ValueError(str(exc)) from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a readable quanta bench result ({type(exc).__name__}: {exc})") from exc
+    return traces, applied, doc.get("machine", {})
