@@ -15,6 +15,7 @@ import torch
 from quanta.model import moe_checkpoint
 from quanta.model.config import ModelConfig
 
+#: a loaded checkpoint: HF tensor name -> tensor (the one definition; every loader returns one)
 StateDict = dict[str, torch.Tensor]
 
 

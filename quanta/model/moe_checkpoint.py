@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quanta.model.config import ModelConfig
 
-StateDict = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # checkpoint_schema imports this module
+    from quanta.model.checkpoint_schema import StateDict
 
 #: GGUF ``general.architecture`` -> ModelConfig.architecture for MoE models
 #: (Mixtral GGUFs say ``llama`` and are recognised by ``llama.expert_count``).
