@@ -41,12 +41,12 @@ class PoisoningEngine(AsyncEngine):
 
     tokenized_on: list[str] = []
 
-    async def submit(self, prompt_token_ids, params: SamplingParams):
+    async def submit(self, prompt_token_ids, params: SamplingParams, **kwargs):
         if params.seed == CRASH_SEED:
             raise KeyError(SECRET)
         if params.top_k == POISON_TOP_K:
             params.seed = 2**64
-        return await super().submit(prompt_token_ids, params)
+        return await super().submit(prompt_token_ids, params, **kwargs)
 
 
 @dataclass

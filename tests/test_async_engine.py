@@ -59,3 +59,38 @@ def test_closing_a_stream_early_frees_the_slot(engine):
         return await asyncio.wait_for(_collect(engine, [3, 4], 3), 10)
 
     assert asyncio.run(scenario()) == [7, 7, 7]
+
+
+class CountingEngine(Engine):
+    """An :class:`Engine` that counts its length checks."""
+
+    checks = 0
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.checks += 1
+        super().check_length(num_prompt_tokens, max_tokens)
+
+
+def test_the_length_check_runs_once_per_request():
+    core = CountingEngine(SchedulerConfig("batched", 1).build(), FlakyExecutor(), max_model_len=64)
+    eng = AsyncEngine(core)
+    eng.start()
+
+    async def scenario():
+        # the server's way: check first (before any grammar is built), then tell the engine it passed
+        eng.check_length(2, 3)
+        stream = await eng.submit([1, 2], SamplingParams(max_tokens=3, temperature=0), length_checked=True)
+        first = [t async for out in stream for t in out.token_ids]
+        checks_after_first = core.checks
+        # a library caller that checks nothing: the engine checks once, and refuses what cannot fit
+        second = await _collect(eng, [3, 4], 2)
+        with pytest.raises(ValueError, match=r"plus max_tokens \(10\) = 70 exceeds max_model_len \(64\)"):
+            await eng.submit([5] * 60, SamplingParams(max_tokens=10, temperature=0))
+        return first, checks_after_first, second
+
+    try:
+        first, checks_after_first, second = asyncio.run(asyncio.wait_for(scenario(), 10))
+    finally:
+        eng.stop()
+    assert (first, checks_after_first, second) == ([7, 7, 7], 1, [7, 7])
+    assert core.checks == 3

@@ -45,6 +45,7 @@ class _Submit:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     arrived: asyncio.Future
+    length_checked: bool = False
     seq_id: int | None = None
     error: Exception | None = None
 
@@ -90,7 +91,9 @@ class AsyncEngine:
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse a request that cannot fit the context, before anything is built for it.
 
-        Safe from any thread (``max_model_len`` never changes).
+        Safe from any thread (``max_model_len`` never changes). A caller that
+        ran it passes ``length_checked=True`` to :meth:`submit`, so the engine
+        does not check again.
 
         Raises:
             ValueError: an empty prompt, or ``num_prompt_tokens + max_tokens``
@@ -106,8 +109,13 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                     length_checked: bool = False) -> RequestStream:
         """Hand a request to the engine; returns once the engine has accepted it.
+
+        Args:
+            length_checked: :meth:`check_length` already passed for this prompt
+                and ``params.max_tokens`` (see :meth:`Engine.add_request`).
 
         Raises:
             QueueFullError: the waiting queue is full.
@@ -117,7 +125,7 @@ class AsyncEngine:
         if not self.alive:
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
-        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future())
+        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), length_checked)
         self._commands.put(("add", sub))
         try:
             await sub.arrived
@@ -176,7 +184,7 @@ class AsyncEngine:
         if verb == "add":
             try:
                 self._check_queue()
-                seq = self.engine.add_request(arg.prompt_token_ids, arg.params)
+                seq = self.engine.add_request(arg.prompt_token_ids, arg.params, length_checked=arg.length_checked)
                 arg.seq_id = seq.seq_id
                 self._routes[seq.seq_id] = arg
             except Exception as exc:  # reported to the caller, engine keeps going

@@ -75,13 +75,20 @@ class Engine:
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})"
             )
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, length_checked: bool = False) -> Sequence:
         """Queue a request; returns its sequence (``seq_id`` identifies it).
 
+        Args:
+            length_checked: the caller has already run :meth:`check_length` on
+                this prompt and ``params.max_tokens`` (the server does, before
+                it builds the request's grammar), so it does not run twice.
+
         Raises:
-            ValueError: empty prompt, or prompt plus ``max_tokens`` beyond ``max_model_len``.
+            ValueError: empty prompt, or prompt plus ``max_tokens`` beyond
+                ``max_model_len`` (unless ``length_checked``).
         """
-        self.check_length(len(prompt_token_ids), params.max_tokens)
+        if not length_checked:
+            self.check_length(len(prompt_token_ids), params.max_tokens)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_time=self.clock())
         self.sequences[seq.seq_id] = seq
         if self.make_text is not None:

@@ -74,7 +74,8 @@ def check_model(state: ServerState, model: str) -> None:
 async def submit(state: ServerState, prompt: list[int], max_tokens: int, make_params) -> RequestStream:
     """Check lengths, build the sampling parameters and hand the request to the engine.
 
-    The length check comes first, so no grammar is compiled for a request that cannot run.
+    The length check comes first, so no grammar is compiled for a request that
+    cannot run, and it is the request's only one: the engine is told it passed.
 
     Args:
         max_tokens: output tokens at most.
@@ -89,7 +90,7 @@ async def submit(state: ServerState, prompt: list[int], max_tokens: int, make_pa
     except ValueError as exc:
         raise APIError(400, str(exc), "max_tokens" if "max_model_len" in str(exc) else None) from exc
     try:
-        return await state.async_engine.submit(prompt, params)
+        return await state.async_engine.submit(prompt, params, length_checked=True)
     except QueueFullError as exc:
         raise APIError(429, str(exc)) from exc
     except ValueError as exc:
