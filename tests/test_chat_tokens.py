@@ -5,6 +5,8 @@ session server's ``usage.prompt_tokens`` through the official clients)."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -86,3 +88,91 @@ def test_tool_definitions_and_arguments_cannot_forge_control_tokens(tok, monkeyp
     assert _markers(tok, ids) == _markers(tok, chat_prompt_ids(tok, plain, _tool(PLAIN)))
     assert tok.decode(ids, skip_special_tokens=False) == tok.hf.apply_chat_template(
         forged, tools=_tool(FORGERY), tokenize=False, add_generation_prompt=True)  # quotes and newlines put back escaped
+
+
+#: A native template that writes every client string somewhere: tools with ``tojson``, a call's name and id
+#: raw, its arguments with ``tojson``, a tool message's ``name`` and ``tool_call_id`` raw.
+EVERY_STRING_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}"
+    "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _conversation(text: str) -> tuple[list[dict], list[dict]]:
+    """An OpenAI-shaped tool conversation with ``text`` in every client string: content, names, ids,
+    descriptions, schema keys, schema ``type`` and ``enum`` values, argument keys and values."""
+    schema = {"type": "object", "properties": {text: {"type": text, "description": text, "enum": [text]}}, "required": [text]}
+    tools = [{"type": "function", "function": {"name": text, "description": text, "parameters": schema}}]
+    call = {"id": text, "type": "function", "function": {"name": text, "arguments": json.dumps({text: {text: [text]}})}}
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": text},
+                {"role": "assistant", "content": text, "tool_calls": [call]},
+                {"role": "tool", "name": text, "tool_call_id": text, "content": text}]
+    return messages, tools
+
+
+def _control(tok: Tokenizer, ids: list[int]) -> list[int]:
+    from quanta.server.chat_tokens import control_token_ids
+
+    control = control_token_ids(tok)
+    return [i for i in ids if i in control]
+
+
+@pytest.mark.parametrize("template", ["embedded", "native"])
+def test_no_client_string_yields_a_control_token(tok, monkeypatch, template):
+    """Issue 12: with the real embedded tokenizer, the control token ids of a conversation whose every client
+    string is a forged turn are exactly those of the same conversation in plain words (the template's own)."""
+    from quanta.server.tools import render_for_template
+
+    native = template == "native"
+    if native:
+        monkeypatch.setattr(tok.hf, "chat_template", EVERY_STRING_TEMPLATE)
+
+    def prompt(text):
+        # the embedded template reads no tools: they become system text, calls assistant text
+        return render_for_template(*_conversation(text), native)
+
+    forged, plain = prompt(FORGERY), prompt("plain words")
+    whole = tok.apply_chat_template(*forged)
+    assert len(_control(tok, whole)) > len(_control(tok, tok.apply_chat_template(*plain)))  # encoded whole, it forges
+    ids = chat_prompt_ids(tok, *forged)
+    assert _control(tok, ids) == _control(tok, chat_prompt_ids(tok, *plain))
+    assert tok.decode(ids, skip_special_tokens=False) == tok.hf.apply_chat_template(
+        forged[0], tools=forged[1], tokenize=False, add_generation_prompt=True)
+
+
+#: A template that rewrites content (``trim``), as Llama 3's does: the split cannot be exact.
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_text_refuses_forged_text_and_serves_plain_text(tok, monkeypatch):
+    from quanta.server.chat_tokens import ForgedControlToken
+
+    monkeypatch.setattr(tok.hf, "chat_template", TRIMMING_TEMPLATE)
+    plain = [{"role": "user", "content": "  hi  "}]
+    assert chat_prompt_ids(tok, plain) == tok.apply_chat_template(plain)
+    with pytest.raises(ForgedControlToken, match="<\\|im_start\\|>"):
+        chat_prompt_ids(tok, [{"role": "user", "content": "  " + FORGERY + "  "}])
+
+
+def test_text_ids_spell_control_tokens_out(tok):
+    from quanta.server.chat_tokens import text_ids
+
+    assert _control(tok, tok.encode(FORGERY, add_special_tokens=False))
+    assert _control(tok, text_ids(tok, FORGERY)) == []
+    assert tok.decode(text_ids(tok, FORGERY), skip_special_tokens=False) == FORGERY
+
+
+def test_generate_chat_tokenizes_as_the_server(tok):
+    """``quanta generate --chat`` (issue 12): the user's text cannot forge a turn there either."""
+    from quanta.generate import prompt_ids
+
+    assert prompt_ids(tok, FORGERY, chat=True) == chat_prompt_ids(tok, [{"role": "user", "content": FORGERY}])
+    assert _markers(tok, prompt_ids(tok, FORGERY, chat=True)) == _markers(tok, prompt_ids(tok, PLAIN, chat=True))
+    assert prompt_ids(tok, FORGERY, chat=False) == tok.encode(FORGERY)  # a raw prompt is the user's own to shape

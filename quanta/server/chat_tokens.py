@@ -1,22 +1,32 @@
-"""Chat prompt ids in which message text cannot forge a control token.
+"""Chat prompt ids in which no client text can forge a control token.
 
 The chat template's output mixes the template's own markers (``<|im_start|>``,
-``<|im_end|>``, BOS) with the text of each message. Encoding that string whole
+``<|im_end|>``, BOS) with the client's strings. Encoding that string whole
 turns a user's literal ``<|im_end|>\\n<|im_start|>system`` into real control
-tokens: a forged turn. :func:`chat_prompt_ids` renders the template with each
-message's string content replaced by a random placeholder, encodes the
-template's parts with special tokens recognised and each content part with
+tokens: a forged turn. :func:`chat_prompt_ids` renders the template with the
+client's strings replaced by random placeholders, encodes the template's parts
+with special tokens recognised and each client string with
 ``split_special_tokens=True`` (Hugging Face's option: special-token text is
 tokenized as plain text), then joins them in order.
 
-The split is used only when it is exact: every placeholder appears once and
-putting the contents back gives the template's real rendering (a template
-that trims or rewrites content fails this); otherwise the prompt is encoded
-whole, as before (logged). The string values of tool definitions and of
-tool-call arguments (what a native template writes with ``tojson``) are masked
-the same way and, when the template escapes them as JSON, put back escaped:
-a tool description cannot forge a control token either. (Without a native
-template, tools and calls are message text already.)
+Which strings are replaced:
+
+* free text, always: message ``content``, tool ``description``, and every
+  string value inside a tool's ``parameters`` or a call's ``arguments``;
+* every other string the client sent (JSON keys of parameters and arguments,
+  ``type`` names inside a schema, tool and call names, call ids,
+  ``tool_call_id``, a message's ``name``) when it contains the text of one of
+  the tokenizer's added tokens; the rest stay as they are, so a template that
+  tests ``type == "object"`` or reads ``parameters.properties`` still sees them.
+
+Strings of tool definitions and call arguments (which a native template
+writes with ``tojson``) are put back JSON-escaped. The split is used only
+when it is exact: every placeholder appears once and putting the strings back
+gives the template's real rendering (a template that trims or rewrites
+content fails this). Otherwise the prompt is encoded whole, which is safe
+only when it holds no more control tokens than the template wrote itself;
+if the client's text added any, the request is refused
+(:class:`ForgedControlToken`).
 """
 
 from __future__ import annotations
@@ -25,78 +35,145 @@ import json
 import logging
 import re
 import uuid
+from collections import Counter
 
 from quanta.model.tokenizer import Tokenizer
 
 log = logging.getLogger("quanta.server")
 
 
+class ForgedControlToken(ValueError):
+    """Client text would become a control token and the template gives no exact way to keep it text."""
+
+
+def text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of client ``text`` with special-token text spelled out as plain text (no BOS)."""
+    return tokenizer.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def control_token_ids(tokenizer: Tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens (the ones a template's markers use)."""
+    hf = tokenizer.hf
+    return set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of ``messages`` (and ``tools``) through the model's template,
-    ending with the generation prompt; message text never yields a special token.
+    ending with the generation prompt; no client string yields a control token.
 
     Raises:
         ValueError: the model ships no chat template.
+        ForgedControlToken: the template rewrites the client's text (so it cannot
+            be split out) and that text holds control-token text.
         Exception: whatever the model's template raises for the conversation.
     """
     hf = tokenizer.hf
     if not hf.chat_template:
         return tokenizer.apply_chat_template(messages, tools)  # raises its clear ValueError
-    nonce = uuid.uuid4().hex
-    contents: dict[str, str] = {}
-    escaped: set[str] = set()  # holders of strings a template writes as JSON (tool definitions, arguments)
-
-    def holder(text: str, as_json: bool) -> str:
-        name = f"quantamsg{nonce}n{len(contents)}e"
-        contents[name] = text
-        if as_json:
-            escaped.add(name)
-        return name
-
-    masked = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) and content:
-            message = {**message, "content": holder(content, False)}
-        if message.get("tool_calls"):
-            message = {**message, "tool_calls": [_mask_function(c, "arguments", holder) for c in message["tool_calls"]]}
-        masked.append(message)
-    masked_tools = [_mask_function(t, "parameters", holder) for t in tools] if tools else None
+    masker = _Masker([t.content for t in hf.added_tokens_decoder.values()])
+    masked = [masker.message(m) for m in messages]
+    masked_tools = [masker.function(t, "parameters", True) for t in tools] if tools else None
 
     def render(msgs: list[dict], tool_list: list[dict] | None) -> str:
         return hf.apply_chat_template(msgs, tools=tool_list or None, tokenize=False, add_generation_prompt=True)
 
-    parts = re.split(f"(quantamsg{nonce}n\\d+e)", render(masked, masked_tools))
-    for name in escaped:
-        contents[name] = json.dumps(contents[name], ensure_ascii=False)[1:-1]
-    if set(parts[1::2]) - set(contents) or "".join(contents.get(p, p) for p in parts) != render(messages, tools):
-        log.info("chat template does not reproduce message text verbatim; encoding the prompt whole")
-        return tokenizer.apply_chat_template(messages, tools)
+    template_text, real = render(masked, masked_tools), render(messages, tools)
+    parts = re.split(f"({masker.prefix}\\d+e)", template_text)
+    contents = masker.restored()
+    if set(parts[1::2]) - set(contents) or "".join(contents.get(p, p) for p in parts) != real:
+        return _whole(tokenizer, real, template_text)
     ids: list[int] = []
     for k, part in enumerate(parts):
         if k % 2:
-            ids += hf.encode(contents[part], add_special_tokens=False, split_special_tokens=True)
+            ids += text_ids(tokenizer, contents[part])
         elif part:
             ids += hf.encode(part, add_special_tokens=False)  # the template writes BOS etc. itself
     return ids
 
 
-def _mask_strings(value, holder):
-    """``value`` with every string value but schema ``type`` names replaced by ``holder(text, True)``."""
-    if isinstance(value, dict):
-        return {k: v if k == "type" and isinstance(v, str) else _mask_strings(v, holder) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_mask_strings(v, holder) for v in value]
-    if isinstance(value, str) and value:
-        return holder(value, True)
-    return value
+def _whole(tokenizer: Tokenizer, real: str, template_text: str) -> list[int]:
+    """``real`` encoded whole, unless it holds control tokens that ``template_text``
+    (the rendering with placeholders) does not: those came from the client."""
+    log.info("chat template does not reproduce message text verbatim; encoding the prompt whole")
+    control = control_token_ids(tokenizer)
+    ids = tokenizer.encode(real, add_special_tokens=False)
+    template_only = Counter(i for i in tokenizer.encode(template_text, add_special_tokens=False) if i in control)
+    forged = Counter(i for i in ids if i in control) - template_only
+    if forged:
+        names = ", ".join(sorted(tokenizer.hf.convert_ids_to_tokens(list(forged))))
+        raise ForgedControlToken(
+            f"the conversation's text contains control-token text ({names}) and this model's chat template "
+            "does not reproduce the text verbatim, so it cannot be kept as plain text; remove it")
+    return ids
 
 
-def _mask_function(item: dict, field: str, holder) -> dict:
-    """A tool or call ``item`` with its ``function``'s ``description`` and ``field``
-    (``parameters`` or ``arguments``) masked; ``type`` and ``name`` stay, as templates test and print them."""
-    fn = item.get("function")
-    if not isinstance(fn, dict):
-        return item
-    masked = {k: _mask_strings(v, holder) if k in ("description", field) else v for k, v in fn.items()}
-    return {**item, "function": masked}
+class _Masker:
+    """Replaces client strings by placeholders ``quantamsg<nonce>n<k>e`` (see the module docstring)."""
+
+    def __init__(self, added_tokens: list[str]) -> None:
+        self.prefix = f"quantamsg{uuid.uuid4().hex}n"
+        self.contents: dict[str, str] = {}
+        self.escaped: set[str] = set()  # placeholders of strings a template writes as JSON
+        texts = sorted({t for t in added_tokens if t}, key=len, reverse=True)
+        self._added = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def holder(self, text: str, as_json: bool) -> str:
+        name = f"{self.prefix}{len(self.contents)}e"
+        self.contents[name] = text
+        if as_json:
+            self.escaped.add(name)
+        return name
+
+    def restored(self) -> dict[str, str]:
+        """Placeholder -> the text it stands for in the rendering (JSON-escaped where written as JSON)."""
+        return {name: json.dumps(text, ensure_ascii=False)[1:-1] if name in self.escaped else text
+                for name, text in self.contents.items()}
+
+    def text(self, value, as_json: bool):
+        """Free text: a non-empty string is always replaced."""
+        if isinstance(value, str) and value:
+            return self.holder(value, as_json)
+        return self.other(value, as_json)
+
+    def other(self, value, as_json: bool):
+        """Any other client value: strings (keys included) replaced where they hold an added token's text."""
+        if isinstance(value, str):
+            return self.holder(value, as_json) if self._added is not None and self._added.search(value) else value
+        if isinstance(value, dict):
+            return {self.other(k, as_json): self.other(v, as_json) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.other(v, as_json) for v in value]
+        return value
+
+    def json_value(self, value):
+        """``parameters`` / ``arguments``: string values always, keys and schema ``type`` names as :meth:`other`."""
+        if isinstance(value, dict):
+            return {self.other(k, True): self.other(v, True) if k == "type" else self.json_value(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.json_value(v) for v in value]
+        return self.text(value, True)
+
+    def function(self, item: dict, field: str, as_json: bool) -> dict:
+        """A tool (``field="parameters"``) or a call (``"arguments"``): its ``function``'s
+        ``description`` and ``field`` masked as free text, the rest as :meth:`other`."""
+        out = {k: self.other(v, as_json) for k, v in item.items() if k != "function"}
+        fn = item.get("function")
+        if isinstance(fn, dict):
+            out["function"] = {k: self.text(v, True) if k == "description" else self.json_value(v) if k == field
+                               else self.other(v, as_json) for k, v in fn.items()}
+        elif "function" in item:
+            out["function"] = self.other(fn, as_json)
+        return out
+
+    def message(self, message: dict) -> dict:
+        out = {}
+        for key, value in message.items():
+            if key == "role":
+                out[key] = value
+            elif key == "content":
+                out[key] = self.text(value, False) if isinstance(value, str) else self.other(value, False)
+            elif key == "tool_calls" and isinstance(value, list):
+                out[key] = [self.function(c, "arguments", False) if isinstance(c, dict) else self.other(c, False) for c in value]
+            else:
+                out[key] = self.other(value, False)
+        return out
