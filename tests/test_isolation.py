@@ -180,15 +180,22 @@ def test_a_failing_detokenizer_fails_its_request_alone(loaded):
     assert not engine.sequences and not engine.scheduler.running
 
 
-def test_tokenization_runs_off_the_event_loop(live):
-    base, model, _ = live
+def test_tokenization_runs_off_the_event_loop(live, monkeypatch):
+    base, model, state = live
     PoisoningEngine.tokenized_on.clear()
+    hf_encode = state.tokenizer.hf.encode  # chat prompts and client text are encoded by the HF tokenizer itself
+
+    def recording_encode(*args, **kwargs):
+        PoisoningEngine.tokenized_on.append(threading.current_thread().name)
+        return hf_encode(*args, **kwargs)
+
+    monkeypatch.setattr(state.tokenizer.hf, "encode", recording_encode)
     resp = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 2}, timeout=60)
     assert resp.status_code == 200
     chat = httpx.post(base + "/v1/messages/count_tokens", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]})
     assert chat.status_code == 200
-    assert len(PoisoningEngine.tokenized_on) >= 2
+    assert len(PoisoningEngine.tokenized_on) >= 3  # the completion, the chat template's parts, the prefill
     assert all(name.startswith("quanta-prompt") for name in PoisoningEngine.tokenized_on), PoisoningEngine.tokenized_on
 
 

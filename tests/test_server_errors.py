@@ -105,9 +105,9 @@ def _cases(model: str) -> list[tuple[str, str, object, int, list[str], str | Non
         ("n-2-chat", "chat/completions", chat(n=2), 400, ["n"], "n"),
         ("token-id-too-large", "completions", {"model": model, "prompt": [1, 10_000_000]}, 400, ["10000000", "vocabulary"], "prompt"),
         ("token-id-negative", "completions", {"model": model, "prompt": [5, -1]}, 400, ["-1", "vocabulary"], "prompt"),
-        ("empty-prompt-string", "completions", comp(prompt=""), 400, ["empty"], None),
-        ("empty-prompt-ids", "completions", comp(prompt=[]), 400, ["empty"], None),
-        ("empty-prompt-in-list", "completions", comp(prompt=[""]), 400, ["empty"], None),
+        ("empty-prompt-string", "completions", comp(prompt=""), 400, ["prompt", "at least 1"], "prompt"),
+        ("empty-prompt-ids", "completions", comp(prompt=[]), 400, ["prompt", "at least 1"], "prompt"),
+        ("empty-prompt-in-list", "completions", comp(prompt=[""]), 400, ["prompt.0", "at least 1"], "prompt.0"),
         # issue 12: each of these once reached the engine (a 500, or a step that failed every request)
         ("seed-2-64", "completions", comp(seed=2**64), 400, ["seed"], "seed"),
         ("seed-below-int64", "chat/completions", chat(seed=-(2**63) - 1), 400, ["seed"], "seed"),

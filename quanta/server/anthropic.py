@@ -35,21 +35,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
 from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messages, tool_use_block
 from quanta.server.chat import constrain
-from quanta.server.chat_tokens import chat_prompt_ids
+from quanta.server.chat_tokens import chat_prompt_ids, text_ids
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.limits import PromptError
-from quanta.server.protocol import CacheSalt, NullMeansDefault, StrictFlag, check_stop_strings, integer, number
+from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolStream, render_for_template, template_reads_tools
 
@@ -58,7 +58,8 @@ class ContentBlock(BaseModel):
     """A content block: ``text``, ``tool_use`` (assistant) or ``tool_result`` (user)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: str
+    #: the schema lists the served types; others (images, documents) get a 400 naming them
+    type: Annotated[str, Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})]
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -105,17 +106,24 @@ class CountTokensRequest(NullMeansDefault):
         return tools
 
 
+class Metadata(BaseModel):
+    """``metadata``: any fields; ``cache_salt`` there is taken when the top-level one is absent."""
+
+    model_config = ConfigDict(extra="allow")
+    cache_salt: CacheSalt | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages`` (ranges as Anthropic documents them)."""
 
     max_tokens: integer(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopList | None = None
     stream: StrictFlag = False
     temperature: number(ge=0.0, le=1.0) = 1.0
     top_p: number(gt=0.0, le=1.0) | None = None
     top_k: integer(ge=0) | None = None
     cache_salt: CacheSalt | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -128,17 +136,11 @@ class MessagesRequest(CountTokensRequest):
             top_k=self.top_k or 0, stop=list(self.stop_sequences or []), cache_salt=self.salt(),
         )
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_salt(cls, metadata):
-        salt = (metadata or {}).get("cache_salt")
-        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 1024):
-            raise ValueError("metadata.cache_salt must be a non-empty string of at most 1024 characters")
-        return metadata
-
     def salt(self) -> str | None:
         """The top-level ``cache_salt``, else ``metadata.cache_salt`` (None: unsalted)."""
-        return self.cache_salt if self.cache_salt is not None else (self.metadata or {}).get("cache_salt")
+        if self.cache_salt is not None or self.metadata is None:
+            return self.cache_salt
+        return self.metadata.cache_salt
 
 
 def _text(content: str | list[ContentBlock], where: str) -> str:
@@ -182,23 +184,8 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     except Exception as exc:  # the model's own template may reject a conversation
         raise APIError(400, f"chat template failed: {exc}") from exc
     if prefill:
-        ids += await state.prompts.run(state.tokenizer.encode, prefill, False)
+        ids += await state.prompts.run(text_ids, state.tokenizer, prefill)  # client text: no control tokens
     return ids
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    try:
-        data = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON body: {exc}") from exc
-    except RecursionError as exc:
-        raise APIError(400, "malformed JSON body: nested too deeply") from exc
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{loc}: {first.get('msg')}" if loc else first.get("msg", "invalid request")) from exc
 
 
 def _stop(out: RequestOutput, called: bool = False) -> tuple[str, str | None]:
@@ -308,14 +295,12 @@ def router(state: ServerState) -> APIRouter:
     routes = APIRouter()
 
     @routes.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> dict:
-        body = await _parse(request, CountTokensRequest)
+    async def count_tokens(body: CountTokensRequest) -> dict:
         check_model(state, body.model)
         return {"input_tokens": len(await render_prompt(state, body))}
 
     @routes.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        body = await _parse(request, MessagesRequest)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
         check_model(state, body.model)
         prompt = await render_prompt(state, body)
         forced = body.forced_tools() if body.use_tools else None

@@ -2,6 +2,14 @@
 Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on its routes
 (``/v1/messages...``).
 
+One rule for invalid input, on every route: HTTP 400, as OpenAI's and
+Anthropic's APIs answer, never FastAPI's default 422, for malformed JSON,
+a body that breaks the request schema (wrong type, out of range, missing
+field) and a value the route refuses after parsing. The message names the
+field (``max_tokens: ...``) and OpenAI's body names it in ``param`` too.
+``/openapi.json`` documents the same: each route's 422 entry is replaced by
+400 with the route's error body (:func:`document_errors`).
+
 An unexpected exception is logged with its traceback under a short error id;
 the client gets HTTP 500 with a message naming that id, never the exception's
 own text (which can quote other users' input or server internals).
@@ -11,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quanta.engine.async_engine import RequestFailed
@@ -48,12 +58,40 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error body."""
+
+    error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+    """OpenAI's body (:class:`OpenAIError`)."""
+    detail = OpenAIErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
+    return OpenAIError(error=detail).model_dump()
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+    """Anthropic's body (:class:`AnthropicError`)."""
+    return AnthropicError(error=AnthropicErrorDetail(type=ANTHROPIC_ERROR_TYPES.get(status, "api_error"), message=message)).model_dump()
 
 
 def route_error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -74,17 +112,39 @@ def log_internal_error(what: str, exc: BaseException) -> str:
     return error_id
 
 
+#: pydantic error types that say "not this type": for a value that failed every member of a
+#: union, an error of another type (a range, a length) is the one to report.
+_TYPE_MISMATCH = ("_type", "literal_error", "union_tag_invalid", "model_attributes_type")
+
+
 def _describe(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message naming the field, param) of the first validation error that says most."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return _json_error(first), None
-    param = ".".join(loc) or None
+    if errors[0].get("type") == "json_invalid":
+        return _json_error(errors[0]), None
+    field = _field(errors[0])
+    same = [e for e in errors if _field(e)[:len(field)] == field]  # the first field's errors, one per union member
+    first = next((e for e in same if not e.get("type", "").endswith(_TYPE_MISMATCH)), errors[0])
+    param = ".".join(_field(first)) or None
+    if param is None and first.get("type") == "missing":
+        return "the request needs a JSON object body", None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     return (f"{param}: {message}" if param else message), param
+
+
+def _field(error: dict) -> list[str]:
+    """The error's ``loc`` as field names and indices (no ``body``, no union members)."""
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _union_member(p)]
+
+
+def _union_member(part) -> bool:
+    """Whether a ``loc`` part names a union member (``str``, ``list[int]``, ``constrained-str``,
+    ``function-after[...]``, ``NamedToolChoice``) rather than a field: fields are snake_case."""
+    if not isinstance(part, str):
+        return False
+    return part in ("str", "int", "float", "bool", "list", "dict", "none") or any(c in part for c in "[-") or part[:1].isupper()
 
 
 def _json_error(error: dict) -> str:
@@ -94,8 +154,19 @@ def _json_error(error: dict) -> str:
     return f"malformed JSON body: {reason}" + (f" at position {pos[0]}" if pos else "")
 
 
+def _http_message(exc: StarletteHTTPException) -> str:
+    """The detail, or for a body FastAPI could not parse (it raises 400 from the parser's error) why."""
+    if isinstance(exc.__cause__, RecursionError):
+        return "malformed JSON body: nested too deeply"
+    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):  # JSON or UTF-8 decoding
+        return f"malformed JSON body: {exc.__cause__}"
+    return str(exc.detail)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Turn validation failures, API errors, HTTP errors and crashes into error bodies."""
+    """Turn validation failures, API errors, HTTP errors and crashes into error bodies,
+    and document the 400 rule in the app's OpenAPI schema (:func:`document_errors`)."""
+    document_errors(app)
 
     def respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
         return JSONResponse(route_error_body(request.url.path, status, message, param, code), status_code=status)
@@ -120,6 +191,35 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = respond(request, exc.status_code, str(exc.detail))
+        response = respond(request, exc.status_code, _http_message(exc))
         response.headers.update(exc.headers or {})
         return response
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make ``app.openapi()`` state the 400 rule: every operation's ``422`` response
+    (FastAPI's default) becomes ``400`` with the route's error body
+    (:class:`OpenAIError`, or :class:`AnthropicError` under :data:`ANTHROPIC_PREFIX`)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (OpenAIError, AnthropicError):
+            definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(definition.pop("$defs", {}))
+            components[model.__name__] = definition
+        for path, operations in schema.get("paths", {}).items():
+            body = AnthropicError if path.startswith(ANTHROPIC_PREFIX) else OpenAIError
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {"description": "Invalid request (malformed JSON, schema or value)", "content": {
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        return schema
+
+    app.openapi = openapi

@@ -24,7 +24,7 @@ from quanta.model.tokenizer import Tokenizer
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.errors import route_error_body
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "PromptError", "PromptWork"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "PromptError", "PromptWork", "surrogate_problem"]
 
 #: Threads that tokenize and render chat templates.
 PROMPT_WORKERS = 2
@@ -185,13 +185,17 @@ def max_token_chars(tokenizer: Tokenizer) -> int:
 
 
 def _check_surrogates(text: str, param: str) -> None:
+    problem = surrogate_problem(text)
+    if problem is not None:
+        raise PromptError(f"{param}: {problem}", param)
+
+
+def surrogate_problem(text: str) -> str | None:
+    """What is wrong with ``text`` if it holds a lone UTF-16 surrogate (valid JSON, no text), else None."""
     if text.isascii():
-        return
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise PromptError(
-            f"{param}: the text has a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}; "
-            "send valid Unicode",
-            param,
-        ) from None
+        return f"the text has a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}; send valid Unicode"
+    return None

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanta.engine.grammar import Grammar
-from quanta.server.protocol import ChatCompletionRequest, CompletionRequest
+from quanta.server.protocol import ChatCompletionRequest, CompletionRequest, StrictFlag, integer
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -44,16 +44,16 @@ _HARMLESS = (None, False, {}, [], "", 1, ["text"])
 class _Refusals(BaseModel):
     """Fields that exist in OpenAI's API but not in quanta: any non-default value is a 400."""
 
-    logit_bias: Any = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    modalities: Any = None
+    logit_bias: Any = Field(None, description=_REFUSED["logit_bias"])
+    echo: Any = Field(None, description=_REFUSED["echo"])
+    suffix: Any = Field(None, description=_REFUSED["suffix"])
+    best_of: Any = Field(None, description=_REFUSED["best_of"])
+    functions: Any = Field(None, description=_REFUSED["functions"])
+    function_call: Any = Field(None, description=_REFUSED["function_call"])
+    audio: Any = Field(None, description=_REFUSED["audio"])
+    prediction: Any = Field(None, description=_REFUSED["prediction"])
+    web_search_options: Any = Field(None, description=_REFUSED["web_search_options"])
+    modalities: Any = Field(None, description=_REFUSED["modalities"])
 
     @field_validator(*_REFUSED, mode="before")
     @classmethod
@@ -95,7 +95,8 @@ class _Guided(BaseModel):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    #: the schema says text only; :meth:`Message._text_only` names the refused type
+    type: Annotated[str, Field(json_schema_extra={"enum": ["text"]})]
     text: str | None = None
 
 
@@ -198,10 +199,10 @@ class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictFlag = True
     response_format: ResponseFormat | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: StrictFlag = False
+    top_logprobs: integer(ge=0, le=20) | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -240,7 +241,7 @@ class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
 class CompletionsRequest(_Refusals, _Guided, CompletionRequest):
     """``POST /v1/completions`` with ``logprobs`` (0-5 alternatives)."""
 
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: integer(ge=0, le=5) | None = None
 
     @property
     def num_logprobs(self) -> int | None:

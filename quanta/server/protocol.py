@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from quanta.engine.sampling import SEED_RANGE, SamplingParams
+from quanta.server.limits import surrogate_problem
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -37,11 +38,23 @@ def integer(**ranges):
     return Annotated[int, Field(strict=True, **ranges)]
 
 
+def _unicode(text):
+    """``text`` unchanged; a lone surrogate is named here (a length-constrained str would only say "unable to parse")."""
+    problem = surrogate_problem(text) if isinstance(text, str) else None
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
 StrictFlag = Annotated[bool, Field(strict=True)]
 #: ``cache_salt`` (vLLM's extension): prefix reuse only among requests with the
 #: same salt (:class:`quanta.engine.sampling.SamplingParams`); a non-empty string.
-CacheSalt = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]
+CacheSalt = Annotated[str, BeforeValidator(_unicode), Field(strict=True, min_length=1, max_length=1024)]
 TokenId = Annotated[int, Field(strict=True)]
+NonEmptyText = Annotated[str, BeforeValidator(_unicode), Field(min_length=1)]
+#: a completions prompt: non-empty text, non-empty token ids, or a list of one non-empty text
+#: (the schema states each bound; :meth:`CompletionRequest._one_prompt` words the common mistakes)
+Prompt = NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
 #: stop strings; the bounds appear in the OpenAPI schema, :func:`check_stop_strings` enforces them with its message
 StopList = Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP, "items": {"type": "string", "maxLength": MAX_STOP_CHARS}})]
 
@@ -143,26 +156,22 @@ class CompletionRequest(SamplingRequest):
     ``max_tokens`` defaults to 16, as in OpenAI's API and vLLM.
     """
 
-    prompt: str | list[TokenId] | list[str]
+    prompt: Prompt
     max_tokens: integer(ge=1) = 16
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _no_boolean_ids(cls, prompt):
+    def _one_prompt(cls, prompt):
         if isinstance(prompt, list) and any(isinstance(t, bool) for t in prompt):
             raise ValueError("token ids must be integers, not booleans")
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str) for t in prompt):
+            raise ValueError("batched prompts are not supported; send one prompt per request")
         return prompt
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            return prompt[0]
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt is empty")
-        return prompt
+    def _unwrapped(cls, prompt):
+        return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str) else prompt
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -35,20 +35,25 @@ from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.errors import APIError
 from quanta.server.openai_requests import ResponseFormat
-from quanta.server.protocol import CacheSalt
+from quanta.server.protocol import CacheSalt, NonEmptyText, StrictFlag, integer, number
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall, ToolStream
 
 
+def served(*kinds: str):
+    """A ``type`` string whose served values the schema lists (the route names any other in its 400)."""
+    return Annotated[str, Field(json_schema_extra={"enum": list(kinds)})]
+
+
 class InputPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: served("input_text", "output_text", "text")
     text: str | None = None
 
 
 class InputItem(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str = "message"
+    type: served("message", "function_call", "function_call_output") = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None
@@ -59,7 +64,7 @@ class InputItem(BaseModel):
 
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: served("function")
     name: str | None = None
     description: str | None = None
     parameters: dict | None = None
@@ -94,17 +99,18 @@ class TextOptions(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    input: str | list[InputItem]
+    input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    stream: bool = False
+    parallel_tool_calls: StrictFlag = True
+    max_output_tokens: integer(ge=1) | None = None
+    temperature: number(ge=0.0, le=2.0) | None = None
+    top_p: number(gt=0.0, le=1.0) | None = None
+    stream: StrictFlag = False
     text: TextOptions | None = None
-    previous_response_id: Any = None
+    #: must be null (nothing is stored)
+    previous_response_id: Any = Field(None, json_schema_extra={"type": "null"})
     cache_salt: CacheSalt | None = None
 
     @field_validator("previous_response_id")
