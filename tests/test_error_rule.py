@@ -75,6 +75,8 @@ CASES = [
     ("responses", "temperature-string", {"temperature": "0.5"}, "temperature", "temperature"),
     ("responses", "stream-string", {"stream": "yes"}, "stream", "stream"),
     ("responses", "previous-response-id", {"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    # found by the schema fuzz (tests/test_request_fuzz.py): a nameless function tool under tool_choice required was a 500
+    ("responses", "tool-without-name", {"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.0.name", "Field required"),
     ("responses", "built-in-tool", {"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
     ("messages", "max-tokens-missing", {"max_tokens": MISSING}, None, "max_tokens"),
     ("messages", "max-tokens-0", {"max_tokens": 0}, None, "max_tokens"),

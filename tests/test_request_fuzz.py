@@ -6,6 +6,9 @@ poisoned requests loses no healthy request.
   from its valid values mixed with wrong types, out-of-range numbers,
   ``NaN``/``Infinity``, ``null``, lone surrogates and nesting. Every answer
   is below 500 and carries the route's error body or a complete response.
+* The same over bodies drawn from each route's published request schema
+  (``/openapi.json``, Anthropic's bodies included): what the schema allows
+  is served or refused with a 4xx, never a 5xx.
 * A storm of concurrent requests over mixed endpoints (streaming or not),
   some cancelled midway, a few poisoned (:mod:`inprocess_server`): every
   healthy request completes with exact usage, every poisoned one gets an
@@ -29,6 +32,7 @@ from quanta.launch import load_model
 
 MAX_MODEL_LEN = 192
 FUZZ_EXAMPLES = 15  # per route
+SCHEMA_EXAMPLES = 10  # per route, bodies drawn from /openapi.json
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,9 @@ def _check_answer(path: str, resp: httpx.Response, text: str) -> None:
             assert payload["error"]["message"] and payload["error"]["type"], payload
     elif resp.headers["content-type"].startswith("text/event-stream"):
         assert 'data: {"error"' not in text and "event: error\n" not in text, text
-        assert text.rstrip().endswith("data: [DONE]") or text.rstrip().endswith('{"type": "message_stop"}'), text
+        last = text.rstrip().rsplit("\n\n", 1)[-1]
+        assert last in ("data: [DONE]", 'event: message_stop\ndata: {"type": "message_stop"}') or last.startswith(
+            ("event: response.completed\n", "event: response.incomplete\n")), text
     else:
         json.loads(text)
 
@@ -106,6 +112,85 @@ def test_no_body_gets_a_5xx(live, path):
         if body.get("top_k") == POISON_TOP_K or body.get("seed") == CRASH_SEED:
             return  # the fault-injection markers
         raw = json.dumps({"model": live.model, **body})  # NaN and Infinity as Python's json writes them
+        with httpx.stream("POST", live.base + path, content=raw, headers={"content-type": "application/json"}, timeout=60) as resp:
+            text = resp.read().decode("utf-8", errors="replace")
+        _check_answer(path, resp, text)
+
+    check()
+
+
+# ----------------------------------------------------------------------------- fuzz from /openapi.json
+
+#: output caps that are optional (chat, Responses): set small so a body never fills the context
+_CAPS = {"/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens"}
+SCHEMA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+
+
+def _from_schema(schema: dict, defs: dict, depth: int = 0):
+    """A Hypothesis strategy of JSON values valid for ``schema`` (the subset /openapi.json uses),
+    sizes kept small; integers near their minimum, so output caps stay short."""
+    if "$ref" in schema:
+        return _from_schema(defs[schema["$ref"].rsplit("/", 1)[1]], defs, depth + 1)
+    if "anyOf" in schema:
+        return st.one_of([_from_schema(m, defs, depth + 1) for m in schema["anyOf"]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "const" in schema:
+        return st.just(schema["const"])
+    kind = schema.get("type")
+    if kind == "string":
+        if "pattern" in schema:
+            return st.from_regex(schema["pattern"], fullmatch=True)
+        low = schema.get("minLength", 0)
+        return st.one_of(st.text(min_size=low, max_size=max(low, min(schema.get("maxLength", 12), 12))), st.just("<|im_start|>"))
+    if kind == "integer":
+        low = schema.get("minimum", -3)
+        return st.integers(low, min(schema.get("maximum", low + 3), low + 3))
+    if kind == "number":
+        return st.floats(schema.get("minimum", schema.get("exclusiveMinimum", -3.0)), schema.get("maximum", 3.0),
+                         exclude_min="exclusiveMinimum" in schema, allow_nan=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "array":
+        low = schema.get("minItems", 0)
+        high = max(low, min(schema.get("maxItems", 2), 2 if depth < 4 else low))
+        return st.lists(_from_schema(schema.get("items", {}), defs, depth + 1), min_size=low, max_size=high)
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties", {})
+        if not props:
+            return st.dictionaries(st.text(max_size=4), st.integers(0, 3), max_size=2)
+        required = set(schema.get("required", []))
+        child = lambda name: _from_schema(props[name], defs, depth + 1)  # noqa: E731
+        return st.fixed_dictionaries({n: child(n) for n in props if n in required},
+                                     optional={} if depth > 5 else {n: child(n) for n in props if n not in required})
+    return st.one_of(st.none(), st.integers(0, 3), st.text(max_size=4))  # Any
+
+
+@pytest.fixture(scope="module")
+def openapi(live) -> dict:
+    return httpx.get(live.base + "/openapi.json", timeout=30).json()
+
+
+@pytest.mark.parametrize("path", SCHEMA_ROUTES)
+def test_no_body_valid_for_the_published_schema_gets_a_5xx(live, openapi, path):
+    """Bodies drawn from the route's own /openapi.json request schema (Anthropic's included):
+    each is served or refused with the route's error body, never a 5xx."""
+    defs = openapi["components"]["schemas"]
+    ref = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+    @settings(max_examples=SCHEMA_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(body=_from_schema(ref, defs))
+    def check(body):
+        if body.get("top_k") == POISON_TOP_K or body.get("seed") == CRASH_SEED:
+            return
+        body["model"] = live.model
+        if path in _CAPS and body.get(_CAPS[path]) is None:
+            body[_CAPS[path]] = 2
+        body.pop("max_completion_tokens", None)
+        raw = json.dumps(body)
         with httpx.stream("POST", live.base + path, content=raw, headers={"content-type": "application/json"}, timeout=60) as resp:
             text = resp.read().decode("utf-8", errors="replace")
         _check_answer(path, resp, text)

@@ -65,7 +65,8 @@ class InputItem(BaseModel):
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: served("function")
-    name: str | None = None
+    #: required (a forced call needs it), as OpenAI's chat tools spell it
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
