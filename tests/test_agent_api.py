@@ -49,22 +49,36 @@ def test_named_tool_choice_returns_a_valid_call(named_call):
     assert set(args) == {"path"} and isinstance(args["path"], str)
 
 
-def test_streamed_tool_call_deltas_reassemble_to_the_call(server, named_call):
+def test_streamed_tool_call_arguments_arrive_in_fragments(server, named_call):
+    """As OpenAI streams a call: a first delta with index, id, type, name and
+    ``arguments: ""``, then several ``arguments`` fragments that concatenate
+    to the non-streamed call's arguments (same greedy request)."""
     stream = client_for(server).chat.completions.create(
         model=server.model, messages=ASK, tools=[READ_FILE], tool_choice=NAMED, parallel_tool_calls=False, stream=True, **GREEDY)
-    calls, finish = {}, None
+    deltas, finish = [], None
     for chunk in stream:
         choice = chunk.choices[0]
         finish = choice.finish_reason or finish
-        for d in choice.delta.tool_calls or []:
-            entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-            entry["id"] = d.id or entry["id"]
-            entry["name"] += (d.function.name or "") if d.function else ""
-            entry["arguments"] += (d.function.arguments or "") if d.function else ""
+        deltas += choice.delta.tool_calls or []
     expected = named_call.choices[0].message.tool_calls[0]
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "read_file", "")
+    assert first.id.startswith("call_") and all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
+    fragments = [d.function.arguments for d in rest]
+    assert len(fragments) > 1, fragments
+    assert "".join(fragments) == expected.function.arguments
+    assert json.loads("".join(fragments)) == json.loads(expected.function.arguments)
     assert finish == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(expected.function.name, expected.function.arguments)]
-    assert calls[0]["id"].startswith("call_")
+
+
+def test_stream_helper_accumulates_the_same_call(server, named_call):
+    """The openai client's own stream accumulator rebuilds the call from the fragments."""
+    with client_for(server).chat.completions.stream(
+            model=server.model, messages=ASK, tools=[READ_FILE], tool_choice=NAMED, parallel_tool_calls=False, **GREEDY) as s:
+        final = s.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    expected = named_call.choices[0].message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == (expected.function.name, expected.function.arguments)
 
 
 def test_required_picks_one_of_the_tools(server):
@@ -248,6 +262,12 @@ def test_responses_function_call_round_trip(server):
     events = list(client.responses.create(input="Read notes.txt", stream=True, **kw))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [(d.name, d.arguments) for d in done] == [(calls[0].name, calls[0].arguments)]
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(fragments) > 1 and "".join(fragments) == calls[0].arguments
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    assert kinds[added + 1] == "response.function_call_arguments.delta"  # arguments stream while the item is open
+    assert kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
     follow = client.responses.create(model=server.model, max_output_tokens=6, temperature=0, tools=[RESPONSES_TOOL], input=[
         {"role": "user", "content": "Read notes.txt"},
         {"type": "function_call", "call_id": calls[0].call_id, "name": "read_file", "arguments": calls[0].arguments},

@@ -37,12 +37,24 @@ def test_streamed_tool_use_equals_non_streamed(server, forced):
     events = list(client_for(server).messages.create(model=server.model, messages=ASK, stream=True, **FORCED))
     starts = [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
     assert len(starts) == 1 and starts[0].content_block.name == "read_file"
-    partial = "".join(e.delta.partial_json for e in events
-                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    fragments = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
     expected = next(b for b in forced.content if b.type == "tool_use")
-    assert json.loads(partial) == expected.input
+    assert len(fragments) > 1, fragments  # the input streams as the model writes it
+    assert json.loads("".join(fragments)) == expected.input
+    assert starts[0].content_block.input == {}
+    index = starts[0].index
+    assert [e.type for e in events if getattr(e, "index", None) == index][-1] == "content_block_stop"
     assert next(e for e in events if e.type == "message_delta").delta.stop_reason == "tool_use"
     assert events[-1].type == "message_stop"
+
+
+def test_stream_helper_parses_the_partial_json(server, forced):
+    """The anthropic client's accumulator parses each partial_json prefix and ends with the same input."""
+    with client_for(server).messages.stream(model=server.model, messages=ASK, **FORCED) as s:
+        final = s.get_final_message()
+    (block,) = [b for b in final.content if b.type == "tool_use"]
+    expected = next(b for b in forced.content if b.type == "tool_use")
+    assert (block.name, block.input) == (expected.name, expected.input) and final.stop_reason == "tool_use"
 
 
 def test_tool_result_round_trip(server, forced):

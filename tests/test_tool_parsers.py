@@ -10,7 +10,6 @@ from quanta.server.tools import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
-    ToolStream,
     choose_parser,
     render_for_template,
     template_reads_tools,
@@ -107,23 +106,6 @@ def test_native_rendering_gives_argument_objects():
         {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]}]
     out, tools = render_for_template(msgs, TOOLS, native=True)
     assert tools == TOOLS and out[0]["tool_calls"][0]["function"]["arguments"] == {"path": "a"}
-
-
-@pytest.mark.parametrize("parser,text", [
-    (HermesParser(), 'Sure.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'),
-    (Llama3JsonParser(), '{"name": "read_file", "parameters": {"path": "a"}}'),
-    (MistralParser(), '[TOOL_CALLS][{"name": "read_file", "arguments": {"path": "a"}}]'),
-    (HermesParser(), "no calls here, just <tool text"),
-])
-def test_stream_in_pieces_equals_whole_parse(parser, text):
-    stream, shown = ToolStream(parser), ""
-    for i in range(0, len(text), 3):
-        shown += stream.feed(text[i:i + 3])
-    rest, streamed_calls = stream.finish()
-    whole = parser.parse(text)
-    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in whole.calls]
-    assert (shown + rest).strip() == (whole.content or "").strip()
-    assert parser.start not in shown or not whole.calls
 
 
 @pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser(), MistralParser()])

@@ -23,11 +23,12 @@ Streaming sends Anthropic's events: ``message_start`` (once the first token is
 out, so its usage already counts the cached tokens), ``content_block_start``,
 ``ping``, ``content_block_delta`` (``text_delta``), ``content_block_stop``,
 ``message_delta`` (stop reason, cumulative usage) and ``message_stop``. With
-tools, a text block opens only once text arrives, and each call is a
-``tool_use`` block (``content_block_start`` with empty ``input``, one
-``input_json_delta`` with the whole input, ``content_block_stop``) sent when
-the output is complete; a
-failure after the stream began is an ``error`` event. Every error is
+tools, blocks come in output order: a text block opens only once text
+arrives, and each call is a ``tool_use`` block (``content_block_start`` with
+empty ``input`` once its name is out, ``input_json_delta`` events whose
+``partial_json`` fragments follow the model's output and concatenate to the
+input's JSON, ``content_block_stop``; see :mod:`quanta.server.tools_stream`);
+a failure after the stream began is an ``error`` event. Every error is
 Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -44,14 +45,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
-from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messages, tool_use_block
+from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messages, tool_use_block, tool_use_id
 from quanta.server.chat import constrain
 from quanta.server.chat_tokens import chat_prompt_ids, text_ids
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.limits import PromptError
 from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tools import ToolStream, render_for_template, template_reads_tools
+from quanta.server.tools import render_for_template, template_reads_tools
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
 
 class ContentBlock(BaseModel):
@@ -243,33 +245,59 @@ async def _events(msg_id: str, model: str, stream: RequestStream):
 
 
 async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream):
-    """The events of a request with tools: text block opened lazily, then one tool_use block per call."""
+    """The events of a request with tools: blocks in output order (text, tool_use, ...)."""
     out = await anext(stream)
     yield _event("message_start", {"message": _message(msg_id, model, None, out, final=False)})
     yield _event("ping", {})
-    index, text_open, calls = 0, False, []
+    blocks = ToolBlocks()
     while True:
-        text = tools.feed(out.text)
-        if out.finished:
-            rest, calls = tools.finish()
-            text += rest
-        if text:
-            if not text_open:
-                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                text_open, index = True, 1
-            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        for event in tools.feed(out.text) + (tools.finish() if out.finished else []):
+            for sse in blocks.events(event):
+                yield sse
         if out.finished:
             break
         out = await anext(stream)
-    if text_open:
-        yield _event("content_block_stop", {"index": 0})
-    for i, call in enumerate(calls, start=index):
-        yield _event("content_block_start", {"index": i, "content_block": tool_use_block(call, with_input=False)})
-        yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
-        yield _event("content_block_stop", {"index": i})
-    stop_reason, stop_sequence = _stop(out, bool(calls))
+    for sse in blocks.close_text():
+        yield sse
+    stop_reason, stop_sequence = _stop(out, bool(tools.calls))
     yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
     yield _event("message_stop", {})
+
+
+class ToolBlocks:
+    """Content blocks of a streamed response with tools, from :mod:`quanta.server.tools_stream` events.
+
+    A text block opens when text arrives and closes before a tool_use block;
+    a tool_use block opens (``input: {}``) with the call's name, gets one
+    ``input_json_delta`` per arguments fragment and closes with the call.
+    """
+
+    def __init__(self) -> None:
+        self.index = -1  # of the block open or last closed
+        self.text_open = False
+
+    def events(self, event: Event) -> list[str]:
+        if isinstance(event, TextDelta):
+            opening = [] if self.text_open else self._open({"type": "text", "text": ""})
+            self.text_open = True
+            return opening + [_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": event.text}})]
+        if isinstance(event, CallOpened):
+            block = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name, "input": {}}
+            return self.close_text() + self._open(block)
+        if isinstance(event, ArgumentsDelta):
+            delta = {"type": "input_json_delta", "partial_json": event.text}
+            return [_event("content_block_delta", {"index": self.index, "delta": delta})]
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def close_text(self) -> list[str]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def _open(self, block: dict) -> list[str]:
+        self.index += 1
+        return [_event("content_block_start", {"index": self.index, "content_block": block})]
 
 
 def _error_event(message: str) -> str:
@@ -311,7 +339,7 @@ def router(state: ServerState) -> APIRouter:
         msg_id = "msg_" + uuid.uuid4().hex
         parser = state.tool_parser if body.use_tools else None
         if body.stream:
-            events = _tool_events(msg_id, body.model, stream, ToolStream(parser)) if parser else _events(msg_id, body.model, stream)
+            events = _tool_events(msg_id, body.model, stream, tool_stream(parser)) if parser else _events(msg_id, body.model, stream)
             return StreamingResponse(ending_in_error(events, stream, _error_event), media_type="text/event-stream")
         return await until_disconnect(request, _collect(msg_id, body.model, stream, parser), stream)
 

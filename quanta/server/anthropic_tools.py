@@ -7,6 +7,7 @@ the model through the same chat template and parser. ``tool_choice``:
 ``auto`` (parse the output), ``none`` (tools left out of the prompt), ``any``
 (some tool, enforced by a grammar) and ``{"type": "tool", "name"}`` (that
 one); ``disable_parallel_tool_use`` limits a forced choice to one call.
+Streamed tool_use blocks are built in :class:`quanta.server.anthropic.ToolBlocks`.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool = False
 
 
-def tool_use_id(call: ToolCall) -> str:
-    """Anthropic-style id (``toolu_...``) of a parsed call."""
-    return "toolu_" + call.id.removeprefix("call_")
+def tool_use_id(call_id: str) -> str:
+    """Anthropic-style id (``toolu_...``) of a parsed call's id (``call_...``)."""
+    return "toolu_" + call_id.removeprefix("call_")
 
 
-def tool_use_block(call: ToolCall, with_input: bool = True) -> dict:
-    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
-            "input": json.loads(call.arguments) if with_input else {}}
+def tool_use_block(call: ToolCall) -> dict:
+    """The ``tool_use`` content block of a finished call (``input``: its arguments decoded)."""
+    return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
 
 
 def _result_text(content, where: str, error) -> str:

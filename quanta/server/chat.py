@@ -7,11 +7,12 @@ constraints, and the response shapes (JSON and SSE).
 - ``response_format`` and the ``guided_*`` fields become a grammar
   (:mod:`quanta.engine.grammar`); an invalid schema or regex is a 400 naming it.
 - ``logprobs`` come from the sampler's records (:mod:`quanta.server.logprobs`).
-- Streamed tool calls: text before the call marker streams as ``content``;
-  each call then arrives as two ``delta.tool_calls`` chunks, the first with
-  ``id``, ``type`` and ``function.name`` (``arguments: ""``), the second with
-  the ``arguments`` text, once the output is complete (quanta does not yet
-  split a call's arguments over several chunks).
+- Streamed tool calls (:mod:`quanta.server.tools_stream`): text around the
+  calls streams as ``content``; a call's first ``delta.tool_calls`` chunk
+  carries ``index``, ``id``, ``type`` and ``function.name`` (``arguments:
+  ""``), the next ones ``function.arguments`` fragments as the model writes
+  them (Hermes; Llama 3 JSON and Mistral send one fragment at the end),
+  which concatenate to the non-streamed call's ``arguments``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from quanta.server.limits import PromptError
 from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tools import ToolCall, ToolStream, render_for_template, template_reads_tools
+from quanta.server.tools import render_for_template, template_reads_tools
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
 
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -89,7 +91,7 @@ def _request_grammar(state, body) -> tuple[Grammar | None, str | None]:
 async def serve_chat(state, request: Request, body: ChatRequest) -> Response:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.use_tools else None
     prompt = await chat_prompt(state, [m.as_dict() for m in body.messages], tools)
-    fmt = ChatFormat(LogprobFormatter(state.tokenizer), ToolStream(state.tool_parser) if tools else None)
+    fmt = ChatFormat(LogprobFormatter(state.tokenizer), tool_stream(state.tool_parser) if tools else None)
     return await _serve(state, request, body, prompt, fmt)
 
 
@@ -254,19 +256,26 @@ class ChatFormat(_Format):
             if not (out.text or out.finished or records):
                 return []
             return [self._chunk({"content": out.text} if out.text else {}, finish, records)]
-        text = self.tools.feed(out.text)
-        calls: list[ToolCall] = []
+        events = self.tools.feed(out.text) + (self.tools.finish() if out.finished else [])
+        deltas = [d for d in map(_tool_delta, events) if d is not None]
+        if records and not deltas:
+            deltas = [{"content": ""}]
+        chunks = [self._chunk(d, None, records if i == 0 else None) for i, d in enumerate(deltas)]
         if out.finished:
-            rest, calls = self.tools.finish()
-            text += rest
-        chunks = [self._chunk({"content": text}, None, records)] if text or records else []
-        for i, call in enumerate(calls):
-            chunks.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                                       "function": {"name": call.name, "arguments": ""}}]}))
-            chunks.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}))
-        if out.finished:
-            chunks.append(self._chunk({}, _tool_finish(finish) if calls else finish))
+            chunks.append(self._chunk({}, _tool_finish(finish) if self.tools.calls else finish))
         return chunks
+
+
+def _tool_delta(event: Event) -> dict | None:
+    """The chat ``delta`` of one stream event (None for a call's end, which OpenAI does not mark)."""
+    if isinstance(event, TextDelta):
+        return {"content": event.text}
+    if isinstance(event, CallOpened):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, ArgumentsDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return None
 
 
 def _tool_finish(finish: str | None) -> str | None:

@@ -37,7 +37,8 @@ from quanta.server.errors import APIError
 from quanta.server.openai_requests import ResponseFormat
 from quanta.server.protocol import CacheSalt, NonEmptyText, StrictFlag, integer, number
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tools import ToolCall, ToolStream
+from quanta.server.tools import ToolCall
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
 
 def served(*kinds: str):
@@ -261,62 +262,98 @@ def _stream(b: _Builder, stream: RequestStream, tools: ToolStream | None):
 
 
 async def _events(ev: _Events, b: _Builder, stream: RequestStream, tools: ToolStream | None):
-    output, text, out = [], "", None
+    out = None
     yield ev("response.created", {"response": b.response([], None, "in_progress")})
     yield ev("response.in_progress", {"response": b.response([], None, "in_progress")})
+    items = _Items(ev, b)
     async for out in stream:
-        delta = tools.feed(out.text) if tools else out.text
-        calls: list[ToolCall] = []
-        if out.finished and tools:
-            rest, calls = tools.finish()
-            delta += rest
-        if delta:
-            if not text:
-                for e in _open_message(ev, b):
-                    yield e
-            text += delta
-            yield ev("response.output_text.delta",
-                     {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []})
-        if out.finished:
-            if text or not calls:
-                for e in _close_message(ev, b, text, opened=bool(text)):
-                    yield e
-                output.append(b.message(text))
-            for call in calls:
-                for e in _call_events(ev, b, call, len(output)):
-                    yield e
-                output.append(b.call(call))
-    final = b.response(output, out)
+        if tools is None:
+            events = [TextDelta(out.text)] if out.text else []
+        else:
+            events = tools.feed(out.text) + (tools.finish() if out.finished else [])
+        for event in events:
+            for sse in items.on(event):
+                yield sse
+    for sse in items.close():
+        yield sse
+    final = b.response(items.output, out)
     yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final})
 
 
-def _open_message(ev: _Events, b: _Builder) -> list[str]:
-    return [
-        ev("response.output_item.added", {"output_index": 0, "item": b.message("", "in_progress")}),
-        ev("response.content_part.added", {"item_id": b.msg_id, "output_index": 0, "content_index": 0,
-                                           "part": {"type": "output_text", "text": "", "annotations": []}}),
-    ]
+class _Items:
+    """The output items of a streamed response, in output order, from
+    :mod:`quanta.server.tools_stream` events: a message item opens when text
+    arrives and is done before a function_call item opens; a call's item
+    gets one ``response.function_call_arguments.delta`` per arguments
+    fragment, then ``.done``. A response with no item gets an empty message."""
 
+    def __init__(self, ev: _Events, b: _Builder) -> None:
+        self.ev, self.b = ev, b
+        self.output: list[dict] = []  # finished items
+        self.text: str | None = None  # of the open message; None when none is open
+        self.msg_id = b.msg_id
+        self.call_item_id = ""
 
-def _close_message(ev: _Events, b: _Builder, text: str, opened: bool) -> list[str]:
-    events = [] if opened else _open_message(ev, b)
-    part = {"type": "output_text", "text": text, "annotations": []}
-    return events + [
-        ev("response.output_text.done", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
-        ev("response.content_part.done", {"item_id": b.msg_id, "output_index": 0, "content_index": 0, "part": part}),
-        ev("response.output_item.done", {"output_index": 0, "item": b.message(text)}),
-    ]
+    def on(self, event: Event) -> list[str]:
+        """The SSE events of one stream event."""
+        if isinstance(event, TextDelta):
+            return self._text(event.text)
+        if isinstance(event, CallOpened):
+            item = self.b.call(ToolCall(event.name, "", event.id), "in_progress")
+            self.call_item_id = item["id"]
+            events = self._close_message()
+            return events + [self.ev("response.output_item.added", {"output_index": len(self.output), "item": item})]
+        if isinstance(event, ArgumentsDelta):
+            return [self.ev("response.function_call_arguments.delta",
+                            {"item_id": self.call_item_id, "output_index": len(self.output), "delta": event.text})]
+        return self._call_done(event.call)
 
+    def _text(self, delta: str) -> list[str]:
+        opening = self._open_message() if self.text is None else []
+        self.text += delta
+        return opening + [self.ev("response.output_text.delta", {"item_id": self.msg_id, "output_index": len(self.output),
+                                                                 "content_index": 0, "delta": delta, "logprobs": []})]
 
-def _call_events(ev: _Events, b: _Builder, call: ToolCall, index: int) -> list[str]:
-    item = b.call(call)
-    return [
-        ev("response.output_item.added", {"output_index": index, "item": b.call(call, "in_progress")}),
-        ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": index, "delta": call.arguments}),
-        ev("response.function_call_arguments.done",
-           {"item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments}),
-        ev("response.output_item.done", {"output_index": index, "item": item}),
-    ]
+    def _call_done(self, call: ToolCall) -> list[str]:
+        item, index = self.b.call(call), len(self.output)
+        self.output.append(item)
+        return [
+            self.ev("response.function_call_arguments.done",
+                    {"item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments}),
+            self.ev("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+
+    def close(self) -> list[str]:
+        """Events that end the output: the open message done (an empty one if there was no item)."""
+        opening = self._open_message() if not self.output and self.text is None else []
+        return opening + self._close_message()
+
+    def _open_message(self) -> list[str]:
+        if self.output:
+            self.msg_id = "msg_" + uuid.uuid4().hex
+        self.text, index = "", len(self.output)
+        return [
+            self.ev("response.output_item.added", {"output_index": index, "item": self._message("", "in_progress")}),
+            self.ev("response.content_part.added", {"item_id": self.msg_id, "output_index": index, "content_index": 0,
+                                                    "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ]
+
+    def _close_message(self) -> list[str]:
+        if self.text is None:
+            return []
+        text, index, self.text = self.text, len(self.output), None
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = self._message(text)
+        self.output.append(item)
+        return [
+            self.ev("response.output_text.done", {"item_id": self.msg_id, "output_index": index, "content_index": 0,
+                                                  "text": text, "logprobs": []}),
+            self.ev("response.content_part.done", {"item_id": self.msg_id, "output_index": index, "content_index": 0, "part": part}),
+            self.ev("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+
+    def _message(self, text: str, status: str = "completed") -> dict:
+        return {**self.b.message(text, status), "id": self.msg_id}
 
 
 def router(state: ServerState) -> APIRouter:
@@ -341,7 +378,7 @@ def router(state: ServerState) -> APIRouter:
         builder = _Builder(body, tools)
         parser = state.tool_parser if tools else None
         if body.stream:
-            return StreamingResponse(_stream(builder, stream, ToolStream(parser) if parser else None), media_type="text/event-stream")
+            return StreamingResponse(_stream(builder, stream, tool_stream(parser) if parser else None), media_type="text/event-stream")
         return await until_disconnect(request, _collect(builder, stream, parser), stream)
 
     return routes

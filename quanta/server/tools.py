@@ -10,8 +10,10 @@ A :class:`ToolParser` knows one family's format:
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (also
   the v11 form ``[TOOL_CALLS]name[ARGS]{...}``).
 
-Each parser splits a finished output into text and calls (:meth:`ToolParser.parse`),
-and writes the grammar that forces calls for ``tool_choice`` ``required`` or a
+Each parser splits a finished output into text and calls (:meth:`ToolParser.parse`;
+a Hermes call's ``arguments`` are the object's text as the model wrote it,
+which :mod:`quanta.server.tools_stream` forwards while it streams), and
+writes the grammar that forces calls for ``tool_choice`` ``required`` or a
 named function (:meth:`ToolParser.grammar`). The parser is chosen from the
 chat template's text (:func:`choose_parser`) unless ``--tool-call-parser``
 names one. Templates that never read the ``tools`` variable (SmolLM2's) get
@@ -75,7 +77,8 @@ def _loads(text: str):
 
 
 def _content(parts: list[str]) -> str | None:
-    text = "".join(parts).strip()
+    """The text around calls, trailing whitespace dropped (what :mod:`tools_stream` streams)."""
+    text = "".join(parts).rstrip()
     return text or None
 
 
@@ -112,15 +115,39 @@ class ToolParser:
         i = text.find(self.start)
         return len(text) if i < 0 else i
 
+    def safe_end(self, text: str) -> int:
+        """How much of ``text`` (an unfinished output without a call yet) is content whatever
+        follows: all but a tail that could still begin the call marker."""
+        return len(text) - partial_suffix(text, self.start)
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
 
 class HermesParser(ToolParser):
-    name, start = "hermes", "<tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+
+    A block is a call when it begins with one JSON object (text after that
+    object, before ``</tool_call>``, is ignored) with a string ``name`` and
+    object (or JSON-string) ``arguments``; other blocks stay text. When the
+    object starts ``{"name": ..., "arguments": {`` the call's ``arguments``
+    are the text of that object exactly as the model wrote it (so the
+    stream can forward it as it comes, :mod:`quanta.server.tools_stream`);
+    otherwise they are the object re-serialized with :func:`json.dumps`.
+    """
+
+    name, start, end = "hermes", "<tool_call>", "</tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 
     def parse(self, text: str) -> Parsed:
         calls, parts, pos = [], [], 0
         for m in self._block.finditer(text):
-            call = _call(_loads(m.group(1)))
+            call = hermes_call(m.group(1))
             if call is None:
                 continue
             parts.append(text[pos:m.start()])
@@ -133,6 +160,66 @@ class HermesParser(ToolParser):
         call = f'"<tool_call>\\n" {json_rule(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
         more = ' ("\\n" call)*' if parallel else ""
         return Grammar(f"start: call{more}\ncall: {call}")
+
+
+#: The start of a Hermes call object up to its arguments value: group 1 is the name's JSON string.
+HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def hermes_call(block: str) -> ToolCall | None:
+    """The call in the text between ``<tool_call>`` and ``</tool_call>``, or None.
+
+    ``arguments`` is the raw text of the arguments object when the block
+    starts as :data:`HERMES_HEAD` says and that text decodes to the same
+    value as the whole block's ``arguments``; else ``json.dumps`` of it.
+    """
+    stripped = block.lstrip()
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(stripped)
+    except ValueError:
+        return None
+    call = _call(obj)
+    head = HERMES_HEAD.match(stripped)
+    if call is None or head is None or json.loads(head.group(1)) != call.name or stripped[head.end():][:1] != "{":
+        return call
+    end = ObjectScanner().feed(stripped[head.end():])
+    raw = stripped[head.end():head.end() + end] if end is not None else None
+    if raw is not None and _loads(raw) == json.loads(call.arguments):
+        call.arguments = raw
+    return call
+
+
+class ObjectScanner:
+    """Finds where a JSON object ends in text fed piece by piece.
+
+    The first character fed must be its ``{``. Brackets are counted outside
+    strings (escapes honoured); the JSON is not otherwise validated.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """Consume ``text``; the offset in it just past the object's closing ``}``, or None if still open."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
 
 
 class Llama3JsonParser(ToolParser):
@@ -170,6 +257,12 @@ class MistralParser(ToolParser):
         if stripped.startswith('[{"name"'):  # [TOOL_CALLS] is a special token: decoding drops it
             return len(text) - len(stripped)
         return super().call_start(text)
+
+    def safe_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped and '[{"name"'.startswith(stripped):  # may still become the bare array
+            return len(text) - len(stripped)
+        return super().safe_end(text)
 
     def parse(self, text: str) -> Parsed:
         i = self.call_start(text)
@@ -283,54 +376,3 @@ def _native_message(m: dict) -> dict:
                  for c in m["tool_calls"]]
         return {"role": "assistant", "content": m.get("content") or "", "tool_calls": calls}
     return {k: v for k, v in m.items() if v is not None}
-
-
-class ToolStream:
-    """Splits streamed text into content deltas and completed calls.
-
-    Text before the parser's call marker is passed on as it arrives (holding
-    back a tail that could be the start of the marker); from the marker on,
-    text is buffered and parsed when the output ends, so the calls equal
-    :meth:`ToolParser.parse` of the whole text.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.text = ""
-        self._released = 0
-        self._in_call = False
-
-    def feed(self, delta: str) -> str:
-        """Append ``delta``; return the content that may be shown now."""
-        self.text += delta
-        if self._in_call:
-            return ""
-        start = self.parser.call_start(self.text)
-        if start < len(self.text):
-            self._in_call = True
-            end = start
-        else:
-            end = len(self.text) - _partial_suffix(self.text, self.parser.start)
-            if not self.text[self._released:].strip() and isinstance(self.parser, (Llama3JsonParser, MistralParser)):
-                end = self._released  # leading whitespace: a JSON call may still follow
-        out = self.text[self._released:end]
-        self._released = max(self._released, end)
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet released, the calls) once the output is complete."""
-        parsed = self.parser.parse(self.text)
-        if not parsed.calls:
-            rest = self.text[self._released:]
-        else:
-            shown = self.text[:self._released]
-            rest = (parsed.content or "")[len(shown.strip()):] if (parsed.content or "").startswith(shown.strip()) else ""
-        return rest, parsed.calls
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
