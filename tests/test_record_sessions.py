@@ -240,7 +240,7 @@ def test_observed_parses_streams_split_anywhere():
 
 def test_record_text_keeps_text_and_the_replay_sends_it(tmp_path):
     from quanta.bench.record import Observed, Recorder
-    from quanta.bench.sessions import _Replay, replayed
+    from quanta.bench.sessions import _Replay, replay_plan, replayed
     from quanta.bench.workloads import Workload
 
     out = tmp_path / "text.jsonl"
@@ -263,7 +263,7 @@ def test_record_text_keeps_text_and_the_replay_sends_it(tmp_path):
     class FakeRun:
         w = Workload(kind="sessions", sessions_file=str(out))
 
-    msgs = _Replay(FakeRun(), replayed(str(out))).messages(replayed(str(out))[0])
+    msgs = _Replay(FakeRun(), replayed(str(out))).messages(replay_plan(str(out))[0])
     assert msgs[0]["role"] == "system" and msgs[0]["content"].endswith(" Be brief.") and msgs[1] == {"role": "user", "content": "Hi there"}
 
 

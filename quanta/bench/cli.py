@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from quanta.bench import external
-from quanta.bench.workloads import CLIENT_ONLY, KINDS, Workload
+from quanta.bench.workloads import KINDS, Workload
 from quanta.engine.policies import KNOBS
 from quanta.flags import (
     base_url,
@@ -27,10 +27,10 @@ from quanta.flags import (
 )
 
 
-def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str, ...] = KINDS) -> argparse._ArgumentGroup:
+def add_workload_group(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
     """The workload flags shared by ``quanta bench`` and ``quanta simulate``; returns the group."""
     g = p.add_argument_group(title)
-    g.add_argument("--workload", choices=kinds, default="burst", help="arrival pattern (default burst)")
+    g.add_argument("--workload", choices=KINDS, default="burst", help="arrival pattern (default burst)")
     g.add_argument("--num-requests", type=positive_int, default=64, help="requests of burst/poisson/gamma/concurrency (default 64)")
     g.add_argument("--prompt-words", type=positive_int, default=32, help="prompt size (default 32)")
     g.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request (default 64)")
@@ -44,6 +44,8 @@ def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str,
     g.add_argument("--turns", type=positive_int, default=3, help="replay: turns per session (default 3)")
     g.add_argument("--tool-words", type=positive_int, default=128, help="replay: tool output appended per turn (default 128)")
     g.add_argument("--stagger", type=nonneg_float, default=15.0, help="replay: start offset between sessions (default 15)")
+    g.add_argument("--sessions-file", metavar="FILE",
+                   help="sessions: agent sessions recorded by quanta record (JSONL), replayed identically")
     g.add_argument("--seed", type=int, default=0, help="prompt/arrival/length RNG seed (simulate: repeat r uses seed + r) (default 0)")
     g.add_argument("--prompt-dist", default="fixed", metavar="DIST",
                    help="prompt sizes around --prompt-words: fixed, uniform:R (as vllm --random-range-ratio), "
@@ -63,9 +65,7 @@ def add_workload_group(p: argparse.ArgumentParser, title: str, kinds: tuple[str,
 
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
-    g = add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)", (*KINDS, *CLIENT_ONLY))
-    g.add_argument("--sessions-file", metavar="FILE",
-                   help="sessions: agent sessions recorded by quanta record (JSONL), replayed identically")
+    add_workload_group(p, "workload (sizes in words ~ tokens; times in seconds)")
     m = p.add_argument_group("measurement")
     m.add_argument("--repeats", type=positive_int, default=3, help="runs per condition; figures are median (IQR) (default 3)")
     m.add_argument("--warmup", type=nonneg_int, default=2, help="unmeasured requests before the repeats (default 2)")

@@ -28,6 +28,12 @@ as seeded words of their token counts (recorded text where present); the
 output is exactly the recorded ``completion_tokens`` (``ignore_eos``). So
 every server condition gets the same requests in the same order and
 relation; only the assistant replies (the servers' own) differ in content.
+
+The pure part of that replay (which request, after which parent's send or
+end, at what time, sharing which prompt parts) is :func:`replay_plan`; the
+bench client executes it over HTTP (:func:`replay`) and the simulator
+(``quanta simulate --workload sessions``, :mod:`quanta.sim.run`) on its
+virtual clock, so the two replay the same file the same way.
 """
 
 from __future__ import annotations
@@ -189,15 +195,89 @@ def describe(path: str) -> str:
 
 # --- replay ---------------------------------------------------------------
 
+@dataclass(frozen=True)
+class ReplayStep:
+    """One request of a replay: what it waits for, when it is sent, what its prompt shares.
+
+    The pure part of the replay, executed by the bench client (:func:`replay`, asyncio
+    over HTTP) and by the simulator (:mod:`quanta.sim.run`) alike.
+
+    Attributes:
+        request: the recorded request.
+        parent: the replayed request it depends on (None: its recorded parent, if any, is not replayed).
+        after: ``"done"``: it waits until ``parent`` finished in this replay (a next turn, or a shared
+            prefix that reaches into the parent's reply); ``"sent"``: until ``parent`` was sent (a new
+            session sharing part of the parent's prompt); None: no wait.
+        think: a next turn's seconds between its parent's end and its send (the recorded ``t`` minus the
+            parent's ``done``, >= 0); None: sent at its recorded ``t``.
+    """
+
+    request: SessionRequest
+    parent: SessionRequest | None
+    after: str | None
+    think: float | None
+
+    @property
+    def tag(self) -> str:
+        return f"session{self.request.session}/turn{self.request.turn}"
+
+    def times(self, parent_at: float | None) -> tuple[float, float]:
+        """``(scheduled, sent)`` seconds into the run, given when the awaited event of ``parent`` (its send
+        or its end, see ``after``) happened in this replay (None without one).
+
+        A next turn is scheduled and sent ``think`` seconds after its parent ends; any other request is
+        scheduled at its recorded ``t`` and sent then, or as soon as its parent's event happened if later
+        (its latency counts from ``t``, so that wait is included).
+        """
+        t = self.request.t
+        if self.after is None or parent_at is None:
+            return t, t
+        if self.think is not None:
+            return parent_at + self.think, parent_at + self.think
+        return t, max(t, parent_at)
+
+    def prefix(self, context: list | None) -> list | None:
+        """The shared prompt parts: ``context`` (the parent's replayed parts so far: its prompt's, then its
+        reply once it finished; None when it was not replayed) cut to ``request.shared`` parts; ``[]`` when
+        nothing is shared; None when that context is missing or shorter, so that a stand-in of
+        ``request.shared_tokens`` tokens takes its place."""
+        n = self.request.shared
+        if not n:
+            return []
+        return None if context is None or len(context) < n else list(context[:n])
+
+
+def replay_plan(path: str) -> list[ReplayStep]:
+    """The steps of a replay of ``path``, one per replayed request, in id (arrival) order.
+
+    Raises:
+        SessionFileError: as :func:`load`.
+    """
+    reqs = replayed(path)
+    by_id = {r.id: r for r in reqs}
+    steps = []
+    for r in reqs:
+        parent = by_id.get(r.parent) if r.parent is not None else None
+        if parent is None:
+            steps.append(ReplayStep(r, None, None, None))
+        elif r.extends:  # a next turn: the agent acts on the parent's reply, after its think time
+            gap = r.t - parent.done if parent.done is not None else 0.0
+            steps.append(ReplayStep(r, parent, "done", max(0.0, gap)))
+        else:  # a new session sharing a prefix: its recorded time, once that prefix exists
+            reply = r.shared > len(parent.segments) + parent.shared
+            steps.append(ReplayStep(r, parent, "done" if reply else "sent", None))
+    return steps
+
+
 def _words(tokens: int, seed: str) -> str:
     return prompts.text(tokens, random.Random(seed)) if tokens else ""
 
 
 class _Replay:
-    """State of one replay: every request's replayed context and its events."""
+    """State of one replay over HTTP: every request's replayed context and its events."""
 
     def __init__(self, run, reqs: list[SessionRequest]) -> None:
-        self.run, self.reqs = run, {r.id: r for r in reqs}
+        self.run = run
         # per run, so no replay hits an earlier run's (or repeat's) cache; words, not hex, so that its
         # length in tokens is the same in every run (BPE splits random hex unevenly)
         self.salt = prompts.text(SALT_WORDS, random.Random(uuid.uuid4().int))
@@ -205,18 +285,15 @@ class _Replay:
         self.contexts: dict[int, list[dict]] = {}
         self.sent = {r.id: asyncio.Event() for r in reqs}
         self.done = {r.id: asyncio.Event() for r in reqs}
-        self.done_at: dict[int, float] = {}
+        self.at: dict[str, dict[int, float]] = {"sent": {}, "done": {}}
 
-    def _shared_prefix(self, r: SessionRequest) -> list[dict]:
-        if not r.shared:
-            return []
-        ctx = self.contexts.get(r.parent) or self.prompts.get(r.parent)
-        if ctx is None or len(ctx) < r.shared:  # the parent was not replayed: same size, synthetic words
-            return [{"role": "user", "content": f"{self.salt} " + _words(r.shared_tokens, f"{self.run.w.seed}:{r.id}:shared")}]
-        return ctx[:r.shared]
-
-    def messages(self, r: SessionRequest) -> list[dict]:
-        msgs = list(self._shared_prefix(r))
+    def messages(self, step: ReplayStep) -> list[dict]:
+        """The chat messages of ``step``: its shared prefix, then its new segments."""
+        r = step.request
+        parent = step.parent.id if step.parent is not None else None
+        msgs = step.prefix(self.contexts.get(parent) or self.prompts.get(parent))
+        if msgs is None:  # the parent was not replayed: same size, synthetic words
+            msgs = [{"role": "user", "content": f"{self.salt} " + _words(r.shared_tokens, f"{self.run.w.seed}:{r.id}:shared")}]
         for j, seg in enumerate(r.segments):
             text = seg.text if seg.text is not None else _words(seg.tokens, f"{self.run.w.seed}:{r.id}:{j}")
             if not msgs and j == 0:
@@ -224,41 +301,39 @@ class _Replay:
             msgs.append({"role": seg.role if seg.role in ("system", "user", "assistant") else "user", "content": text})
         return msgs or [{"role": "user", "content": self.salt}]
 
-    async def _wait_parent(self, r: SessionRequest) -> float:
-        """Wait until this request may be sent; returns its scheduled time."""
-        parent = self.reqs.get(r.parent) if r.parent is not None else None
-        if parent is None:
-            await self.run.at(r.t)
-            return r.t
-        if r.extends:  # a next turn: the agent acts on the parent's reply, after its think time
-            await self.done[parent.id].wait()
-            gap = max(0.0, r.t - (parent.done if parent.done is not None else r.t))
-            at = self.done_at[parent.id] + gap
-            await self.run.at(at)
-            return at
-        await self.run.at(r.t)  # a new session sharing a prefix: its recorded time, once that prefix exists
-        await (self.done if r.shared > len(parent.segments) + (parent.shared or 0) else self.sent)[parent.id].wait()
-        return r.t
+    def _mark(self, event: str, rid: int) -> None:
+        self.at[event].setdefault(rid, self.run.clock.now())
+        (self.sent if event == "sent" else self.done)[rid].set()
 
-    async def one(self, r: SessionRequest) -> None:
+    async def _wait_parent(self, step: ReplayStep) -> float:
+        """Wait until this request may be sent; returns its scheduled time."""
+        parent_at = None
+        if step.after is not None:
+            await (self.done if step.after == "done" else self.sent)[step.parent.id].wait()
+            parent_at = self.at[step.after][step.parent.id]
+        scheduled, send = step.times(parent_at)
+        await self.run.at(send)
+        return scheduled
+
+    async def one(self, step: ReplayStep) -> None:
+        r = step.request
         try:
-            scheduled = await self._wait_parent(r)
-            msgs = self.messages(r)
+            scheduled = await self._wait_parent(step)
+            msgs = self.messages(step)
             self.prompts[r.id] = msgs
-            self.sent[r.id].set()
-            sample = self.run.new_sample(scheduled, f"session{r.session}/turn{r.turn}")
+            self._mark("sent", r.id)
+            sample = self.run.new_sample(scheduled, step.tag)
             pieces: list[str] = []
             await self.run.request(sample, msgs, r.completion_tokens, pieces, prompt_size=r.prompt_tokens)
             reply = "".join(pieces) if sample.ok else _words(r.completion_tokens, f"{self.run.w.seed}:{r.id}:reply")
             self.contexts[r.id] = msgs + [{"role": "assistant", "content": reply}]
         finally:
-            self.sent[r.id].set()
-            self.done_at[r.id] = self.run.clock.now()
-            self.done[r.id].set()
+            self._mark("sent", r.id)
+            self._mark("done", r.id)
 
 
 async def replay(run) -> None:
     """Run the sessions workload of ``run.w`` (a :class:`quanta.bench.workloads.Run`)."""
-    reqs = replayed(run.w.sessions_file)
-    state = _Replay(run, reqs)
-    await asyncio.gather(*(state.one(r) for r in reqs))
+    steps = replay_plan(run.w.sessions_file)
+    state = _Replay(run, [s.request for s in steps])
+    await asyncio.gather(*(state.one(s) for s in steps))

@@ -12,6 +12,8 @@
 - ``replay``: ``sessions`` multi-turn agents started ``stagger`` seconds
   apart; every turn resends the whole conversation plus a tool output of
   ``tool_words`` words.
+- ``sessions``: agent sessions recorded by ``quanta record`` (``sessions_file``),
+  replayed by :func:`quanta.bench.sessions.replay_plan` (bench and simulator).
 
 The requests of burst, poisson, gamma, concurrency and trace are planned once
 by :func:`plan` (send time, prompt size, output length, shared blocks), which
@@ -36,11 +38,9 @@ from quanta.analysis.requests import RequestSample
 from quanta.bench import lengths, mooncake, prompts, sessions
 from quanta.bench.client import Clock, Target, send
 
-KINDS = ("burst", "poisson", "gamma", "concurrency", "trace", "probe", "replay")
+KINDS = ("burst", "poisson", "gamma", "concurrency", "trace", "probe", "replay", "sessions")
 #: kinds whose requests :func:`plan` lays out (the others react to responses)
 PLANNED = ("burst", "poisson", "gamma", "concurrency", "trace")
-#: kinds only the HTTP client runs (``quanta bench``; the simulator does not model them)
-CLIENT_ONLY = ("sessions",)
 
 
 @dataclass

@@ -181,6 +181,9 @@ def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> li
         w = Workload.from_dict(doc["workload"])
     except TypeError as exc:
         raise CompareError(f"{path}: workload {doc['workload']!r} is not one quanta bench knows: {exc}") from exc
+    if w.kind == "sessions":  # its measured request ids are in send order, which differs between runs
+        raise CompareError(f"{path}: a sessions workload cannot be compared request by request yet; "
+                           f"simulate it with quanta simulate --workload sessions --sessions-file {w.sessions_file}")
     measured_conds = [c for c in doc["conditions"] if c.get("valid", True) and c.get("runs")]
     if not measured_conds:
         raise CompareError(f"{path}: no measured condition to compare")

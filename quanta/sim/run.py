@@ -12,7 +12,11 @@ function apply unchanged.
 Requests: the planned kinds (burst, poisson, gamma, concurrency, trace) run
 :func:`quanta.bench.workloads.plan`, the same requests the bench client sends
 (send times, prompt sizes and output lengths drawn from the workload's
-distributions, a trace's shared blocks); probe and replay react to responses
+distributions, a trace's shared blocks); a recorded sessions file runs the
+steps of :func:`quanta.bench.sessions.replay_plan`, as the bench replay does
+(each prompt its parent's simulated context cut to the shared segments plus
+new segments of the recorded sizes, so the prefix cache sees the recorded
+reuse; exact recorded output lengths); probe and replay react to responses
 as the bench client's do. Prompt lengths: ``prompt_size * tokens_per_word``
 tokens (rounded, >= 1; a trace's sizes are tokens already) of random ids from
 the workload's seed (a trace's blocks: equal hash ids give equal ids), or,
@@ -34,10 +38,10 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quanta.analysis.requests import RequestSample
-from quanta.bench import mooncake, prompts
+from quanta.bench import mooncake, prompts, sessions
 from quanta.bench.workloads import PLANNED, RequestSpec, Workload, plan
 from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
@@ -58,6 +62,8 @@ class _Req:
     on_done: Callable[[_Req], None] | None = None
     seq_id: int | None = None
     trace_request: mooncake.TraceRequest | None = None
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
 
 
 class Simulation:
@@ -93,16 +99,23 @@ class Simulation:
         return size if in_tokens else max(1, round(size * self.tpw))
 
     def schedule(self, t: float, size: int, max_tokens: int, tag: str = "", on_done=None,
-                 trace_request: mooncake.TraceRequest | None = None) -> _Req:
-        """Request a prompt of ``size`` words (a trace request's: tokens) at ``t`` with ``max_tokens`` outputs."""
+                 trace_request: mooncake.TraceRequest | None = None, prompt_ids: list[int] | None = None,
+                 send_at: float | None = None) -> _Req:
+        """Request a prompt of ``size`` words (a trace request's: tokens) at ``t`` with ``max_tokens`` outputs.
+
+        ``prompt_ids``: the prompt's token ids exactly (``size`` is then only recorded as the sample's
+        ``prompt_size``). ``send_at``: it reaches the engine then (>= ``t``) instead of at ``t`` plus its
+        send delay (its latency still counts from ``t``).
+        """
         i = len(self.samples)
         if i < len(self.output_lengths) and self.output_lengths[i] > 0:
             max_tokens = self.output_lengths[i]
         s = RequestSample(id=i, scheduled=t, tag=tag, max_tokens=max_tokens, ignore_eos=True, prompt_size=size)
         self.samples.append(s)
-        r = _Req(s, self.tokens(size, i, trace_request is not None), max_tokens, on_done, trace_request=trace_request)
+        n = len(prompt_ids) if prompt_ids is not None else self.tokens(size, i, trace_request is not None)
+        r = _Req(s, n, max_tokens, on_done, trace_request=trace_request, prompt_ids=prompt_ids)
         delay = self.send_delays[i] if i < len(self.send_delays) else 0.0
-        heapq.heappush(self._pending, (t + max(delay, 0.0), next(self._order), r))
+        heapq.heappush(self._pending, (send_at if send_at is not None else t + max(delay, 0.0), next(self._order), r))
         return r
 
     def schedule_spec(self, spec: RequestSpec, t: float, on_done=None) -> _Req:
@@ -112,7 +125,9 @@ class Simulation:
     def _submit(self, r: _Req) -> None:
         r.sample.sent = self.clock.t
         tr = r.trace_request
-        if tr is not None and r.prompt_len == tr.prompt_tokens:
+        if r.prompt_ids is not None:
+            ids = r.prompt_ids
+        elif tr is not None and r.prompt_len == tr.prompt_tokens:
             ids = mooncake.prompt_ids(tr, self.w.block_tokens(), self.w.seed, VOCAB)
         else:
             ids = [self.rng.randrange(1, VOCAB) for _ in range(r.prompt_len)]
@@ -146,8 +161,9 @@ class Simulation:
                     r = self._live.get(out.seq_id)
                     if r is None:
                         continue
-                    for _ in out.token_ids:
+                    for tok in out.token_ids:
                         r.sample.chunks.append([out.time, 1.0])
+                        r.output_ids.append(tok)
                     r.sample.completion_tokens = out.num_output_tokens
                     r.sample.cached_tokens = out.num_cached_tokens
                     if out.finished:
@@ -162,6 +178,10 @@ class Simulation:
         for r in list(self._live.values()) + [p[2] for p in self._pending]:
             if r.sample.done is None:
                 r.sample.error, r.sample.error_detail, r.sample.done = "deadline", "simulated past max_duration", self.clock.t
+        while self.clock.t > self.max_duration and len(self.samples) < self.w.total_requests():
+            s = RequestSample(id=len(self.samples), scheduled=self.clock.t)  # never scheduled: one failed request, as bench counts it
+            s.error, s.error_detail, s.done = "deadline", "not scheduled before max_duration", self.clock.t
+            self.samples.append(s)
         from quanta.bench.runner import compute_metrics
 
         trace = self.engine.trace.to_dicts()
@@ -227,7 +247,56 @@ def _replay(sim: Simulation) -> None:
         turn(i, 0, w.prompt_words, i * w.stagger)
 
 
-_WORKLOADS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay}
+def _segment_ids(seed: int, rid: int, part, n: int) -> list[int]:
+    """``n`` token ids of one prompt segment, seeded by the run's seed, the request and the segment."""
+    rng = random.Random(f"{seed}:{rid}:{part}")
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def _sessions(sim: Simulation) -> None:
+    """A recorded sessions file, replayed by the steps of :func:`quanta.bench.sessions.replay_plan` as the
+    bench client replays it: each request is sent when the step says (after its parent's send or end in
+    this simulation), its prompt is its parent's simulated parts (prompt segments, then the ids it emitted
+    once it finished) cut to the shared segments, plus seeded random ids per new segment (a stand-in of
+    ``shared_tokens`` ids where the parent is not replayed), so the prefix cache sees the reuse the
+    recording had; its output is exactly the recorded ``completion_tokens``."""
+    seed = sim.w.seed
+    parts: dict[int, list[list[int]]] = {}
+    at: dict[str, dict[int, float]] = {"sent": {}, "done": {}}
+    waiting: dict[tuple[str, int], list[sessions.ReplayStep]] = {}
+
+    def release(event: str, rid: int, t: float) -> None:
+        at[event][rid] = t
+        for child in waiting.pop((event, rid), []):
+            send(child, t)
+
+    def send(step: sessions.ReplayStep, parent_at: float | None) -> None:
+        r = step.request
+        scheduled, send_at = step.times(parent_at)
+        prefix = step.prefix(parts.get(step.parent.id) if step.parent is not None else None)
+        if prefix is None:
+            prefix = [_segment_ids(seed, r.id, "shared", r.shared_tokens)]
+        parts[r.id] = prefix + [_segment_ids(seed, r.id, j, seg.tokens) for j, seg in enumerate(r.segments)]
+        ids = [t for part in parts[r.id] for t in part] or _segment_ids(seed, r.id, "empty", 1)
+
+        def done(q: _Req) -> None:
+            parts[r.id] = parts[r.id] + [list(q.output_ids)]
+            release("done", r.id, sim.clock.t)
+
+        sim.schedule(scheduled, r.prompt_tokens or len(ids), r.completion_tokens, step.tag, on_done=done,
+                     prompt_ids=ids, send_at=send_at)
+        release("sent", r.id, send_at)
+
+    for step in sessions.replay_plan(sim.w.sessions_file):
+        if step.after is None:
+            send(step, None)
+        elif step.parent.id in at[step.after]:
+            send(step, at[step.after][step.parent.id])
+        else:
+            waiting.setdefault((step.after, step.parent.id), []).append(step)
+
+
+_WORKLOADS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay, "sessions": _sessions}
 
 
 def simulate(profile: Profile, sched: SchedulerConfig, w: Workload, **kw) -> dict:

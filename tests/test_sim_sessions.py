@@ -1,0 +1,140 @@
+"""``quanta simulate --workload sessions``: a recorded sessions file replayed on the simulator with the
+bench replay's steps (:func:`quanta.bench.sessions.replay_plan`): the same requests, parent before child,
+think gaps, exact output lengths, and prompts that share what the recording shared (prefix-cache hits).
+
+No model, no server: every time here is virtual (the cost model's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quanta.bench.sessions import replay_plan
+from quanta.bench.workloads import Workload
+from quanta.cli import main
+from quanta.config import SchedulerConfig
+from quanta.sim.profile import Profile
+from quanta.sim.run import simulate
+
+SEED = Path(__file__).resolve().parents[1] / "profiles" / "ds4_m3_ultra_seed.json"
+HEADER = {"format": "quanta-sessions/1", "upstream": "http://up", "record_text": False}
+
+
+def req(i, t, done, session, turn, parent, extends, shared, shared_tokens, segs, out, status=200) -> dict:
+    return {"id": i, "t": t, "done": done, "session": session, "turn": turn, "parent": parent, "extends": extends,
+            "shared": shared, "shared_tokens": shared_tokens, "segments": [{"role": r, "tokens": n} for r, n in segs],
+            "prompt_tokens": shared_tokens + sum(n for _, n in segs), "completion_tokens": out, "status": status, "complete": True}
+
+
+# Agent A: three turns, each resending the whole conversation (system, user, then assistant + user per turn),
+# 2 s and 1.5 s of think time. A failed request (not replayed). Agent B: a new session sharing A's first
+# prompt (system + user, 160 tokens), recorded after A's last turn.
+ROWS = [HEADER,
+        req(0, 0.0, 1.0, 0, 0, None, False, 0, 0, [("system", 100), ("user", 60)], 20),
+        req(1, 3.0, 4.0, 0, 1, 0, True, 3, 180, [("user", 40)], 10),
+        req(2, 4.1, 4.2, 2, 0, None, False, 0, 0, [("user", 9)], None, status=500),
+        req(3, 5.5, 6.0, 0, 2, 1, True, 5, 230, [("user", 30)], 8),
+        req(4, 20.0, 21.0, 1, 0, 3, False, 2, 160, [("user", 50)], 5)]
+
+
+def _file(tmp_path: Path, rows: list, name: str = "agent.jsonl") -> Path:
+    p = tmp_path / name
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return p
+
+
+def test_the_replay_steps_say_what_waits_for_what(tmp_path):
+    steps = replay_plan(str(_file(tmp_path, ROWS)))
+    assert [s.request.id for s in steps] == [0, 1, 3, 4]  # the failed request is not replayed
+    assert [(s.parent and s.parent.id, s.after, s.think) for s in steps] == [
+        (None, None, None), (0, "done", 2.0), (1, "done", 1.5), (3, "sent", None)]
+    assert steps[1].times(7.0) == (9.0, 9.0)  # a next turn: its think time after its parent's end here
+    assert steps[3].times(25.0) == (20.0, 25.0) and steps[3].times(3.0) == (20.0, 20.0)  # recorded t, not before the parent
+    assert steps[3].prefix(["s", "u", "a", "u2"]) == ["s", "u"] and steps[3].prefix(["s"]) is None
+    assert steps[0].prefix(None) == [] and steps[3].tag == "session1/turn0"
+
+
+def test_a_simulated_sessions_file_sends_the_recorded_requests_and_hits_the_shared_prefixes(tmp_path, capsys):
+    path = _file(tmp_path, ROWS)
+    prefix = tmp_path / "sim_sessions"
+    assert main(["simulate", "--profile", str(SEED), "--workload", "sessions", "--sessions-file", str(path),
+                 "--scheduler", "continuous", "--max-num-seqs", "2", "--admit-k", "2", "--out", str(prefix), "--no-plots"]) == 0
+    doc = json.loads(prefix.with_suffix(".json").read_text())
+    assert doc["workload_text"].startswith(f"sessions: 4 recorded requests of 2 agent sessions from {path}")
+    s = {x["tag"]: x for x in doc["conditions"][0]["runs"][0]["samples"]}
+    a0, a1, a2, b0 = s["session0/turn0"], s["session0/turn1"], s["session0/turn2"], s["session1/turn0"]
+    assert all(x["error"] is None for x in s.values()) and len(s) == 4
+    assert [x["completion_tokens"] for x in (a0, a1, a2, b0)] == [20, 10, 8, 5]  # exact recorded outputs
+    assert [x["prompt_tokens"] for x in (a0, a1, a2, b0)] == [160, 220, 260, 210]  # the recorded prompt sizes
+    # each next turn starts with its parent's prompt and reply: cached up to the reply's last token (not computed);
+    # B shares A's system prompt and first message
+    assert [x["cached_tokens"] for x in (a0, a1, a2, b0)] == [0, 160 + 20 - 1, 220 + 10 - 1, 160]
+    # a next turn is scheduled its think time after its parent's end in this simulation, and sent no earlier
+    assert a1["scheduled"] == pytest.approx(a0["done"] + 2.0) and a2["scheduled"] == pytest.approx(a1["done"] + 1.5)
+    assert a0["done"] < a1["sent"] and a1["done"] < a2["sent"]
+    assert b0["scheduled"] == 20.0 and b0["sent"] >= 20.0
+    figures = doc["conditions"][0]["figures"][0]
+    assert figures["prefix_hit_share"] == pytest.approx((179 + 229 + 160) / (160 + 220 + 260 + 210))
+
+
+def test_sessions_without_the_prefix_cache_hit_nothing_and_a_missing_parent_gets_a_stand_in(tmp_path):
+    rows = [HEADER, req(0, 0.0, 1.0, 0, 0, None, False, 0, 0, [("user", 50)], 4, status=502),
+            req(1, 2.0, 3.0, 0, 1, 0, True, 2, 54, [("user", 10)], 3)]
+    w = Workload(kind="sessions", sessions_file=str(_file(tmp_path, rows, "orphan.jsonl")))
+    w.check()
+    cfg = SchedulerConfig("continuous", 2, {"admit_k": 2})
+    run = simulate(Profile.load(SEED), cfg, w, prefix_cache=True)
+    (only,) = run["samples"]  # the parent failed upstream: the turn is sent at its recorded time, its prefix a stand-in
+    assert (only["tag"], only["scheduled"], only["prompt_tokens"], only["cached_tokens"]) == ("session0/turn1", 2.0, 64, 0)
+    full = simulate(Profile.load(SEED), cfg, Workload(kind="sessions", sessions_file=str(_file(tmp_path, ROWS))))
+    assert [x["cached_tokens"] for x in full["samples"]] == [0, 0, 0, 0]
+    assert run == simulate(Profile.load(SEED), cfg, w, prefix_cache=True)  # deterministic
+
+
+def test_requests_never_scheduled_before_max_duration_count_as_failed(tmp_path):
+    w = Workload(kind="sessions", sessions_file=str(_file(tmp_path, ROWS)))
+    run = simulate(Profile.load(SEED), SchedulerConfig("continuous", 2, {"admit_k": 2}), w, max_duration=1.0)
+    assert len(run["samples"]) == 4 and run["metrics"]["client"]["num_ok"] == 0
+    assert {x["error"] for x in run["samples"]} == {"deadline"}
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "empty sessions file"),
+    ([{"id": 0}], "not a sessions file"),
+    ([HEADER, "{not json"], ":2: not JSON"),
+    ([HEADER, {"id": 0, "t": 0}], ":2: missing field 'session'"),
+    ([HEADER, ROWS[1], {**ROWS[2], "t": -1.0}], ":3: 't', 'shared' and 'shared_tokens' must be >= 0"),
+    ([HEADER, {**ROWS[1], "t": 5.0, "done": 6.0}, ROWS[2]], ":3: timestamps go backwards"),
+    ([HEADER, {**ROWS[1], "status": 500}], "no request to replay"),
+])
+def test_a_bad_sessions_file_is_exit_2_and_nothing_is_written(tmp_path, capsys, rows, message):
+    path = _file(tmp_path, rows, "bad.jsonl")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--profile", str(SEED), "--workload", "sessions", "--sessions-file", str(path), "--out", str(out)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "sessions"], "needs --sessions-file"),
+    (["--sessions-file", "x.jsonl"], "--sessions-file needs --workload sessions"),
+    (["--workload", "sessions", "--sessions-file", "/nonexistent/x.jsonl"], "cannot read sessions file"),
+    (["--workload", "sessions", "--sessions-file", "x.jsonl", "--output-dist", "uniform:0.5"], "--output-dist applies to"),
+])
+def test_sessions_flags_of_simulate_must_go_together(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--profile", str(SEED), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_refuses_a_sessions_result_and_says_what_to_run_instead():
+    from quanta.sim.compare import CompareError, compare
+
+    doc = {"kind": "run", "workload": Workload(kind="sessions", sessions_file="agent.jsonl").to_dict(),
+           "conditions": [{"name": "c", "flags": None, "runs": [{"samples": []}]}]}
+    with pytest.raises(CompareError, match="quanta simulate --workload sessions --sessions-file agent.jsonl"):
+        compare(Profile.load(SEED), [("run.json", doc)])
