@@ -138,3 +138,20 @@ def test_compare_refuses_a_sessions_result_and_says_what_to_run_instead():
            "conditions": [{"name": "c", "flags": None, "runs": [{"samples": []}]}]}
     with pytest.raises(CompareError, match="quanta simulate --workload sessions --sessions-file agent.jsonl"):
         compare(Profile.load(SEED), [("run.json", doc)])
+
+
+def test_the_replay_workload_is_the_same_steps_on_both_sides_and_reuses_each_turns_context():
+    from quanta.bench.workloads import session_steps
+
+    w = Workload(kind="replay", sessions=2, turns=3, prompt_words=40, tool_words=10, max_tokens=6, stagger=5.0)
+    steps = session_steps(w)
+    assert [(s.tag, s.parent and s.parent.id, s.after, s.think, s.request.shared) for s in steps[:3]] == [
+        ("session0/turn0", None, None, None, 0), ("session0/turn1", 0, "done", 0.0, 2), ("session0/turn2", 1, "done", 0.0, 4)]
+    assert steps[3].times(None) == (5.0, 5.0) and len(steps) == w.total_requests()
+    run = simulate(Profile.load(SEED), SchedulerConfig("continuous", 2, {"admit_k": 2}), w, prefix_cache=True, tokens_per_word=1.5)
+    s = {x["tag"]: x for x in run["samples"]}
+    a = [s[f"session0/turn{k}"] for k in range(3)]
+    # words x 1.5 tokens; each turn resends the previous prompt, its 6 output tokens and 15 tokens of tool output
+    assert [x["prompt_tokens"] for x in a] == [60, 81, 102] and [x["completion_tokens"] for x in a] == [6, 6, 6]
+    assert [x["cached_tokens"] for x in a] == [0, 65, 86]
+    assert a[1]["scheduled"] == a[0]["done"] and a[2]["scheduled"] == a[1]["done"]  # no think time

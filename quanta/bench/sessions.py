@@ -253,7 +253,11 @@ def replay_plan(path: str) -> list[ReplayStep]:
     Raises:
         SessionFileError: as :func:`load`.
     """
-    reqs = replayed(path)
+    return plan_steps(replayed(path))
+
+
+def plan_steps(reqs: list[SessionRequest]) -> list[ReplayStep]:
+    """The replay steps of ``reqs`` (ids increasing, parents earlier): a parent not among them is not replayed."""
     by_id = {r.id: r for r in reqs}
     steps = []
     for r in reqs:
@@ -332,8 +336,7 @@ class _Replay:
             self._mark("done", r.id)
 
 
-async def replay(run) -> None:
-    """Run the sessions workload of ``run.w`` (a :class:`quanta.bench.workloads.Run`)."""
-    steps = replay_plan(run.w.sessions_file)
+async def replay(run, steps: list[ReplayStep]) -> None:
+    """Send ``steps`` over HTTP through ``run`` (a :class:`quanta.bench.workloads.Run`)."""
     state = _Replay(run, [s.request for s in steps])
     await asyncio.gather(*(state.one(s) for s in steps))

@@ -10,10 +10,15 @@
 - ``probe``: ``sessions`` streams decoding continuously, then one cold
   prompt of ``probe_words`` words starting with a per-run unique prefix.
 - ``replay``: ``sessions`` multi-turn agents started ``stagger`` seconds
-  apart; every turn resends the whole conversation plus a tool output of
-  ``tool_words`` words.
-- ``sessions``: agent sessions recorded by ``quanta record`` (``sessions_file``),
-  replayed by :func:`quanta.bench.sessions.replay_plan` (bench and simulator).
+  apart; every turn, sent when the one before ends, resends the whole
+  conversation (with the server's reply; stand-in words of ``max_tokens`` if
+  that turn failed) plus a tool output of ``tool_words`` words.
+- ``sessions``: agent sessions recorded by ``quanta record`` (``sessions_file``).
+
+The session-shaped kinds (replay, sessions) are laid out as replay steps by
+:func:`session_steps` (which request after which one's end, sharing which
+prompt parts; :class:`quanta.bench.sessions.ReplayStep`), which the bench
+client and the simulator both execute.
 
 The requests of burst, poisson, gamma, concurrency and trace are planned once
 by :func:`plan` (send time, prompt size, output length, shared blocks), which
@@ -206,6 +211,34 @@ def plan(w: Workload) -> list[RequestSpec]:
     return [RequestSpec(t, p, o, eos) for t, p, o in zip(times, sizes, outs)]
 
 
+#: kinds whose requests :func:`session_steps` lays out (each reacts to its parent's end)
+SESSION_SHAPED = ("replay", "sessions")
+
+
+def session_steps(w: Workload) -> list[sessions.ReplayStep]:
+    """The replay steps of a session-shaped kind (:data:`SESSION_SHAPED`), in request-id order.
+
+    ``sessions``: the recorded file's (:func:`quanta.bench.sessions.replay_plan`). ``replay``: agent ``i``'s
+    turn 0 (``prompt_words`` words) at ``i * stagger`` s, each next turn as soon as the previous one ends,
+    sharing its prompt and reply and adding ``tool_words`` words; ``max_tokens`` outputs. Segment sizes are
+    words here (the recorded file's are tokens).
+
+    Raises:
+        ValueError: ``w.kind`` is not session-shaped; :class:`~quanta.bench.sessions.SessionFileError`.
+    """
+    if w.kind == "sessions":
+        return sessions.replay_plan(w.sessions_file)
+    if w.kind != "replay":
+        raise ValueError(f"{w.kind} is not a session-shaped workload")
+    reqs = []
+    for i in range(w.sessions):
+        for k in range(w.turns):
+            seg = sessions.Segment("user", w.tool_words if k else w.prompt_words)
+            reqs.append(sessions.SessionRequest(len(reqs), i * w.stagger, None, i, k, len(reqs) - 1 if k else None, k > 0,
+                                                2 * k, 0, (seg,), None, w.max_tokens, 200, True))
+    return sessions.plan_steps(reqs)
+
+
 def arrival_times(kind: str, n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Scheduled send times (s) of ``n`` open-loop requests; the first at 0.
 
@@ -304,25 +337,11 @@ async def _probe(run: Run) -> None:
             s.error, s.error_detail, s.finish_reason = None, None, "client_cancel"
 
 
-async def _replay(run: Run) -> None:
-    w = run.w
-
-    async def agent(i: int) -> None:
-        await run.at(i * w.stagger)
-        context = [{"role": "user", "content": prompts.prompt(w.prompt_words, run.rng)}]
-        for turn in range(w.turns):
-            pieces: list[str] = []
-            sample = run.new_sample(run.clock.now(), f"session{i}/turn{turn}")
-            await run.request(sample, list(context), w.max_tokens, pieces)
-            if not sample.ok:
-                return
-            context.append({"role": "assistant", "content": "".join(pieces)})
-            context.append({"role": "user", "content": "Tool output:\n" + prompts.text(w.tool_words, run.rng)})
-
-    await asyncio.gather(*(agent(i) for i in range(w.sessions)))
+async def _session_shaped(run: Run) -> None:
+    await sessions.replay(run, session_steps(run.w))
 
 
-_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay, "sessions": sessions.replay}
+_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": _probe, **{k: _session_shaped for k in SESSION_SHAPED}}
 
 
 async def execute(client: httpx.AsyncClient, target: Target, w: Workload, max_duration: float, on_done=None,
@@ -338,7 +357,7 @@ async def execute(client: httpx.AsyncClient, target: Target, w: Workload, max_du
     for s in run.samples:  # requests never sent before the deadline
         if s.sent is None and s.error is None:
             s.error, s.error_detail, s.done = "deadline", "not sent before --max-duration", run.clock.now()
-    while len(run.samples) < w.total_requests() and not (w.kind == "replay" and task.done() and not task.cancelled()):
+    while len(run.samples) < w.total_requests():
         s = run.new_sample(run.clock.now())  # never even scheduled: still one failed request
         s.error, s.error_detail, s.done = "deadline", "not scheduled before --max-duration", s.scheduled
     return run

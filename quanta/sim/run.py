@@ -12,12 +12,12 @@ function apply unchanged.
 Requests: the planned kinds (burst, poisson, gamma, concurrency, trace) run
 :func:`quanta.bench.workloads.plan`, the same requests the bench client sends
 (send times, prompt sizes and output lengths drawn from the workload's
-distributions, a trace's shared blocks); a recorded sessions file runs the
-steps of :func:`quanta.bench.sessions.replay_plan`, as the bench replay does
-(each prompt its parent's simulated context cut to the shared segments plus
-new segments of the recorded sizes, so the prefix cache sees the recorded
-reuse; exact recorded output lengths); probe and replay react to responses
-as the bench client's do. Prompt lengths: ``prompt_size * tokens_per_word``
+distributions, a trace's shared blocks); replay and a recorded sessions file
+run the steps of :func:`quanta.bench.workloads.session_steps`, as the bench
+client does (each prompt its parent's simulated context cut to the shared
+segments plus new segments of their sizes, so the prefix cache sees the
+reuse; exact output lengths); probe reacts to responses as the bench
+client's does. Prompt lengths: ``prompt_size * tokens_per_word``
 tokens (rounded, >= 1; a trace's sizes are tokens already) of random ids from
 the workload's seed (a trace's blocks: equal hash ids give equal ids), or,
 with ``prompt_lengths``, the i-th request's entry of that list (request ids in
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from quanta.analysis.requests import RequestSample
 from quanta.bench import mooncake, prompts, sessions
-from quanta.bench.workloads import PLANNED, RequestSpec, Workload, plan
+from quanta.bench.workloads import PLANNED, SESSION_SHAPED, RequestSpec, Workload, plan, session_steps
 from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.sampling import SamplingParams
@@ -233,34 +233,22 @@ def _probe(sim: Simulation) -> None:
     sim._hooks.append(hook)
 
 
-def _replay(sim: Simulation) -> None:
-    w = sim.w
-
-    def turn(i: int, k: int, words: int, t: float) -> None:
-        def done(r: _Req) -> None:
-            if k + 1 < w.turns and r.sample.error is None:
-                turn(i, k + 1, words + (r.sample.completion_tokens or 0) + w.tool_words, sim.clock.t)
-
-        sim.schedule(t, words, w.max_tokens, f"session{i}/turn{k}", on_done=done)
-
-    for i in range(w.sessions):
-        turn(i, 0, w.prompt_words, i * w.stagger)
-
-
 def _segment_ids(seed: int, rid: int, part, n: int) -> list[int]:
     """``n`` token ids of one prompt segment, seeded by the run's seed, the request and the segment."""
     rng = random.Random(f"{seed}:{rid}:{part}")
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
-def _sessions(sim: Simulation) -> None:
-    """A recorded sessions file, replayed by the steps of :func:`quanta.bench.sessions.replay_plan` as the
-    bench client replays it: each request is sent when the step says (after its parent's send or end in
-    this simulation), its prompt is its parent's simulated parts (prompt segments, then the ids it emitted
-    once it finished) cut to the shared segments, plus seeded random ids per new segment (a stand-in of
-    ``shared_tokens`` ids where the parent is not replayed), so the prefix cache sees the reuse the
-    recording had; its output is exactly the recorded ``completion_tokens``."""
+def _session_shaped(sim: Simulation) -> None:
+    """Replay and recorded sessions: the steps of :func:`quanta.bench.workloads.session_steps`, executed as
+    the bench client executes them. Each request is sent when its step says (after its parent's send or
+    end in this simulation); its prompt is its parent's simulated parts (prompt segments, then the ids it
+    emitted once it finished) cut to the shared segments, plus seeded random ids per new segment (a
+    stand-in of ``shared_tokens`` ids where the parent is not replayed), so the prefix cache sees the
+    reuse the bench's prompts have; its output is exactly ``completion_tokens``. Segment sizes: a recorded
+    file's are tokens, the replay kind's words (``tokens_per_word``)."""
     seed = sim.w.seed
+    size = (lambda n: n) if sim.w.kind == "sessions" else (lambda n: sim.tokens(n) if n else 0)
     parts: dict[int, list[list[int]]] = {}
     at: dict[str, dict[int, float]] = {"sent": {}, "done": {}}
     waiting: dict[tuple[str, int], list[sessions.ReplayStep]] = {}
@@ -275,8 +263,8 @@ def _sessions(sim: Simulation) -> None:
         scheduled, send_at = step.times(parent_at)
         prefix = step.prefix(parts.get(step.parent.id) if step.parent is not None else None)
         if prefix is None:
-            prefix = [_segment_ids(seed, r.id, "shared", r.shared_tokens)]
-        parts[r.id] = prefix + [_segment_ids(seed, r.id, j, seg.tokens) for j, seg in enumerate(r.segments)]
+            prefix = [_segment_ids(seed, r.id, "shared", size(r.shared_tokens))]
+        parts[r.id] = prefix + [_segment_ids(seed, r.id, j, size(seg.tokens)) for j, seg in enumerate(r.segments)]
         ids = [t for part in parts[r.id] for t in part] or _segment_ids(seed, r.id, "empty", 1)
 
         def done(q: _Req) -> None:
@@ -287,7 +275,7 @@ def _sessions(sim: Simulation) -> None:
                      prompt_ids=ids, send_at=send_at)
         release("sent", r.id, send_at)
 
-    for step in sessions.replay_plan(sim.w.sessions_file):
+    for step in session_steps(sim.w):
         if step.after is None:
             send(step, None)
         elif step.parent.id in at[step.after]:
@@ -296,7 +284,7 @@ def _sessions(sim: Simulation) -> None:
             waiting.setdefault((step.after, step.parent.id), []).append(step)
 
 
-_WORKLOADS = {**{k: _planned for k in PLANNED}, "probe": _probe, "replay": _replay, "sessions": _sessions}
+_WORKLOADS = {**{k: _planned for k in PLANNED}, "probe": _probe, **{k: _session_shaped for k in SESSION_SHAPED}}
 
 
 def simulate(profile: Profile, sched: SchedulerConfig, w: Workload, **kw) -> dict:
