@@ -118,3 +118,29 @@ def test_dense_equal_length_decode_matches_reference(tiny_pair):
     logits = ours.compute_logits(ours(torch.stack([p[11] for p in prompts]), batch))
     for row, exp in zip(logits, expected):
         torch.testing.assert_close(row, exp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_the_cache_in_place_or_through_scratch_alike(dtype):
+    """Both ways of reading the cache slice give the same attention, ragged lengths and slot gaps included,
+    and a later call through the shared scratch buffers does not see an earlier call's copy."""
+    from quanta.model.attention import _attend_decode
+
+    gen = torch.Generator().manual_seed(3)
+    kv = KVCache(2, 4, 2, 40, 8, dtype)
+    for layer in range(2):
+        kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=gen))
+        kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=gen))
+    batch = AttentionBatch([SeqSlice(0, 30, 1), SeqSlice(2, 7, 1), SeqSlice(3, 19, 1)], kv)  # slot 1 idle: padded
+    q = torch.randn(3, 4, 8, generator=gen).to(dtype)
+    g = batch._decode
+    for layer in range(2):
+        ways = [_attend_decode(q, kv.k[layer], kv.v[layer], g, kv.scratch, in_place=p) for p in (True, False)]
+        torch.testing.assert_close(ways[0], ways[1], atol=0, rtol=0) if dtype == torch.float32 else \
+            torch.testing.assert_close(ways[0].float(), ways[1].float(), atol=2e-2, rtol=0)
+        for row, s in enumerate(batch.seqs):  # against plain softmax attention over the row's own positions
+            keys = kv.k[layer][s.slot, :, :s.start + 1].float().repeat_interleave(2, dim=0)
+            values = kv.v[layer][s.slot, :, :s.start + 1].float().repeat_interleave(2, dim=0)
+            weights = torch.softmax(q[row].float()[:, None, :] @ keys.transpose(1, 2) / 8 ** 0.5, dim=-1)
+            expected = (weights @ values)[:, 0]
+            torch.testing.assert_close(ways[1][row].float(), expected, atol=2e-3 if dtype == torch.float32 else 5e-2, rtol=0)

@@ -7,7 +7,8 @@ turns them into the index tensors every layer shares, once per step, so the
 layers' signatures stay ``forward(x, batch)``.
 
 Sequences with one new token (decode) are attended together in one padded
-call over a contiguous range of slots (a view of the cache, no copy);
+call over a contiguous range of slots (read in place, or through a reused
+scratch copy where that is faster for the dtype);
 sequences with several (prefill chunks) are attended one by one with a causal
 mask offset by their cached length.
 """
@@ -23,8 +24,12 @@ import torch.nn.functional as F
 class KVCache:
     """Keys and values of every layer: ``[num_slots, num_kv_heads, max_len, head_dim]`` each.
 
-    Memory is ``2 * layers * slots * max_len * kv_heads * head_dim * itemsize``
-    bytes. It starts zeroed: padded attention multiplies masked positions by a
+    Memory is ``2 * (layers + 1) * slots * max_len * kv_heads * head_dim *
+    itemsize`` bytes: the extra layer's worth is ``scratch``, two flat buffers
+    decode attention copies cache slices into where it reads them contiguous
+    (a fresh tensor per layer instead costs a page fault per 4 KiB each time:
+    glibc hands allocations this large back to the kernel when freed). The
+    cache starts zeroed: padded attention multiplies masked positions by a
     zero weight, and uninitialized memory may hold NaN (0 * NaN = NaN).
     """
 
@@ -32,6 +37,7 @@ class KVCache:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.scratch = (torch.empty(shape, dtype=dtype).view(-1), torch.empty(shape, dtype=dtype).view(-1))
         self.max_len = max_len
 
 
@@ -129,13 +135,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     if batch._decode is None and len(batch._prefills) == 1:
         return _attend_chunk(q, kc, vc, batch._prefills[0][1])
     if not batch._prefills and batch._decode.dense:
-        return _attend_decode(q, kc, vc, batch._decode)
+        return _attend_decode(q, kc, vc, batch._decode, batch.kv.scratch)
     out = torch.empty_like(q)
     for offset, s in batch._prefills:
         out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, s)
     if batch._decode is not None:
         g = batch._decode
-        out[g.token_index] = _attend_decode(q, kc, vc, g)
+        out[g.token_index] = _attend_decode(q, kc, vc, g, batch.kv.scratch)
     return out
 
 
@@ -153,14 +159,32 @@ def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: SeqSli
     return out[0].transpose(0, 1)
 
 
-def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
+#: cache dtypes whose decode ``bmm`` reads the cache slice in place (a batch
+#: stride of ``max_len * D``) rather than from a contiguous copy in
+#: :attr:`KVCache.scratch`. ``benchmarks/decode_attention.py`` (results in
+#: ``benchmarks/results/decode_attention_*.md``; 2-core AMD EPYC with
+#: avx512_bf16, one thread, whole decode steps, copy / in place, median of 10
+#: paired steps): float32 (MKL's batched GEMM takes the stride) 1.39x at 8
+#: rows x 1,024 positions, 1.32x at 32 x 1,024, 1.11x at 32 x 256, ~1.0 at
+#: 1 row, and the same with AVX2 kernels forced; bfloat16 (oneDNN) is slower
+#: in place at every shape (0.66x at 32 x 1,024, 0.90x at 8 x 256) and copies.
+#: Before the scratch buffers the copy was a fresh tensor per layer: 32 x
+#: 1,024 took 609-690 ms a step in bf16 and 1,237-1,290 ms in fp32 (separate
+#: runs of the same benchmark), against ~284 (bf16, scratch) and ~302 (fp32, in place) now.
+IN_PLACE_DECODE_BMM = {torch.float32: True, torch.bfloat16: False}
+
+
+def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _DecodeGroup,
+                   scratch: tuple[torch.Tensor, torch.Tensor], in_place: bool | None = None) -> torch.Tensor:
     """One query per row: batched matmuls with query heads grouped per KV head.
 
     For a single query row this is ~3x faster on CPU than
     ``scaled_dot_product_attention`` (whose flash kernel is tuned for long
-    query blocks). The cache slices are copied contiguous first: ``bmm`` on
-    the strided view is ~3x slower than copy plus ``bmm``. Scores come out of
-    ``bmm`` in the model dtype; softmax accumulates in float32.
+    query blocks). The cache slice ``[rows, KVH, L, D]`` is read as a batch of
+    ``rows * KVH`` matrices, in place or first copied contiguous into
+    ``scratch`` (:attr:`KVCache.scratch`) as :data:`IN_PLACE_DECODE_BMM` says
+    for the cache dtype (``in_place`` overrides, for tests). Scores come out
+    of ``bmm`` in the model dtype; softmax accumulates in float32.
 
     Returns:
         ``[decode rows, H, D]`` in ``g.token_index`` order.
@@ -174,8 +198,13 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _Deco
         query = q.new_zeros(rows, heads, dim)
         query[g.row_index] = q[g.token_index] * dim ** -0.5
     query = query.view(batch, heads // kv_heads, dim)  # [R*KVH, G, D]
-    keys = kc[g.lo:g.hi, :, :g.kv_len].contiguous().view(batch, g.kv_len, dim)
-    values = vc[g.lo:g.hi, :, :g.kv_len].contiguous().view(batch, g.kv_len, dim)
+    if in_place is None:
+        in_place = IN_PLACE_DECODE_BMM.get(kc.dtype, False)
+    keys, values = kc[g.lo:g.hi, :, :g.kv_len], vc[g.lo:g.hi, :, :g.kv_len]  # [R, KVH, L, D] views
+    if not in_place:
+        n, shape = keys.numel(), keys.shape
+        keys, values = scratch[0][:n].view(shape).copy_(keys), scratch[1][:n].view(shape).copy_(values)
+    keys, values = keys.flatten(0, 1), values.flatten(0, 1)  # [R*KVH, L, D]: a view either way
     scores = torch.bmm(query, keys.transpose(1, 2))  # [R*KVH, G, L]
     if g.needs_mask:
         scores.view(rows, kv_heads, -1, g.kv_len).masked_fill_(g.masked_out, float("-inf"))
