@@ -318,6 +318,33 @@ def test_cancelled_probe_sessions_get_no_usage_like_the_bench_client():
     assert run["metrics"]["client"]["output_tokens"] == 3  # the probe's, from its usage
 
 
+def test_the_probe_is_one_command_list_and_the_simulator_runs_it_on_its_clock():
+    from quanta.analysis.requests import RequestSample
+    from quanta.bench import probe, prompts
+
+    w = Workload(kind="probe", sessions=2, prompt_words=8, session_tokens=500, probe_words=64, max_tokens=3, probe_delay=0.2)
+    gen, cmds, answer = probe.steps(w), [], None
+    while True:
+        try:
+            cmds.append(gen.send(answer))
+        except StopIteration:
+            break
+        answer = RequestSample(id=len(cmds), scheduled=0.0) if isinstance(cmds[-1], probe.Send) else None
+    assert [type(c).__name__ for c in cmds] == ["Send", "Send", "Until", "Sleep", "Send", "Until", "Sleep", "Cancel"]
+    assert (cmds[4].words, cmds[4].nonce_chars, cmds[4].max_tokens, cmds[4].tag) == (64, prompts.PROBE_NONCE_CHARS, 3, "probe")
+    assert cmds[0].nonce_chars == prompts.NONCE_CHARS and [s.id for s in cmds[7].samples] == [1, 2]
+    run = simulate(prof(), SchedulerConfig("batched", 4), w)
+    sessions = [s for s in run["samples"] if s["tag"] == "session"]
+    (p,) = [s for s in run["samples"] if s["tag"] == "probe"]
+    # every prompt carries its nonce's tokens, as the bench client's text does
+    assert p["prompt_tokens"] == 64 + prompts.nonce_tokens(prompts.PROBE_NONCE_CHARS)
+    assert {s["prompt_size"] for s in sessions} == {8 + prompts.nonce_tokens(prompts.NONCE_CHARS)}
+    streaming = max(s["chunks"][0][0] for s in sessions)  # every session streams: the probe is due probe_delay later
+    assert p["scheduled"] == pytest.approx(streaming + 0.2)
+    # cancelled probe_delay after it ends: at the end of the decode step running then (< 0.1 s in this profile)
+    assert all(p["done"] + 0.2 <= s["done"] < p["done"] + 0.3 for s in sessions), (p["done"], [s["done"] for s in sessions])
+
+
 def test_auto_quantum_never_comes_from_below_the_profiles_measured_range():
     from quanta.sim.auto import resolve_auto
 

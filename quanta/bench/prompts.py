@@ -23,6 +23,8 @@ WORDS = (
 ).split()
 
 
+#: hex characters of the nonce every prompt starts with (unless asked otherwise)
+NONCE_CHARS = 8
 #: hex characters of the probe's nonce (a full UUID's worth)
 PROBE_NONCE_CHARS = 32
 
@@ -42,7 +44,7 @@ def unique_prefix(hex_chars: int = 32) -> str:
     return uuid.uuid4().hex[:hex_chars]
 
 
-def prompt(num_words: int, rng: random.Random, nonce_chars: int = 8) -> str:
+def prompt(num_words: int, rng: random.Random, nonce_chars: int = NONCE_CHARS) -> str:
     """A prompt of about ``num_words`` tokens (plus a few for the nonce) that
     starts with a unique ``nonce_chars``-hex nonce (0: no nonce)."""
     body = text(num_words, rng)

@@ -8,7 +8,9 @@
 - ``trace``: a window of a Mooncake request trace (:mod:`quanta.bench.mooncake`):
   its arrival times, exact lengths and shared prefix blocks, scaled.
 - ``probe``: ``sessions`` streams decoding continuously, then one cold
-  prompt of ``probe_words`` words starting with a per-run unique prefix.
+  prompt of ``probe_words`` words starting with a per-run unique prefix
+  (:mod:`quanta.bench.probe`, commands the bench client and the simulator
+  both execute).
 - ``replay``: ``sessions`` multi-turn agents started ``stagger`` seconds
   apart; every turn, sent when the one before ends, resends the whole
   conversation (with the server's reply; stand-in words of ``max_tokens`` if
@@ -40,7 +42,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from quanta.analysis.requests import RequestSample
-from quanta.bench import lengths, mooncake, prompts, sessions
+from quanta.bench import lengths, mooncake, probe, prompts, sessions
 from quanta.bench.client import Clock, Target, send
 
 KINDS = ("burst", "poisson", "gamma", "concurrency", "trace", "probe", "replay", "sessions")
@@ -318,30 +320,11 @@ async def _planned(run: Run) -> None:
         await asyncio.gather(*(one(s, t) for s, t in texts))
 
 
-async def _probe(run: Run) -> None:
-    w = run.w
-    sessions = [run.new_sample(0.0, "session") for _ in range(w.sessions)]
-    tasks = [asyncio.ensure_future(run.request(s, prompts.prompt(w.prompt_words, run.rng), w.session_tokens)) for s in sessions]
-    # wait (bounded by session_tokens' worth of time) until every session streams
-    while not all(s.chunks or s.done is not None for s in sessions):
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(w.probe_delay)
-    probe = run.new_sample(run.clock.now(), "probe")
-    await run.request(probe, prompts.prompt(w.probe_words, run.rng, nonce_chars=prompts.PROBE_NONCE_CHARS), w.max_tokens)
-    await asyncio.sleep(w.probe_delay)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for s in sessions:  # stopping the sessions is the workload's doing, not a failure
-        if s.error == "deadline":
-            s.error, s.error_detail, s.finish_reason = None, None, "client_cancel"
-
-
 async def _session_shaped(run: Run) -> None:
     await sessions.replay(run, session_steps(run.w))
 
 
-_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": _probe, **{k: _session_shaped for k in SESSION_SHAPED}}
+_RUNNERS = {**{k: _planned for k in PLANNED}, "probe": probe.run_http, **{k: _session_shaped for k in SESSION_SHAPED}}
 
 
 async def execute(client: httpx.AsyncClient, target: Target, w: Workload, max_duration: float, on_done=None,

@@ -16,8 +16,8 @@ distributions, a trace's shared blocks); replay and a recorded sessions file
 run the steps of :func:`quanta.bench.workloads.session_steps`, as the bench
 client does (each prompt its parent's simulated context cut to the shared
 segments plus new segments of their sizes, so the prefix cache sees the
-reuse; exact output lengths); probe reacts to responses as the bench
-client's does. Prompt lengths: ``prompt_size * tokens_per_word``
+reuse; exact output lengths); the probe runs the commands of
+:func:`quanta.bench.probe.steps`, as the bench client does. Prompt lengths: ``prompt_size * tokens_per_word``
 tokens (rounded, >= 1; a trace's sizes are tokens already) of random ids from
 the workload's seed (a trace's blocks: equal hash ids give equal ids), or,
 with ``prompt_lengths``, the i-th request's entry of that list (request ids in
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from quanta.analysis.requests import RequestSample
-from quanta.bench import mooncake, prompts, sessions
+from quanta.bench import mooncake, probe, prompts, sessions
 from quanta.bench.workloads import PLANNED, SESSION_SHAPED, RequestSpec, Workload, plan, session_steps
 from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
@@ -212,25 +212,46 @@ def _planned(sim: Simulation) -> None:
 
 
 def _probe(sim: Simulation) -> None:
-    w = sim.w
-    sessions = [sim.schedule(0.0, w.prompt_words, w.session_tokens, "session") for _ in range(w.sessions)]
-    state = {"probe": None, "stop_at": None}
+    """The commands of :func:`quanta.bench.probe.steps`, on the virtual clock: a ``Sleep`` moves the
+    workload's own time on (a ``Send`` after it is scheduled then, exactly); ``Until`` and ``Cancel`` wait
+    for the clock to reach that time (moving it there when the engine is idle) and then act."""
+    gen = probe.steps(sim.w)
+    reqs: dict[int, _Req] = {}
+    state = {"cmd": next(gen), "t": 0.0}
+
+    def advance(answer=None) -> None:
+        try:
+            state["cmd"] = gen.send(answer)
+        except StopIteration:
+            state["cmd"] = None
+            sim._hooks.remove(hook)
 
     def hook() -> None:
-        if state["probe"] is None and all(s.sample.chunks or s.sample.done is not None for s in sessions):
-            state["probe"] = sim.schedule(sim.clock.t + w.probe_delay, w.probe_words + prompts.nonce_tokens(prompts.PROBE_NONCE_CHARS),
-                                          w.max_tokens, "probe", on_done=done)
-        if state["stop_at"] is not None and sim.clock.t >= state["stop_at"]:
-            for s in sessions:
-                sim.cancel(s)
-            sim._hooks.remove(hook)
-        elif state["stop_at"] is not None and not sim.engine.has_work():
-            sim.clock.advance_to(state["stop_at"])
-
-    def done(_r) -> None:
-        state["stop_at"] = sim.clock.t + w.probe_delay
+        while (cmd := state["cmd"]) is not None:
+            if isinstance(cmd, probe.Send):
+                r = sim.schedule(state["t"], cmd.words + prompts.nonce_tokens(cmd.nonce_chars), cmd.max_tokens, cmd.tag)
+                reqs[r.sample.id] = r
+                advance(r.sample)
+            elif isinstance(cmd, probe.Sleep):
+                state["t"] += cmd.seconds
+                advance()
+            elif sim.clock.t < state["t"]:
+                if not sim.engine.has_work() and not (sim._pending and sim._pending[0][0] < state["t"]):
+                    sim.clock.advance_to(state["t"])
+                    continue
+                return
+            elif isinstance(cmd, probe.Until):
+                if not cmd.holds():
+                    return
+                state["t"] = sim.clock.t
+                advance()
+            else:
+                for s in cmd.samples:
+                    sim.cancel(reqs[s.id])
+                advance()
 
     sim._hooks.append(hook)
+    hook()
 
 
 def _segment_ids(seed: int, rid: int, part, n: int) -> list[int]:
