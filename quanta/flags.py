@@ -178,9 +178,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
-    serve.add_argument("--api-key", default=None, metavar="KEY",
-                       help="clients must send 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health "
-                            "(default: $QUANTA_API_KEY; unset: no key)")
+    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="clients must send 'Authorization: Bearer KEY' or 'x-api-key: KEY' with one of these keys "
+                            "on every route but /health; each key is a tenant, and prefix-cache reuse stays within a key "
+                            "(--api-key K1 K2...; default: $QUANTA_API_KEY, a comma list; unset: no key)")
     serve.add_argument("--allowed-hosts", action="append", metavar="H1,H2",
                        help="more Host header names to accept besides localhost, IP literals and --host ('*': any)")
     serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
@@ -236,8 +237,8 @@ def _check_command_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     if args.command == "serve" and args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be a positive integer, got {args.max_request_bytes}")
-    if args.command == "serve" and args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key must not be empty")
+    if args.command == "serve":
+        api_keys(args)
     if args.command == "generate":
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
@@ -245,9 +246,24 @@ def _check_command_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The serve keys: ``--api-key K1 K2...`` as given, else ``$QUANTA_API_KEY`` split at commas; () when neither.
+
+    Raises:
+        ValueError: an empty (or all-blank) key in either, naming where it came from.
+    """
+    if args.api_key is not None:
+        keys, where = tuple(args.api_key), "--api-key"
+    else:
+        env = os.environ.get(API_KEY_ENV) or ""
+        keys, where = (tuple(part.strip() for part in env.split(",")) if env else ()), f"${API_KEY_ENV}"
+    if any(not key.strip() for key in keys):
+        raise ValueError(f"{where}: every key must be non-empty, got {len(keys)} key(s) with an empty one")
+    return keys
+
+
 def access_policy(args: argparse.Namespace):
     """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts`` and ``--cors-origin`` as an AccessPolicy."""
     from quanta.server.access import AccessPolicy, split_list
 
-    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
-    return AccessPolicy(key, args.host, split_list(args.allowed_hosts), split_list(args.cors_origin))
+    return AccessPolicy(api_keys(args), args.host, split_list(args.allowed_hosts), split_list(args.cors_origin))

@@ -1,13 +1,16 @@
 """Issue 12, "a local server that web pages cannot drive": ``--api-key``,
-a JSON Content-Type on POST, the Host check against DNS rebinding, opt-in CORS.
+a JSON Content-Type on POST, the Host check against DNS rebinding, opt-in CORS;
+and "another user's prompt leaks through the prefix cache": each key is a
+tenant, and prefix reuse stays within one key.
 
 Against live ``quanta serve`` processes: the shared session server (no key)
-and one started here with ``--api-key``, ``--allowed-hosts`` and ``--cors-origin``.
+and one started here with two ``--api-key`` values, ``--allowed-hosts`` and ``--cors-origin``.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import anthropic
 import httpx
@@ -16,11 +19,14 @@ import pytest
 
 from quanta import cli, flags
 from quanta.bench.server import start
-from quanta.server.access import AccessPolicy
+from quanta.server.access import AccessPolicy, tenant_id
 
 KEY = "sk-test-4f2e"
+KEY_B = "sk-test-b91c"  # a second tenant
+#: tenants that have sent nothing before the test that uses each (so none holds even the chat template's prefix)
+FRESH = {route: f"sk-fresh-{route}" for route in ("chat", "completions", "responses", "messages", "salted")}
 APP_ORIGIN = "http://app.test"
-FLAGS = ["--max-model-len", "256", "--api-key", KEY, "--allowed-hosts", "quanta.test,other.test",
+FLAGS = ["--max-model-len", "256", "--api-key", KEY, KEY_B, *FRESH.values(), "--allowed-hosts", "quanta.test,other.test",
          "--cors-origin", APP_ORIGIN]
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 
@@ -80,7 +86,73 @@ def test_health_is_open(keyed):
 
 def test_config_reports_a_key_without_revealing_it(keyed):
     config = httpx.get(keyed.base_url + "/v1/config", headers={"x-api-key": KEY}, timeout=30).json()
-    assert config["api_key"] is True and KEY not in str(config)
+    assert config["api_key"] is True and KEY not in str(config) and KEY_B not in str(config)
+
+
+def test_every_key_is_accepted_and_nothing_else(keyed, model):
+    url = keyed.base_url + "/v1/models"
+    for key in (KEY, KEY_B):
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+    for wrong in (f"{KEY},{KEY_B}", f"{KEY} {KEY_B}", KEY[:-1], KEY + "x"):
+        assert httpx.get(url, headers={"Authorization": f"Bearer {wrong}"}, timeout=30).status_code == 401, wrong
+        assert httpx.get(url, headers={"x-api-key": wrong}, timeout=30).status_code == 401, wrong
+
+
+# --------------------------------------------------------------------------- tenants: reuse within one key
+
+#: long enough that a hit is unmistakable, fits --max-model-len 256
+SECRET = "The vault PIN is 4 8 1 5 9 2. Never repeat it to anyone. Question: what is two plus two? "
+
+
+@pytest.fixture(scope="module")
+def clients(keyed):
+    def of(key: str) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+        return (openai.OpenAI(base_url=keyed.base_url + "/v1", api_key=key, max_retries=0, timeout=60),
+                anthropic.Anthropic(base_url=keyed.base_url, api_key=key, max_retries=0, timeout=60))
+    return {key: of(key) for key in (KEY, KEY_B, *FRESH.values())}
+
+
+def _chat(clients, model, key: str, text: str, salt: str | None = None) -> int:
+    extra = {} if salt is None else {"cache_salt": salt}
+    reply = clients[key][0].chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                                    max_tokens=2, temperature=0, extra_body=extra)
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def _completion(clients, model, key: str, text: str) -> int:
+    reply = clients[key][0].completions.create(model=model, prompt=text, max_tokens=2, temperature=0)
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def _response(clients, model, key: str, text: str) -> int:
+    reply = clients[key][0].responses.create(model=model, input=text, max_output_tokens=2)
+    return reply.usage.input_tokens_details.cached_tokens
+
+
+def _message(clients, model, key: str, text: str) -> int:  # the anthropic client sends x-api-key
+    reply = clients[key][1].messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": text}])
+    return reply.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("send, route", [(_chat, "chat"), (_completion, "completions"), (_response, "responses"),
+                                         (_message, "messages")])
+def test_reuse_stays_within_one_key(keyed, model, clients, send, route):
+    """Key A twice: the second is served from cache; the same prompt with key B
+    (a tenant that sent nothing yet) then reuses nothing, not even the chat
+    template's system prompt; B's own second request reuses B's first."""
+    text, other = f"{uuid.uuid4().hex} {SECRET}", FRESH[route]
+    send(clients, model, KEY, text)
+    assert send(clients, model, KEY, text) > 0
+    assert send(clients, model, other, text) == 0
+    assert send(clients, model, other, text) > 0
+
+
+def test_cache_salt_subdivides_a_key(keyed, model, clients):
+    text, salt, key = f"{uuid.uuid4().hex} {SECRET}", uuid.uuid4().hex, FRESH["salted"]
+    _chat(clients, model, key, text, salt)
+    assert _chat(clients, model, key, text, salt) > 0
+    assert _chat(clients, model, key, text) == 0  # the key's unsalted requests are another partition
+    assert _chat(clients, model, KEY_B, text, salt) == 0  # the same salt under another key shares nothing
 
 
 @pytest.mark.parametrize("path, anthropic_body", [("/v1/messages", True), ("/v1/chat/completions", False),
@@ -143,19 +215,47 @@ def test_no_cors_headers_by_default(server):
 
 def test_api_key_flag_and_environment(monkeypatch):
     monkeypatch.setenv("QUANTA_API_KEY", "from-env")
-    assert flags.access_policy(flags.parse_serve_flags([])).api_key == "from-env"
-    assert flags.access_policy(flags.parse_serve_flags(["--api-key", "flag"])).api_key == "flag"
+    assert flags.access_policy(flags.parse_serve_flags([])).api_keys == ("from-env",)
+    assert flags.access_policy(flags.parse_serve_flags(["--api-key", "flag"])).api_keys == ("flag",)
+    assert flags.access_policy(flags.parse_serve_flags(["--api-key", "k1", "k,2"])).api_keys == ("k1", "k,2")
+    monkeypatch.setenv("QUANTA_API_KEY", "env-a, env-b,env-c")
+    assert flags.access_policy(flags.parse_serve_flags([])).api_keys == ("env-a", "env-b", "env-c")
+    monkeypatch.setenv("QUANTA_API_KEY", "")
+    assert flags.access_policy(flags.parse_serve_flags([])).api_keys == ()
     monkeypatch.delenv("QUANTA_API_KEY")
     policy = flags.access_policy(flags.parse_serve_flags(["--host", "box.lan", "--cors-origin", "http://a,http://b",
                                                           "--cors-origin", "http://c"]))
-    assert policy.api_key is None and policy.cors_origins == ("http://a", "http://b", "http://c")
+    assert policy.api_keys == () and policy.cors_origins == ("http://a", "http://b", "http://c")
     assert policy.host_allowed("box.lan:8000") and not policy.host_allowed("evil.example")
 
 
-def test_empty_api_key_is_a_cli_error():
+@pytest.mark.parametrize("argv", [["--api-key", " "], ["--api-key", "k1", ""], ["--api-key"],
+                                  ["--api-key", "k1", "--api-key", "k2"]])
+def test_empty_or_repeated_api_key_is_a_cli_error(argv, monkeypatch, capsys):
+    monkeypatch.delenv("QUANTA_API_KEY", raising=False)
     with pytest.raises(SystemExit) as info:
-        cli.main(["serve", "--api-key", " "])
+        cli.main(["serve", *argv])
     assert info.value.code == 2
+    assert "--api-key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env", ["a,,b", "a, ", " , "])
+def test_an_empty_key_in_the_environment_is_a_cli_error(env, monkeypatch, capsys):
+    monkeypatch.setenv("QUANTA_API_KEY", env)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve"])
+    assert info.value.code == 2
+    assert "QUANTA_API_KEY" in capsys.readouterr().err
+
+
+def test_the_matched_key_names_the_tenant():
+    policy = AccessPolicy(api_keys=(KEY, KEY_B))
+    bearer = {b"authorization": f"Bearer {KEY_B}".encode()}
+    assert policy.tenant(bearer) == policy.tenant({b"x-api-key": KEY_B.encode()}) == tenant_id(KEY_B)
+    assert policy.tenant({b"x-api-key": KEY.encode()}) == tenant_id(KEY) != tenant_id(KEY_B)
+    assert policy.tenant({b"x-api-key": b"wrong", **bearer}) == tenant_id(KEY_B)  # either header may carry it
+    assert policy.tenant({}) is None and policy.tenant({b"authorization": KEY.encode()}) is None  # no Bearer scheme
+    assert KEY not in tenant_id(KEY) and len(tenant_id(KEY)) == 64
 
 
 @pytest.mark.parametrize("host, ok", [("127.0.0.1:8000", True), ("[::1]", True), ("10.0.0.7:80", True),

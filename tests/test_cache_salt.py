@@ -3,7 +3,9 @@ same ``cache_salt`` (None matches only None), so ``cached_tokens`` cannot reveal
 another client's prompt (issue 12: a PIN was recovered digit by digit).
 
 1. :class:`SlotPrefixCache` (pure Python): a salt mismatch reuses nothing.
-2. The live session server through the official clients: OpenAI chat and
+2. :func:`tenant_salt`: with ``--api-key``, the salt the engine sees joins the
+   key's tenant and the request's salt (live, per key: ``tests/test_access.py``).
+3. The live session server through the official clients: OpenAI chat and
    completions (``extra_body``), Responses, Anthropic (top-level and metadata).
 """
 
@@ -18,6 +20,7 @@ import pytest
 
 from quanta.engine.prefix_cache import SlotPrefixCache
 from quanta.engine.sampling import SamplingParams
+from quanta.server.access import tenant_id, tenant_salt
 
 PROMPT = list(range(10, 40))
 
@@ -54,6 +57,24 @@ def test_a_slot_takes_the_salt_of_its_new_sequence():
 def test_an_empty_salt_is_refused():
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_without_keys_the_salt_is_the_request_s():
+    assert tenant_salt(None, None) is None
+    assert tenant_salt(None, "s") == "s"
+
+
+def test_a_tenant_salt_never_matches_another_tenant_or_no_key():
+    a, b = tenant_id("key-a"), tenant_id("key-b")
+    salts = [tenant_salt(t, s) for t in (a, b) for s in (None, "s", "s/x")]
+    assert len(set(salts)) == len(salts)  # per tenant: unsalted, "s" and "s/x" apart; and the tenants apart
+    assert not {None, "s", "s/x"} & set(salts)  # and none equals what an unkeyed request would use
+    # a request salt cannot forge another tenant's prefix: the tenant part has a fixed length
+    assert tenant_salt(a, f"x/tenant:{b}") != tenant_salt(b, None)
+    assert all("key-a" not in salt and "key-b" not in salt for salt in salts)
+    cache = _cache_holding(tenant_salt(a, None))
+    assert cache.choose([0, 1], PROMPT + [99], tenant_salt(a, None))[1] == len(PROMPT)
+    assert cache.choose([0, 1], PROMPT + [99], tenant_salt(b, None))[1] == 0
 
 
 # --------------------------------------------------------------------------- live server

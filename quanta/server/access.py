@@ -5,10 +5,15 @@
   127.0.0.1 sends ``Host: evil.example``). Accepted by default: ``localhost``,
   any IP literal (a rebinding page always sends a domain name), the ``--host``
   value, and ``--allowed-hosts`` (``*``: any). Otherwise HTTP 421.
-* :class:`RequestGate`: with ``--api-key`` every route but ``/health`` needs
-  ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (either header on any
-  route, as the OpenAI and Anthropic clients send one each); otherwise HTTP
-  401. Every POST needs a JSON ``Content-Type`` (``application/json``,
+* :class:`RequestGate`: with ``--api-key K1 [K2 ...]`` every route but
+  ``/health`` needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` with
+  one of the keys (either header on any route, as the OpenAI and Anthropic
+  clients send one each); otherwise HTTP 401. Each key is a tenant: the gate
+  records the matched key's :func:`tenant_id` in the request's ASGI scope
+  state (:data:`TENANT_STATE`), and :func:`quanta.server.serving.submit` salts
+  prefix reuse with it (:func:`tenant_salt`), so requests of different keys
+  never share cached K/V and ``cached_tokens`` reveals nothing across keys.
+  Every POST needs a JSON ``Content-Type`` (``application/json``,
   parameters such as ``charset`` allowed), else HTTP 415: this closes the
   CORS "simple request" (``text/plain``) a page could send without a preflight.
 
@@ -19,6 +24,7 @@ by Starlette's ``CORSMiddleware`` (see :func:`install_access`).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -34,22 +40,45 @@ OPEN_PATHS = frozenset({"/health"})
 #: Host names always accepted besides IP literals.
 LOCAL_NAMES = frozenset({"localhost"})
 
+#: The key of ``scope["state"]`` (``request.state``) holding the matched key's :func:`tenant_id`.
+TENANT_STATE = "quanta_tenant"
+
 
 @dataclass(frozen=True)
 class AccessPolicy:
     """The access options of ``quanta serve``.
 
     Attributes:
-        api_key: the key clients must send (None: no key needed).
+        api_keys: the keys clients may send, one per tenant (empty: no key needed).
         bound_host: the ``--host`` value (accepted as a ``Host`` name).
         allowed_hosts: more accepted ``Host`` names; ``"*"`` accepts any.
         cors_origins: origins given CORS access (``--cors-origin``); empty: no CORS headers.
     """
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     bound_host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+
+    def tenant(self, headers: dict[bytes, bytes]) -> str | None:
+        """The :func:`tenant_id` of the key the request sent, None if it sent none of :attr:`api_keys`.
+
+        ``headers``: the ASGI headers (lower-case names); the key is taken from
+        ``x-api-key`` or ``Authorization: Bearer``. Every sent value is compared
+        with every key in constant time (:func:`hmac.compare_digest`), with no
+        early exit, so timing tells neither which key nor how much of it matched.
+        """
+        sent = [headers.get(b"x-api-key", b"")]
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            sent.append(token.strip())
+        matched = None
+        for key in self.api_keys:
+            encoded = key.encode()
+            hits = [hmac.compare_digest(value, encoded) for value in sent if value]
+            if any(hits) and matched is None:
+                matched = key
+        return None if matched is None else tenant_id(matched)
 
     def host_allowed(self, host_header: str | None) -> bool:
         """Whether a ``Host`` header value (``name[:port]``, ``[v6]:port``) names this server."""
@@ -67,6 +96,24 @@ class AccessPolicy:
         except ValueError:
             return False
         return True
+
+
+def tenant_id(key: str) -> str:
+    """The tenant of an API key: its SHA-256 in hex (64 characters); the key itself is never kept per request."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt prefix reuse is keyed on: the request's ``cache_salt`` within its tenant.
+
+    No tenant (no ``--api-key``): ``cache_salt`` unchanged. Else
+    ``"tenant:<tenant>"``, plus ``"/<cache_salt>"`` when the request sent one, so
+    a salt subdivides a tenant and never matches another tenant's requests
+    (the tenant part has a fixed length, so no salt can forge another's prefix).
+    """
+    if tenant is None:
+        return cache_salt
+    return f"tenant:{tenant}" if cache_salt is None else f"tenant:{tenant}/{cache_salt}"
 
 
 def _host_name(host_header: str) -> str:
@@ -108,7 +155,8 @@ class HostCheck:
 
 
 class RequestGate:
-    """ASGI middleware: the API key (HTTP 401) and a JSON body type on POST (HTTP 415)."""
+    """ASGI middleware: the API key (HTTP 401; the matched tenant goes in ``scope["state"]``)
+    and a JSON body type on POST (HTTP 415)."""
 
     def __init__(self, app, policy: AccessPolicy) -> None:
         self.app, self.policy = app, policy
@@ -118,23 +166,18 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
-        if self.policy.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._has_key(headers):
-            await refuse(scope, send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                         [(b"www-authenticate", b"Bearer")])
-            return
+        if self.policy.api_keys and scope.get("path") not in OPEN_PATHS:
+            tenant = self.policy.tenant(headers)
+            if tenant is None:
+                await refuse(scope, send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                             [(b"www-authenticate", b"Bearer")])
+                return
+            scope.setdefault("state", {})[TENANT_STATE] = tenant
         if scope.get("method") == "POST" and not is_json(headers.get(b"content-type", b"")):
             got = headers.get(b"content-type", b"").decode("latin-1") or "none"
             await refuse(scope, send, 415, f"Content-Type must be application/json (got {got})")
             return
         await self.app(scope, receive, send)
-
-    def _has_key(self, headers: dict[bytes, bytes]) -> bool:
-        key = self.policy.api_key.encode()
-        sent = [headers.get(b"x-api-key", b"")]
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer":
-            sent.append(token.strip())
-        return any(hmac.compare_digest(value, key) for value in sent if value)
 
 
 def is_json(content_type: bytes) -> bool:

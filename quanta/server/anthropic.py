@@ -334,7 +334,7 @@ def router(state: ServerState) -> APIRouter:
         forced = body.forced_tools() if body.use_tools else None
         parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         grammar = state.tool_parser.grammar(forced, parallel) if forced else None
-        stream = await submit(state, prompt, body.max_tokens,
+        stream = await submit(state, request, prompt, body.max_tokens,
                               lambda n: constrain(state, body.sampling_params(n), grammar, "tool_choice"))
         msg_id = "msg_" + uuid.uuid4().hex
         parser = state.tool_parser if body.use_tools else None

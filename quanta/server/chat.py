@@ -120,7 +120,7 @@ async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format)
         return made[-1]
 
     max_tokens = body.max_tokens if body.max_tokens is not None else state.max_model_len - len(prompt)
-    stream = await submit(state, prompt, max_tokens, make_params)
+    stream = await submit(state, request, prompt, max_tokens, make_params)
     fmt.meta = _Meta(fmt.prefix + uuid.uuid4().hex, int(time.time()), body.model)
     records = made[0].logprob_records if body.num_logprobs is not None else None
     if body.stream:

@@ -374,7 +374,7 @@ def router(state: ServerState) -> APIRouter:
             return constrain(state, params, grammar, param)
 
         max_tokens = body.max_output_tokens or state.max_model_len - len(prompt)
-        stream = await submit(state, prompt, max_tokens, make_params)
+        stream = await submit(state, request, prompt, max_tokens, make_params)
         builder = _Builder(body, tools)
         parser = state.tool_parser if tools else None
         if body.stream:

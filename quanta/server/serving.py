@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestFailed, RequestStream
 from quanta.engine.grammar import GrammarCompiler
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.access import AccessPolicy
+from quanta.server.access import TENANT_STATE, AccessPolicy, tenant_salt
 from quanta.server.errors import APIError, internal_error_message, log_internal_error
 from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptWork
 from quanta.server.metrics import EngineMetrics
@@ -71,13 +71,17 @@ def check_model(state: ServerState, model: str) -> None:
         raise APIError(404, f"model {model!r} does not exist; this server serves {served}", "model", "model_not_found")
 
 
-async def submit(state: ServerState, prompt: list[int], max_tokens: int, make_params) -> RequestStream:
+async def submit(state: ServerState, request: Request, prompt: list[int], max_tokens: int, make_params) -> RequestStream:
     """Check lengths, build the sampling parameters and hand the request to the engine.
 
     The length check comes first, so no grammar is compiled for a request that
     cannot run, and it is the request's only one: the engine is told it passed.
+    With ``--api-key``, the tenant the access gate matched (``request.state``)
+    is folded into ``cache_salt`` (:func:`quanta.server.access.tenant_salt`):
+    prefix reuse then stays within one key, whatever salt the body sent.
 
     Args:
+        request: the HTTP request (its ASGI scope state names the tenant).
         max_tokens: output tokens at most.
         make_params: ``max_tokens -> SamplingParams`` (may raise ``ValueError``).
 
@@ -87,6 +91,7 @@ async def submit(state: ServerState, prompt: list[int], max_tokens: int, make_pa
     try:
         state.async_engine.check_length(len(prompt), max(max_tokens, 1))
         params = make_params(max_tokens)
+        params.cache_salt = tenant_salt(request.scope.get("state", {}).get(TENANT_STATE), params.cache_salt)
     except ValueError as exc:
         raise APIError(400, str(exc), "max_tokens" if "max_model_len" in str(exc) else None) from exc
     try:
