@@ -254,3 +254,16 @@ def test_bench_trace_reads_a_trace_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         _bench("trace", str(tmp_path / "missing.jsonl"))
     assert exc.value.code == 2
+
+
+def test_bench_sends_the_first_key_of_a_key_list(monkeypatch):
+    """``$QUANTA_API_KEY`` may list several tenants' keys for ``quanta serve``; the bench sends the first."""
+    from quanta.bench.runner import auth_headers
+    from quanta.server import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "k-one, k-two")
+    assert auth_headers() == {"Authorization": "Bearer k-one", "x-api-key": "k-one"}
+    monkeypatch.setenv(API_KEY_ENV, "solo")
+    assert auth_headers()["x-api-key"] == "solo"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert auth_headers() == {}

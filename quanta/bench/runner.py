@@ -44,8 +44,12 @@ def _get_json(client: httpx.Client, url: str) -> dict | None:
 
 
 def auth_headers() -> dict[str, str]:
-    """``Authorization: Bearer`` (OpenAI) and ``x-api-key`` (Anthropic) from ``$QUANTA_API_KEY``; {} when unset."""
-    key = os.environ.get(API_KEY_ENV)
+    """``Authorization: Bearer`` (OpenAI) and ``x-api-key`` (Anthropic) from ``$QUANTA_API_KEY``; {} when unset.
+
+    The variable may list several keys, comma-separated, as ``quanta serve``
+    reads it (one tenant each); the bench sends the first.
+    """
+    key = (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
     return {"Authorization": f"Bearer {key}", "x-api-key": key} if key else {}
 
 
