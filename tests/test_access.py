@@ -254,6 +254,8 @@ def test_the_matched_key_names_the_tenant():
     assert policy.tenant(bearer) == policy.tenant({b"x-api-key": KEY_B.encode()}) == tenant_id(KEY_B)
     assert policy.tenant({b"x-api-key": KEY.encode()}) == tenant_id(KEY) != tenant_id(KEY_B)
     assert policy.tenant({b"x-api-key": b"wrong", **bearer}) == tenant_id(KEY_B)  # either header may carry it
+    assert policy.tenant({b"x-api-key": KEY.encode(), **bearer}) is None  # two tenants' keys: ambiguous, refused
+    assert policy.tenant({b"x-api-key": KEY_B.encode(), **bearer}) == tenant_id(KEY_B)  # the same key twice
     assert policy.tenant({}) is None and policy.tenant({b"authorization": KEY.encode()}) is None  # no Bearer scheme
     assert KEY not in tenant_id(KEY) and len(tenant_id(KEY)) == 64
 

@@ -67,18 +67,23 @@ class AccessPolicy:
         ``x-api-key`` or ``Authorization: Bearer``. Every sent value is compared
         with every key in constant time (:func:`hmac.compare_digest`), with no
         early exit, so timing tells neither which key nor how much of it matched.
+        Either header may carry the key (a client's placeholder in the other is
+        ignored), but two different keys in the two headers name two tenants
+        and are refused (None), not resolved by the keys' order.
         """
         sent = [headers.get(b"x-api-key", b"")]
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer":
             sent.append(token.strip())
-        matched = None
+        sent = [value for value in sent if value]
+        matched: list[str | None] = [None] * len(sent)
         for key in self.api_keys:
             encoded = key.encode()
-            hits = [hmac.compare_digest(value, encoded) for value in sent if value]
-            if any(hits) and matched is None:
-                matched = key
-        return None if matched is None else tenant_id(matched)
+            for i, value in enumerate(sent):
+                if hmac.compare_digest(value, encoded) and matched[i] is None:
+                    matched[i] = key
+        keys = {key for key in matched if key is not None}
+        return tenant_id(keys.pop()) if len(keys) == 1 else None
 
     def host_allowed(self, host_header: str | None) -> bool:
         """Whether a ``Host`` header value (``name[:port]``, ``[v6]:port``) names this server."""
