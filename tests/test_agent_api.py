@@ -81,6 +81,22 @@ def test_stream_helper_accumulates_the_same_call(server, named_call):
     assert (call.function.name, call.function.arguments) == (expected.function.name, expected.function.arguments)
 
 
+def test_stop_string_inside_a_forced_call_is_stop_streamed_or_not(server):
+    """F2: stop ["}"] ends the forced call inside its arguments: finish_reason ``stop`` both ways (never
+    tool_calls); non-streamed the cut text is content, streamed the partial call was already sent."""
+    kw = dict(model=server.model, messages=ASK, tools=[READ_FILE], tool_choice="required", parallel_tool_calls=False,
+              stop=["}"], **GREEDY)
+    full = client_for(server).chat.completions.create(**kw).choices[0]
+    assert full.finish_reason == "stop" and not full.message.tool_calls
+    assert full.message.content.startswith("<tool_call>") and "}" not in full.message.content
+    finish, args = None, ""
+    for chunk in client_for(server).chat.completions.create(stream=True, **kw):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        args += "".join(d.function.arguments or "" for d in choice.delta.tool_calls or [])
+    assert finish == "stop" and args.startswith("{") and full.message.content.endswith(args)
+
+
 def test_required_picks_one_of_the_tools(server):
     r = client_for(server).chat.completions.create(
         model=server.model, messages=ASK, tools=[READ_FILE, LIST_DIR], tool_choice="required", parallel_tool_calls=False, **GREEDY)

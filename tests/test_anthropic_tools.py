@@ -57,6 +57,18 @@ def test_stream_helper_parses_the_partial_json(server, forced):
     assert (block.name, block.input) == (expected.name, expected.input) and final.stop_reason == "tool_use"
 
 
+def test_stop_sequence_inside_a_tool_use_is_stop_sequence(server):
+    """F2: a stop sequence inside the input ends with stop_reason ``stop_sequence`` (and the sequence), never tool_use."""
+    kw = dict(model=server.model, messages=ASK, stop_sequences=["}"], **FORCED)
+    msg = client_for(server).messages.create(**kw)
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "}") and [b.type for b in msg.content] == ["text"]
+    events = list(client_for(server).messages.create(stream=True, **kw))
+    delta = next(e for e in events if e.type == "message_delta").delta
+    assert (delta.stop_reason, delta.stop_sequence) == ("stop_sequence", "}")
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert partial.startswith("{") and msg.content[0].text.endswith(partial)
+
+
 def test_tool_result_round_trip(server, forced):
     block = next(b for b in forced.content if b.type == "tool_use")
     client = client_for(server)

@@ -27,6 +27,21 @@ HERMES_OUTPUTS = [
     "no calls here, just <tool text  ",
     "<tool_call>{broken",
     "",
+    # F3a: a close tag inside a JSON string is data (both read the city as "</tool_call>")
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"</tool_call>"}}\n</tool_call> after',
+    '<tool_call>{"name": "f", "arguments": {"s": "a\\"</tool_call>\\\\"}}</tool_call>',
+    # F3b: a repeated name keeps its first value in both
+    '<tool_call>\n{"name":"get_weather","name":"evil","arguments":{"city":"Paris"}}\n</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}, "arguments": {"b": 3}}</tool_call>',
+]
+
+#: outputs that end inside a call or whose call JSON breaks after the name was streamed (F2, F3c)
+BROKEN_OUTPUTS = [
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"',  # stop string "}" (F2)
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}\n</tool_call>',  # wrapper brace missing (F3c)
+    '<tool_call>{"name": "f", "arguments": {"x": 1]}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"x": 1}',  # cut between the arguments and the wrapper's brace
+    'Hi <tool_call>{"name": "f", "arguments": {}}</tool_call> <tool_call>{"name": "g", "arguments": {"y": ',
 ]
 
 
@@ -46,6 +61,11 @@ def run(parser, pieces):
 def check_against_parse(parser, output, pieces):
     events, text, closed, fragments = run(parser, pieces)
     whole = parser.parse(output)
+    complete = [(e.call.name, e.call.arguments) for e in events if isinstance(e, CallClosed) and e.complete]
+    assert complete == [(c.name, c.arguments) for c in whole.calls], pieces
+    assert (len(complete) < len(closed)) == whole.broken, pieces
+    if whole.broken:  # documented: the broken call was streamed; parse keeps its text as content
+        return fragments
     assert text == (whole.content or ""), pieces
     assert closed == [(c.name, c.arguments) for c in whole.calls], pieces
     for index, (_name, arguments) in enumerate(closed):
@@ -68,6 +88,31 @@ def splits(output):
 def test_hermes_stream_equals_parse_at_every_split(output):
     for pieces in splits(output):
         check_against_parse(HermesParser(), output, pieces)
+
+
+@pytest.mark.parametrize("output", BROKEN_OUTPUTS)
+def test_hermes_broken_calls_agree_on_broken_at_every_split(output):
+    for pieces in splits(output):
+        check_against_parse(HermesParser(), output, pieces)
+    stream = tool_stream(HermesParser())
+    events = stream.feed(output) + stream.finish()
+    assert stream.broken and not stream.made_calls and not HermesParser().parse(output).made_calls
+    assert [e.complete for e in events if isinstance(e, CallClosed)][-1] is False
+
+
+def test_close_tag_inside_a_string_is_the_argument():
+    output = HERMES_OUTPUTS[-4]
+    (call,) = HermesParser().parse(output).calls
+    assert json.loads(call.arguments) == {"city": "</tool_call>"} and HermesParser().parse(output).content == " after"
+    _events, text, closed, fragments = run(HermesParser(), list(output))
+    assert closed == [("get_weather", '{"city":"</tool_call>"}')] and text == " after"
+    assert "".join(fragments[0]) == '{"city":"</tool_call>"}'
+
+
+def test_repeated_name_keeps_the_first_in_both():
+    output = HERMES_OUTPUTS[-2]
+    assert [c.name for c in HermesParser().parse(output).calls] == ["get_weather"]
+    assert run(HermesParser(), list(output))[2] == [("get_weather", '{"city": "Paris"}')]  # not the head shape: sent whole
 
 
 def test_hermes_arguments_arrive_as_written_while_the_call_is_open():
@@ -95,11 +140,13 @@ def test_hermes_parse_reports_the_raw_arguments_text():
 
 
 def test_hermes_cut_inside_the_arguments_keeps_the_streamed_call():
-    """Documented divergence: a call cut by max_tokens has streamed its name and part of its arguments."""
+    """Documented divergence: a call cut by max_tokens has streamed its name and part of its arguments,
+    closed as incomplete; the non-streamed answer keeps the text, and both report the call broken."""
     output = '<tool_call>{"name": "f", "arguments": {"x": 1'
-    _events, text, closed, _fragments = run(HermesParser(), list(output))
-    assert closed == [("f", '{"x": 1')] and text == ""
-    assert HermesParser().parse(output).calls == []
+    events, text, closed, _fragments = run(HermesParser(), list(output))
+    assert closed == [("f", '{"x": 1')] and text == "" and events[-1].complete is False
+    parsed = HermesParser().parse(output)
+    assert parsed.calls == [] and parsed.content == output and parsed.broken
 
 
 def test_trailing_whitespace_is_held_until_more_content():
@@ -211,3 +258,59 @@ def test_chat_chunks_carry_content_then_call_deltas():
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     message = fmt.full(output, RequestOutput(0, [], "", True, "stop", 5, 4, 0.0, 0.0), None)["choices"][0]["message"]
     assert message["content"] == "Hi." and message["tool_calls"][0]["function"]["arguments"] == '{"k": [1, 2]}'
+
+
+def chat_run(output: str, finish: str, pieces=None):
+    """(streamed finish_reason, streamed call arguments, non-streamed choice) of ``output`` ending with ``finish``."""
+    from quanta.engine.output import RequestOutput
+    from quanta.server.chat import ChatFormat, _Meta
+
+    fmt = ChatFormat(None, tool_stream(HermesParser()))
+    fmt.meta = _Meta("chatcmpl-1", 0, "m")
+    pieces = pieces or list(output)
+    chunks = [c for i, p in enumerate(pieces)
+              for c in fmt.chunks(RequestOutput(0, [i], p, i == len(pieces) - 1, finish, 5, i + 1, 0.0, 0.0), None)]
+    args = "".join(t["function"]["arguments"] for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or [])
+    full = fmt.full(output, RequestOutput(0, [], "", True, finish, 5, 4, 0.0, 0.0), None)["choices"][0]
+    return chunks[-1]["choices"][0]["finish_reason"], args, full
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+@pytest.mark.parametrize("output", BROKEN_OUTPUTS)
+def test_chat_ended_inside_a_call_keeps_the_engine_reason(output, finish):
+    """F2/F3c: a stop string, max_tokens or EOS inside a call is ``stop``/``length``, streamed or not, never tool_calls."""
+    streamed, _args, full = chat_run(output, finish)
+    assert streamed == full["finish_reason"] == finish
+
+
+def test_chat_stop_string_inside_the_arguments():
+    """F2 as the tester sent it: stop ["}"] cut the forced call; content non-streamed, a partial call streamed."""
+    output = BROKEN_OUTPUTS[0]
+    streamed, args, full = chat_run(output, "stop", ['<tool_call>\n{"name":"get_weather","arguments":', '{"city":', '"Paris"'])
+    assert (streamed, args) == ("stop", '{"city":"Paris"')
+    assert full["message"]["content"] == output and "tool_calls" not in full["message"]
+    complete = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    assert chat_run(complete, "stop")[0] == chat_run(complete, "stop")[2]["finish_reason"] == "tool_calls"
+
+
+def test_anthropic_stop_reason_inside_a_call():
+    from quanta.engine.output import RequestOutput
+    from quanta.server.anthropic import _stop
+
+    out = RequestOutput(0, [], "", True, "stop", 5, 4, 0.0, 0.0)
+    out.stop_string = "}"
+    stream = tool_stream(HermesParser())
+    stream.feed(BROKEN_OUTPUTS[0])
+    stream.finish()
+    assert _stop(out, stream.made_calls) == ("stop_sequence", "}")
+    assert _stop(out, HermesParser().parse(BROKEN_OUTPUTS[0]).made_calls) == ("stop_sequence", "}")
+
+
+def test_responses_marks_a_cut_call_incomplete():
+    from quanta.server.responses import ResponsesRequest, _Builder, _Events, _Items
+
+    items = _Items(_Events(), _Builder(ResponsesRequest(model="m", input="x"), []))
+    stream = tool_stream(HermesParser())
+    for event in stream.feed(BROKEN_OUTPUTS[0]) + stream.finish():
+        items.on(event)
+    assert [(o["type"], o["status"]) for o in items.output] == [("function_call", "incomplete")]

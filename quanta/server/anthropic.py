@@ -10,7 +10,10 @@ generation continues after its text.
 Tools: ``tools``, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``),
 ``tool_use`` blocks in assistant turns and ``tool_result`` blocks in user
 turns (:mod:`quanta.server.anthropic_tools`); a response's calls are
-``tool_use`` blocks with ``stop_reason: tool_use``. Images and documents are
+``tool_use`` blocks with ``stop_reason: tool_use`` (only when the model
+stopped after complete calls: one that ended inside a call, e.g. at a stop
+sequence, keeps ``stop_sequence`` with it set, or ``max_tokens``, and its
+streamed tool_use block has incomplete ``input`` JSON). Images and documents are
 refused with a 400; ``cache_control`` markers are accepted and ignored, since
 prefix reuse is automatic.
 
@@ -191,7 +194,8 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
 
 
 def _stop(out: RequestOutput, called: bool = False) -> tuple[str, str | None]:
-    """(Anthropic ``stop_reason``, ``stop_sequence``) of a finished output (``called``: it made tool calls)."""
+    """(Anthropic ``stop_reason``, ``stop_sequence``) of a finished output (``called``: it ended
+    after complete tool calls; one that ended inside a call keeps ``stop_sequence``/``max_tokens``/``end_turn``)."""
     if called and out.finish_reason == "stop":
         return "tool_use", None
     if out.finish_reason == "length":
@@ -210,8 +214,8 @@ def _usage(out: RequestOutput, output_tokens: int | None = None) -> dict:
     }
 
 
-def _message(msg_id: str, model: str, text: str | None, out: RequestOutput, final: bool, calls=()) -> dict:
-    stop_reason, stop_sequence = _stop(out, bool(calls)) if final else (None, None)
+def _message(msg_id: str, model: str, text: str | None, out: RequestOutput, final: bool, calls=(), called=False) -> dict:
+    stop_reason, stop_sequence = _stop(out, called) if final else (None, None)
     content = [{"type": "text", "text": text}] if text is not None and (text or not calls) else []
     return {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
@@ -259,7 +263,7 @@ async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: To
         out = await anext(stream)
     for sse in blocks.close_text():
         yield sse
-    stop_reason, stop_sequence = _stop(out, bool(tools.calls))
+    stop_reason, stop_sequence = _stop(out, tools.made_calls)
     yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
     yield _event("message_stop", {})
 
@@ -309,12 +313,12 @@ async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Re
     async for out in stream:
         texts.append(out.text)
         last = out
-    text, calls = "".join(texts), []
+    text, calls, called = "".join(texts), [], False
     if parser is not None:
         parsed = parser.parse(text)
         if parsed.calls:
-            text, calls = parsed.content or "", parsed.calls
-    return JSONResponse(_message(msg_id, model, text, last, final=True, calls=calls))
+            text, calls, called = parsed.content or "", parsed.calls, parsed.made_calls
+    return JSONResponse(_message(msg_id, model, text, last, final=True, calls=calls, called=called))
 
 
 def router(state: ServerState) -> APIRouter:

@@ -13,6 +13,10 @@ constraints, and the response shapes (JSON and SSE).
   ""``), the next ones ``function.arguments`` fragments as the model writes
   them (Hermes; Llama 3 JSON and Mistral send one fragment at the end),
   which concatenate to the non-streamed call's ``arguments``.
+  ``finish_reason`` is ``tool_calls`` only when the model stopped after
+  complete calls; an output that ended inside a call (a stop string,
+  ``max_tokens``, EOS) keeps ``stop`` or ``length`` (its streamed call's
+  ``arguments`` are incomplete), streamed or not.
 """
 
 from __future__ import annotations
@@ -243,6 +247,7 @@ class ChatFormat(_Format):
             parsed = self.tools.parser.parse(text)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]}
+            if parsed.made_calls:
                 finish = _tool_finish(finish)
         choice = {"index": 0, "message": message, "logprobs": self._lp(records), "finish_reason": finish}
         return {**self.envelope(self.object, [choice]), "usage": usage(last)}
@@ -262,7 +267,7 @@ class ChatFormat(_Format):
             deltas = [{"content": ""}]
         chunks = [self._chunk(d, None, records if i == 0 else None) for i, d in enumerate(deltas)]
         if out.finished:
-            chunks.append(self._chunk({}, _tool_finish(finish) if self.tools.calls else finish))
+            chunks.append(self._chunk({}, _tool_finish(finish) if self.tools.made_calls else finish))
         return chunks
 
 
@@ -279,7 +284,8 @@ def _tool_delta(event: Event) -> dict | None:
 
 
 def _tool_finish(finish: str | None) -> str | None:
-    """``tool_calls`` when the model ended after its calls (a cut-off output keeps ``length``)."""
+    """``tool_calls`` when the model stopped after complete calls (a cut-off output keeps ``length``;
+    one that ended inside a call keeps ``stop`` or ``length``: callers check ``made_calls`` first)."""
     return "tool_calls" if finish == "stop" else finish
 
 

@@ -285,7 +285,8 @@ class _Items:
     :mod:`quanta.server.tools_stream` events: a message item opens when text
     arrives and is done before a function_call item opens; a call's item
     gets one ``response.function_call_arguments.delta`` per arguments
-    fragment, then ``.done``. A response with no item gets an empty message."""
+    fragment, then ``.done`` (item ``status: incomplete`` when the output
+    ended inside the call). A response with no item gets an empty message."""
 
     def __init__(self, ev: _Events, b: _Builder) -> None:
         self.ev, self.b = ev, b
@@ -306,7 +307,7 @@ class _Items:
         if isinstance(event, ArgumentsDelta):
             return [self.ev("response.function_call_arguments.delta",
                             {"item_id": self.call_item_id, "output_index": len(self.output), "delta": event.text})]
-        return self._call_done(event.call)
+        return self._call_done(event.call, "completed" if event.complete else "incomplete")
 
     def _text(self, delta: str) -> list[str]:
         opening = self._open_message() if self.text is None else []
@@ -314,8 +315,8 @@ class _Items:
         return opening + [self.ev("response.output_text.delta", {"item_id": self.msg_id, "output_index": len(self.output),
                                                                  "content_index": 0, "delta": delta, "logprobs": []})]
 
-    def _call_done(self, call: ToolCall) -> list[str]:
-        item, index = self.b.call(call), len(self.output)
+    def _call_done(self, call: ToolCall, status: str) -> list[str]:
+        item, index = {**self.b.call(call), "status": status}, len(self.output)
         self.output.append(item)
         return [
             self.ev("response.function_call_arguments.done",

@@ -49,10 +49,23 @@ class ToolCall:
 
 @dataclass(slots=True)
 class Parsed:
-    """An output split into ``content`` (text around the calls, None if empty) and ``calls``."""
+    """An output split into ``content`` (text around the calls, None if empty) and ``calls``.
+
+    ``broken``: the output holds a block that began as a call (a Hermes
+    ``<tool_call>{"name": ..., "arguments": {``) but did not end as one (cut
+    by a stop string, ``max_tokens`` or EOS, or invalid JSON); its text is
+    content, and the finish reason is the engine's, never ``tool_calls``
+    (:attr:`made_calls`), as the stream reports it.
+    """
 
     content: str | None
     calls: list[ToolCall]
+    broken: bool = False
+
+    @property
+    def made_calls(self) -> bool:
+        """Whether the output ended after complete calls only (``tool_calls`` / ``tool_use`` when it stopped)."""
+        return bool(self.calls) and not self.broken
 
 
 def _call(obj, args_key: str = "arguments") -> ToolCall | None:
@@ -69,9 +82,21 @@ def _call(obj, args_key: str = "arguments") -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _first_wins(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose repeated keys keep their first value (as the stream reads ``name``)."""
+    out: dict = {}
+    for key, value in pairs:
+        out.setdefault(key, value)
+    return out
+
+
+#: Decodes model output: a repeated key keeps its first value (``{"name": "a", "name": "b"}`` is ``a``).
+_DECODER = json.JSONDecoder(object_pairs_hook=_first_wins)
+
+
 def _loads(text: str):
     try:
-        return json.loads(text)
+        return _DECODER.decode(text)
     except ValueError:
         return None
 
@@ -132,9 +157,13 @@ def partial_suffix(text: str, marker: str) -> int:
 class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
 
-    A block is a call when it begins with one JSON object (text after that
-    object, before ``</tool_call>``, is ignored) with a string ``name`` and
-    object (or JSON-string) ``arguments``; other blocks stay text. When the
+    A block ends at the first ``</tool_call>`` outside the JSON strings of
+    its leading object (:class:`BlockScanner`: inside a string the marker is
+    data), else at the end of the output. It is a call when it begins with
+    one JSON object with a string ``name`` and object (or JSON-string)
+    ``arguments``; a repeated key keeps its first value. Text after that
+    object, before ``</tool_call>``, is dropped (not content, not part of
+    the call), here and in the stream. Other blocks stay text. When the
     object starts ``{"name": ..., "arguments": {`` the call's ``arguments``
     are the text of that object exactly as the model wrote it (so the
     stream can forward it as it comes, :mod:`quanta.server.tools_stream`);
@@ -142,19 +171,24 @@ class HermesParser(ToolParser):
     """
 
     name, start, end = "hermes", "<tool_call>", "</tool_call>"
-    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 
     def parse(self, text: str) -> Parsed:
-        calls, parts, pos = [], [], 0
-        for m in self._block.finditer(text):
-            call = hermes_call(m.group(1))
-            if call is None:
-                continue
-            parts.append(text[pos:m.start()])
-            calls.append(call)
-            pos = m.end()
+        calls, parts, pos, broken = [], [], 0, False
+        i = text.find(self.start)
+        while i >= 0:
+            body = i + len(self.start)
+            end = BlockScanner().feed(text[body:])
+            stop = len(text) if end is None else body + end
+            block = text[body:stop if end is None else stop - len(self.end)]
+            call = hermes_call(block)
+            if call is not None:
+                parts.append(text[pos:i])
+                calls.append(call)
+                pos = stop
+            broken = broken or (call is None and hermes_opens(block))
+            i = text.find(self.start, stop)
         parts.append(text[pos:])
-        return Parsed(_content(parts), calls) if calls else Parsed(text or None, [])
+        return Parsed(_content(parts), calls, broken) if calls else Parsed(text or None, [], broken)
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
         call = f'"<tool_call>\\n" {json_rule(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
@@ -166,6 +200,13 @@ class HermesParser(ToolParser):
 HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
+def hermes_opens(block: str) -> bool:
+    """Whether a block's text starts as a streamable call (:data:`HERMES_HEAD`, then ``{``):
+    the point from which the stream has sent the call's name."""
+    head = HERMES_HEAD.match(block)
+    return head is not None and block[head.end():][:1] == "{"
+
+
 def hermes_call(block: str) -> ToolCall | None:
     """The call in the text between ``<tool_call>`` and ``</tool_call>``, or None.
 
@@ -175,16 +216,16 @@ def hermes_call(block: str) -> ToolCall | None:
     """
     stripped = block.lstrip()
     try:
-        obj, _ = json.JSONDecoder().raw_decode(stripped)
+        obj, _ = _DECODER.raw_decode(stripped)
     except ValueError:
         return None
     call = _call(obj)
     head = HERMES_HEAD.match(stripped)
-    if call is None or head is None or json.loads(head.group(1)) != call.name or stripped[head.end():][:1] != "{":
+    if call is None or head is None or _loads(head.group(1)) != call.name or stripped[head.end():][:1] != "{":
         return call
     end = ObjectScanner().feed(stripped[head.end():])
     raw = stripped[head.end():head.end() + end] if end is not None else None
-    if raw is not None and _loads(raw) == json.loads(call.arguments):
+    if raw is not None and _loads(raw) == _loads(call.arguments):
         call.arguments = raw
     return call
 
@@ -204,21 +245,64 @@ class ObjectScanner:
     def feed(self, text: str) -> int | None:
         """Consume ``text``; the offset in it just past the object's closing ``}``, or None if still open."""
         for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
+            if self.step(ch):
+                return i + 1
+        return None
+
+    def step(self, ch: str) -> bool:
+        """Consume one character; whether it closed the object."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
             elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+
+class BlockScanner:
+    """Finds the ``</tool_call>`` that ends a Hermes block, in the text after
+    ``<tool_call>`` fed piece by piece (each character once).
+
+    While the block's leading JSON object (its first non-space character
+    ``{``) is open, a marker inside one of its strings is string data;
+    elsewhere the first marker ends the block. ``held`` is how many of the
+    characters fed last may be the start of the marker (the stream holds
+    them back).
+    """
+
+    END = HermesParser.end
+
+    def __init__(self) -> None:
+        self.object: ObjectScanner | None = None  # set at the leading "{"; None before it
+        self.lead = True  # only whitespace so far
+        self.held = 0
+
+    def feed(self, text: str) -> int | None:
+        """Consume ``text``; the offset in it just past the ending marker, or None if not yet seen."""
+        for i, ch in enumerate(text):
+            if self.lead and not ch.isspace():
+                self.lead = False
+                self.object = ObjectScanner() if ch == "{" else None
+            obj = self.object
+            if obj is not None and obj.depth >= 0 and (obj.in_string or ch == '"'):
+                obj.step(ch)
+                self.held = 0
+                continue
+            if obj is not None and obj.depth >= 0 and obj.step(ch):
+                obj.depth = -1  # closed: no more string tracking
+            self.held = self.held + 1 if ch == self.END[self.held] else int(ch == self.END[0])
+            if self.held == len(self.END):
+                self.held = 0
+                return i + 1
         return None
 
 

@@ -24,14 +24,23 @@ Hermes (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``)
 streams incrementally: once ``{"name": "...", "arguments":`` is read and the
 value starts with ``{``, the raw text of the arguments object is forwarded
 as it arrives (a tail that may begin ``</tool_call>`` is held back), ending
-at its matching ``}``; the wrapper's closing brace is never sent.
+at its matching ``}``; the wrapper's closing brace is never sent. A block
+ends where :class:`quanta.server.tools.BlockScanner` says, for both the
+stream and the parser: a ``</tool_call>`` inside a JSON string of the call
+is data; a repeated key keeps its first value (``name`` included); text
+after the call object, before ``</tool_call>``, is dropped in both.
 :class:`quanta.server.tools.HermesParser` reports that same raw text as the
 call's arguments. Blocks of another shape (``arguments`` first, or a JSON
 string) are sent whole when their ``</tool_call>`` arrives, as are invalid
 ones (as content). What cannot be taken back: once a call's name is sent,
-an output that then stops inside the arguments (``max_tokens``) or whose
-JSON breaks has streamed a call with incomplete ``arguments`` (ended by its
-``CallClosed``), while the non-streamed answer keeps such text as content.
+an output that then ends inside the call (a stop string, ``max_tokens``,
+EOS) or whose JSON breaks has streamed a call with incomplete
+``arguments``, ended by a ``CallClosed`` with ``complete=False``, while the
+non-streamed answer keeps such text as content. Both then agree on the
+finish reason: such a call sets :attr:`ToolStream.broken` (and
+:attr:`quanta.server.tools.Parsed.broken`), so ``made_calls`` is False and
+the finish reason is the engine's (``stop`` / ``length``), never
+``tool_calls`` (``tool_use``).
 
 Llama 3 JSON and Mistral ``[TOOL_CALLS]`` do not stream their calls: they
 are all-or-nothing formats (one invalid call makes the whole output text),
@@ -45,7 +54,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from quanta.server.tools import HERMES_HEAD, HermesParser, ObjectScanner, ToolCall, ToolParser, hermes_call, partial_suffix
+from quanta.server.tools import HERMES_HEAD, BlockScanner, HermesParser, ObjectScanner, ToolCall, ToolParser, hermes_call, partial_suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,8 @@ class ArgumentsDelta:
 class CallClosed:
     index: int
     call: ToolCall
+    #: False when the call did not end as one (cut inside it, or invalid JSON; see the module docstring)
+    complete: bool = True
 
 
 Event = TextDelta | CallOpened | ArgumentsDelta | CallClosed
@@ -85,9 +96,16 @@ class ToolStream:
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser  # the format; its parse() gives the non-streamed answer
-        self.calls: list[ToolCall] = []  # the calls closed so far
+        self.calls: list[ToolCall] = []  # the calls closed so far (complete or not)
+        self.broken = False  # a call that did not end as one was sent (see the module docstring)
         self._events: list[Event] = []
         self._space = ""  # trailing whitespace of the content, held back
+
+    @property
+    def made_calls(self) -> bool:
+        """Whether the output ended after complete calls only: then a stop is ``tool_calls``
+        (``tool_use``); otherwise the finish reason is the engine's (``stop``, ``length``)."""
+        return bool(self.calls) and not self.broken
 
     def feed(self, delta: str) -> list[Event]:
         """Consume ``delta``; the events it completes (adjacent text or same-call fragments merged)."""
@@ -120,9 +138,10 @@ class ToolStream:
         self._events += [CallOpened(index, call.id, call.name), ArgumentsDelta(index, call.arguments)]
         self._close(call)
 
-    def _close(self, call: ToolCall) -> None:
-        self._events.append(CallClosed(len(self.calls), call))
+    def _close(self, call: ToolCall, complete: bool = True) -> None:
+        self._events.append(CallClosed(len(self.calls), call, complete))
         self.calls.append(call)
+        self.broken = self.broken or not complete
 
     def _take(self) -> list[Event]:
         out: list[Event] = []
@@ -141,8 +160,9 @@ class ToolStream:
 class HermesStream(ToolStream):
     """Hermes blocks, arguments forwarded as written (see the module docstring).
 
-    States: ``text`` (content, looking for ``<tool_call>``), ``head`` (the
-    block's start, until the name and the start of the arguments are read),
+    States: ``text`` (content, looking for ``<tool_call>``), and inside a
+    block (whose end a :class:`BlockScanner` finds, as the parser does):
+    ``head`` (until the name and the start of the arguments are read),
     ``whole`` (a block that cannot stream: held to its end), ``args`` (the
     arguments object, forwarded), ``tail`` (after the arguments, up to
     ``</tool_call>``).
@@ -153,95 +173,91 @@ class HermesStream(ToolStream):
     def __init__(self, parser: HermesParser) -> None:
         super().__init__(parser)
         self._mode = "text"
-        self._buf = ""  # text not yet consumed in the current mode
+        self._buf = ""  # text after the current block (or all of it, in text mode) not yet consumed
+        self._block = ""  # the current block's text so far, after <tool_call>
+        self._blocks = BlockScanner()
+        self._sent = 0  # how much of _block was forwarded as arguments
         self._call: ToolCall | None = None
         self._scanner = ObjectScanner()
 
     def _feed(self, delta: str) -> None:
         self._buf += delta
-        step = {"text": self._in_text, "head": self._in_head, "whole": self._in_head,
-                "args": self._in_args, "tail": self._in_tail}
-        while step[self._mode]():
+        while self._step():
             pass
+
+    def _step(self) -> bool:
+        if self._mode == "text":
+            return self._in_text()
+        piece, self._buf = self._buf, ""
+        end = self._blocks.feed(piece)
+        if end is None:
+            self._block += piece
+            self._advance(self._blocks.held)
+            return False
+        self._buf = piece[end:]
+        self._block = (self._block + piece[:end])[:-len(self.END)]
+        self._advance(0)
+        self._end_block(closed=True)
+        return True
 
     def _in_text(self) -> bool:
         i = self._buf.find(self.START)
         if i >= 0:
             self._text(self._buf[:i])
             self._buf, self._mode = self._buf[i + len(self.START):], "head"
+            self._block, self._blocks, self._sent = "", BlockScanner(), 0
             return True
         keep = len(self._buf) - partial_suffix(self._buf, self.START)
         self._text(self._buf[:keep])
         self._buf = self._buf[keep:]
         return False
 
-    def _in_head(self) -> bool:
-        block = self._buf
-        end = block.find(self.END)
-        if end >= 0:
-            self._block_whole(block[:end], closed=True)
-            self._buf, self._mode = block[end + len(self.END):], "text"
-            return True
-        head = HERMES_HEAD.match(block) if self._mode == "head" else None
-        if head is None or head.end() == len(block):
-            return False
-        if block[head.end()] != "{":
-            self._mode = "whole"
-            return False
-        self._call = ToolCall(json.loads(head.group(1)), "")
-        self._events.append(CallOpened(len(self.calls), self._call.id, self._call.name))
-        self._buf, self._mode, self._scanner = block[head.end():], "args", ObjectScanner()
-        return True
+    def _advance(self, held: int) -> None:
+        """Act on the block text so far, all but its last ``held`` characters (a possible marker start)."""
+        if self._mode == "head":
+            head = HERMES_HEAD.match(self._block)
+            if head is None or head.end() >= len(self._block) - held:
+                return
+            if self._block[head.end()] != "{":
+                self._mode = "whole"
+                return
+            self._call = ToolCall(json.loads(head.group(1)), "")
+            self._events.append(CallOpened(len(self.calls), self._call.id, self._call.name))
+            self._mode, self._sent, self._scanner = "args", head.end(), ObjectScanner()
+        if self._mode == "args":
+            region = self._block[self._sent:len(self._block) - held]
+            done = self._scanner.feed(region)
+            taken = region if done is None else region[:done]
+            self._arguments(taken)
+            self._sent += len(taken)
+            if done is not None:
+                self._mode = "tail"
 
-    def _in_args(self) -> bool:
-        end = self._buf.find(self.END)
-        region = self._buf[:end] if end >= 0 else self._buf[:len(self._buf) - partial_suffix(self._buf, self.END)]
-        done = self._scanner.feed(region)
-        taken = region if done is None else region[:done]
-        self._arguments(taken)
-        self._buf = self._buf[len(taken):]
-        if done is not None:
-            self._mode = "tail"
-            return True
-        if end >= 0:  # the block closed inside the arguments: the call stays as streamed
-            self._close_call()
-            self._buf, self._mode = self._buf[len(self.END):], "text"
-            return True
-        return False
-
-    def _in_tail(self) -> bool:
-        end = self._buf.find(self.END)
-        if end < 0:
-            return False
-        self._close_call()
-        self._buf, self._mode = self._buf[end + len(self.END):], "text"
-        return True
+    def _end_block(self, closed: bool) -> None:
+        if self._mode in ("head", "whole"):
+            call = hermes_call(self._block)
+            if call is not None:
+                self._whole_call(call)
+            else:
+                self._text(self.START + self._block + (self.END if closed else ""))
+        else:
+            if self._mode == "args":  # ended inside the arguments: forward what is left
+                self._arguments(self._block[self._sent:])
+            call, self._call = self._call, None
+            self._close(call, complete=hermes_call(self._block) is not None)
+        self._mode = "text"
 
     def _finish(self) -> None:
         if self._mode == "text":
             self._text(self._buf)
-        elif self._mode in ("head", "whole"):
-            self._block_whole(self._buf, closed=False)
         else:
-            if self._mode == "args":
-                self._arguments(self._buf)
-            self._close_call()
+            self._advance(0)
+            self._end_block(closed=False)
         self._buf = ""
 
     def _arguments(self, text: str) -> None:
         self._call.arguments += text
         self._events.append(ArgumentsDelta(len(self.calls), text))
-
-    def _close_call(self) -> None:
-        call, self._call = self._call, None
-        self._close(call)
-
-    def _block_whole(self, block: str, closed: bool) -> None:
-        call = hermes_call(block)
-        if call is not None:
-            self._whole_call(call)
-        else:
-            self._text(self.START + block + (self.END if closed else ""))
 
 
 class WholeCallStream(ToolStream):
