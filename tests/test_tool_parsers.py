@@ -6,13 +6,12 @@ import json
 
 import pytest
 
+from quanta.server.tool_templates import render_for_template, template_reads_tools
 from quanta.server.tools import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     choose_parser,
-    render_for_template,
-    template_reads_tools,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {

@@ -55,7 +55,7 @@ from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.limits import PromptError
 from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tools import render_for_template, template_reads_tools
+from quanta.server.tool_templates import render_for_template, template_reads_tools
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
 

@@ -2,7 +2,7 @@
 ``tool_use`` / ``tool_result`` blocks, and tool_use in responses and streams.
 
 Anthropic's shapes are mapped onto the OpenAI-shaped messages that
-:func:`quanta.server.tools.render_for_template` renders, so both APIs reach
+:func:`quanta.server.tool_templates.render_for_template` renders, so both APIs reach
 the model through the same chat template and parser. ``tool_choice``:
 ``auto`` (parse the output), ``none`` (tools left out of the prompt), ``any``
 (some tool, enforced by a grammar) and ``{"type": "tool", "name"}`` (that

@@ -39,7 +39,7 @@ from quanta.server.limits import PromptError
 from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tools import render_for_template, template_reads_tools
+from quanta.server.tool_templates import render_for_template, template_reads_tools
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
 

@@ -1,4 +1,4 @@
-"""Tool calls in a model's native format: parsers, grammars and prompt rendering.
+"""Tool calls in a model's native format: parsers and the grammars that force calls.
 
 A :class:`ToolParser` knows one family's format:
 
@@ -16,9 +16,8 @@ which :mod:`quanta.server.tools_stream` forwards while it streams), and
 writes the grammar that forces calls for ``tool_choice`` ``required`` or a
 named function (:meth:`ToolParser.grammar`). The parser is chosen from the
 chat template's text (:func:`choose_parser`) unless ``--tool-call-parser``
-names one. Templates that never read the ``tools`` variable (SmolLM2's) get
-the tools in a Hermes-style system prompt, as Qwen 2.5's template writes it,
-and their calls and results rendered as Hermes text (:func:`render_for_template`).
+names one. What the template gets for a request with tools is
+:mod:`quanta.server.tool_templates`.
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-
-import jinja2
-import jinja2.meta
 
 from quanta.engine.grammar import Grammar, json_rule
 
@@ -94,7 +90,8 @@ def _first_wins(pairs: list[tuple[str, object]]) -> dict:
 _DECODER = json.JSONDecoder(object_pairs_hook=_first_wins)
 
 
-def _loads(text: str):
+def parse_json(text: str):
+    """``text`` as JSON (the first of duplicate keys wins, as the stream reads it), or None if it is not JSON."""
     try:
         return _DECODER.decode(text)
     except ValueError:
@@ -221,11 +218,11 @@ def hermes_call(block: str) -> ToolCall | None:
         return None
     call = _call(obj)
     head = HERMES_HEAD.match(stripped)
-    if call is None or head is None or _loads(head.group(1)) != call.name or stripped[head.end():][:1] != "{":
+    if call is None or head is None or parse_json(head.group(1)) != call.name or stripped[head.end():][:1] != "{":
         return call
     end = ObjectScanner().feed(stripped[head.end():])
     raw = stripped[head.end():head.end() + end] if end is not None else None
-    if raw is not None and _loads(raw) == _loads(call.arguments):
+    if raw is not None and parse_json(raw) == parse_json(call.arguments):
         call.arguments = raw
     return call
 
@@ -320,7 +317,7 @@ class Llama3JsonParser(ToolParser):
         body = text[i:].removeprefix(self.start).strip()
         calls = []
         for piece in body.split(";") if body else []:
-            call = _call(_loads(piece.strip()), "parameters")
+            call = _call(parse_json(piece.strip()), "parameters")
             if call is None:
                 return Parsed(text or None, [])
             calls.append(call)
@@ -356,9 +353,9 @@ class MistralParser(ToolParser):
         for segment in text[i:].split(self.start):
             if not segment.strip():
                 continue
-            parsed = _loads(segment.strip())
+            parsed = parse_json(segment.strip())
             if parsed is None and (m := self._v11.match(segment)):
-                parsed = {"name": m.group(1), "arguments": _loads(m.group(2).strip())}
+                parsed = {"name": m.group(1), "arguments": parse_json(m.group(2).strip())}
             items = parsed if isinstance(parsed, list) else [parsed]
             found = [_call(obj) for obj in items]
             if not found or None in found:
@@ -394,69 +391,3 @@ def choose_parser(template: str | None, override: str | None = None) -> ToolPars
     if "<|python_tag|>" in text or "ipython" in text:
         return Llama3JsonParser()
     return HermesParser()
-
-
-def template_reads_tools(template: str | None) -> bool:
-    """Whether the Jinja ``template`` uses the ``tools`` variable."""
-    if not template:
-        return False
-    try:
-        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateError:
-        return "tools" in template
-
-
-#: The tool prompt of Qwen 2.5's chat template, for templates without one.
-_FALLBACK_PROMPT = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
-)
-
-
-def render_for_template(messages: list[dict], tools: list[dict] | None, native: bool) -> tuple[list[dict], list[dict] | None]:
-    """``(messages, tools)`` to hand the chat template.
-
-    ``messages`` are OpenAI-shaped dicts (``tool_calls`` with JSON-text
-    arguments, ``role: tool`` with ``tool_call_id``). A ``native`` template
-    (one that reads ``tools``) gets them as Hugging Face templates expect:
-    arguments as objects. Otherwise tools go into the system prompt, calls
-    into the assistant text as Hermes blocks, and tool results into a user
-    turn of ``<tool_response>`` blocks (consecutive results merged).
-    """
-    if native:
-        return [_native_message(m) for m in messages], tools
-    out: list[dict] = []
-    if tools:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        prompt = _FALLBACK_PROMPT.format(tools=listing)
-        if messages and messages[0]["role"] in ("system", "developer"):
-            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + prompt})
-            messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": prompt})
-    for m in messages:
-        if m["role"] == "tool":
-            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if out and out[-1].get("_tool_results"):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "_tool_results": True})
-        elif m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
-                      f'"arguments": {c["function"]["arguments"] or "{}"}}}\n</tool_call>'
-                      for c in m["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m.get("content") else []) + blocks)})
-        else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
-    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out], None
-
-
-def _native_message(m: dict) -> dict:
-    if m["role"] == "assistant" and m.get("tool_calls"):
-        calls = [{"id": c.get("id"), "type": "function",
-                  "function": {"name": c["function"]["name"], "arguments": _loads(c["function"]["arguments"] or "{}") or {}}}
-                 for c in m["tool_calls"]]
-        return {"role": "assistant", "content": m.get("content") or "", "tool_calls": calls}
-    return {k: v for k, v in m.items() if v is not None}
