@@ -125,7 +125,7 @@ def _completion(clients, model, key: str, text: str) -> int:
 
 
 def _response(clients, model, key: str, text: str) -> int:
-    reply = clients[key][0].responses.create(model=model, input=text, max_output_tokens=2)
+    reply = clients[key][0].responses.create(model=model, input=text, max_output_tokens=16)
     return reply.usage.input_tokens_details.cached_tokens
 
 

@@ -257,11 +257,11 @@ RESPONSES_TOOL = {"type": "function", "name": "read_file", "description": "Read 
 
 def test_responses_text_and_stream(server):
     client = client_for(server)
-    client.responses.create(model=server.model, input="Say hello.", max_output_tokens=6, temperature=0)  # warm, as above
-    r = client.responses.create(model=server.model, input="Say hello.", max_output_tokens=6, temperature=0)
+    client.responses.create(model=server.model, input="Say hello.", max_output_tokens=16, temperature=0)  # warm, as above
+    r = client.responses.create(model=server.model, input="Say hello.", max_output_tokens=16, temperature=0)
     assert r.object == "response" and r.output[0].type == "message" and r.output_text
-    assert r.usage.output_tokens <= 6 and r.status in ("completed", "incomplete")
-    events = list(client.responses.create(model=server.model, input="Say hello.", max_output_tokens=6, temperature=0, stream=True))
+    assert r.usage.output_tokens <= 16 and r.status in ("completed", "incomplete")
+    events = list(client.responses.create(model=server.model, input="Say hello.", max_output_tokens=16, temperature=0, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed", "response.incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
@@ -284,7 +284,7 @@ def test_responses_function_call_round_trip(server):
     added = kinds.index("response.output_item.added")
     assert kinds[added + 1] == "response.function_call_arguments.delta"  # arguments stream while the item is open
     assert kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
-    follow = client.responses.create(model=server.model, max_output_tokens=6, temperature=0, tools=[RESPONSES_TOOL], input=[
+    follow = client.responses.create(model=server.model, max_output_tokens=16, temperature=0, tools=[RESPONSES_TOOL], input=[
         {"role": "user", "content": "Read notes.txt"},
         {"type": "function_call", "call_id": calls[0].call_id, "name": "read_file", "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Meeting at noon."},

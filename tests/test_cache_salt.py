@@ -118,10 +118,10 @@ def test_live_completions_and_responses_take_the_salt(server, client):
     assert cached(salt) > 0
     assert cached(other) == 0
     text = SECRET + " responses " + salt
-    replies = [client.responses.create(model=server.model, input=text, max_output_tokens=2, extra_body={"cache_salt": s})
+    replies = [client.responses.create(model=server.model, input=text, max_output_tokens=16, extra_body={"cache_salt": s})
                for s in (salt, other)]
     assert replies[1].usage.input_tokens_details.cached_tokens == 0
-    again = client.responses.create(model=server.model, input=text, max_output_tokens=2, extra_body={"cache_salt": other})
+    again = client.responses.create(model=server.model, input=text, max_output_tokens=16, extra_body={"cache_salt": other})
     assert again.usage.input_tokens_details.cached_tokens > 0
 
 

@@ -22,11 +22,16 @@ ANTHROPIC_ROUTES = ("messages", "messages/count_tokens")
 VALID = {
     "chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "completions": {"prompt": "hi", "max_tokens": 1},
-    "responses": {"input": "hi", "max_output_tokens": 1},
+    "responses": {"input": "hi", "max_output_tokens": 16},
     "messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
 }
 MISSING = object()
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+RESPONSES_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+ANTHROPIC_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+EARLIER_CALL = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}
+HUGE_SEED = b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"1" * 5000 + b"}"
 
 #: (route, id, change to the valid body (field -> value, MISSING drops it) or raw bytes, param, message fragment)
 CASES = [
@@ -90,6 +95,49 @@ CASES = [
     ("messages", "image-block", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, None, "messages.0.content.0"),
     *[(route, "messages-empty", {"messages": []}, None, "messages") for route in ANTHROPIC_ROUTES],
     *[(route, "messages-missing", {"messages": MISSING}, None, "messages") for route in ANTHROPIC_ROUTES],
+    # issue 13, nothing silently ignored: unknown fields (a typo of max_tokens would fill the context) and
+    # values of accepted no-op fields that would need an effect
+    *[(route, "unknown-field", {"foo": 1}, "foo" if route not in ANTHROPIC_ROUTES else None, "foo: unknown field")
+      for route in VALID],
+    *[(route, "max-token-typo", {"max_token": 5}, "max_token", "max_token: unknown field")
+      for route in ("chat/completions", "completions")],
+    ("messages", "max-token-typo", {"max_token": 5}, None, "max_token: unknown field"),
+    *[(route, "store-true", {"store": True}, "store", "nothing is stored") for route in ("chat/completions", "completions", "responses")],
+    *[(route, "stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options", "stream: true")
+      for route in ("chat/completions", "completions")],
+    ("chat/completions", "content-null-on-user", {"messages": [{"role": "user", "content": None}]}, "messages.0.content", "needs content"),
+    ("chat/completions", "tool-message-without-id", {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"}]},
+     "messages.1.tool_call_id", "tool_call_id"),
+    ("chat/completions", "arguments-not-json", {"messages": [{"role": "user", "content": "hi"}, EARLIER_CALL,
+                                                              {"role": "tool", "tool_call_id": "c1", "content": "1"}]},
+     "messages.1.tool_calls.0.function.arguments", "not valid JSON"),
+    ("chat/completions", "duplicate-tool-names", {"tools": [TOOL, TOOL]}, "tools.1", "repeated"),
+    ("chat/completions", "bad-parameters-schema-under-auto",
+     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "auto"},
+     "tools.0.function.parameters", "nonsense"),
+    ("chat/completions", "text-part-without-text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content", "needs text"),
+    # F4: errors of a known field name it in param
+    ("chat/completions", "tool-choice-unknown-function", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "not among tools"),
+    ("chat/completions", "tool-choice-required-without-tools", {"tool_choice": "required"}, "tool_choice", "requires tools"),
+    ("chat/completions", "top-logprobs-without-logprobs", {"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+    ("chat/completions", "two-constraints", {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "give one constraint"),
+    ("chat/completions", "seed-5000-digits", HUGE_SEED, "seed", "4300 digits"),
+    ("chat/completions", "tool-description-lone-surrogate",
+     {"tools": [{"type": "function", "function": {"name": "f", "description": "a\ud800"}}]}, "tools.0.function.description", "surrogate"),
+    ("responses", "max-output-tokens-below-16", {"max_output_tokens": 15}, "max_output_tokens", "16"),
+    ("responses", "include-given", {"include": ["reasoning.encrypted_content"]}, "include", "only"),
+    ("responses", "reasoning-effort", {"reasoning": {"effort": "high"}}, "reasoning", "only"),
+    ("responses", "truncation-auto", {"truncation": "auto"}, "truncation", "disabled"),
+    ("responses", "duplicate-tool-names", {"tools": [RESPONSES_TOOL, RESPONSES_TOOL]}, "tools.1", "repeated"),
+    ("responses", "bad-parameters-schema", {"tools": [{**RESPONSES_TOOL, "parameters": {"properties": 5}}]}, "tools.0.parameters",
+     "properties"),
+    *[(route, "thinking-enabled", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, None, "thinking")
+      for route in ANTHROPIC_ROUTES],
+    ("messages", "container-given", {"container": "c1"}, None, "container"),
+    *[(route, "duplicate-tool-names", {"tools": [ANTHROPIC_TOOL, ANTHROPIC_TOOL]}, None, "tools.1") for route in ANTHROPIC_ROUTES],
     ("messages/count_tokens", "tool-name-with-spaces", {"tools": [{"name": "a b", "input_schema": {}}]}, None, "tools.0.name"),
 ]
 
@@ -120,6 +168,26 @@ def test_invalid_input_is_a_400_with_the_route_s_error_body(server, route, case,
         assert payload["error"]["param"] == param, payload
     message = payload["error"]["message"]
     assert isinstance(message, str) and message and fragment in message, message
+    assert "set_int_max_str_digits" not in message  # Python's advice, no use to a client
+
+
+#: route -> fields official clients and agents send that have no effect here: accepted (200)
+NO_EFFECT = {
+    "chat/completions": {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "p",
+                         "safety_identifier": "s", "stream_options": None},
+    "completions": {"user": "u", "metadata": {"k": "v"}, "store": None, "service_tier": "default", "prompt_cache_key": "p",
+                    "safety_identifier": "s"},
+    "responses": {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "p",
+                  "safety_identifier": "s", "include": [], "reasoning": None, "truncation": "disabled"},
+    "messages": {"metadata": {"user_id": "u"}, "service_tier": "auto", "container": None, "thinking": {"type": "disabled"}},
+    "messages/count_tokens": {"thinking": {"type": "disabled"}},
+}
+
+
+@pytest.mark.parametrize("route", list(NO_EFFECT))
+def test_fields_with_no_effect_are_accepted(server, route):
+    resp = httpx.post(f"{server.base_url}/v1/{route}", json=_body(server, route, NO_EFFECT[route]), timeout=60)
+    assert resp.status_code == 200, resp.text
 
 
 @pytest.mark.parametrize("route", list(VALID))

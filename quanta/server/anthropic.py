@@ -15,7 +15,11 @@ stopped after complete calls: one that ended inside a call, e.g. at a stop
 sequence, keeps ``stop_sequence`` with it set, or ``max_tokens``, and its
 streamed tool_use block has incomplete ``input`` JSON). Images and documents are
 refused with a 400; ``cache_control`` markers are accepted and ignored, since
-prefix reuse is automatic.
+prefix reuse is automatic. An unknown top-level field is a 400 naming it;
+``metadata`` (``user_id``; its ``cache_salt`` is honoured), ``service_tier``
+and ``container: null`` are accepted with no effect, ``thinking`` only as
+``{"type": "disabled"}`` (extended thinking is not supported), and tool names
+must be unique.
 
 Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens
 computed for this request, ``cache_read_input_tokens`` those served from the
@@ -53,7 +57,8 @@ from quanta.server.chat import constrain
 from quanta.server.chat_tokens import chat_prompt_ids, text_ids
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.limits import PromptError
-from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number
+from quanta.server.openai_requests import unique_names
+from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number, only
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tool_templates import render_for_template, template_reads_tools
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
@@ -81,14 +86,23 @@ class Message(BaseModel):
 
 
 class CountTokensRequest(NullMeansDefault):
-    """``POST /v1/messages/count_tokens``."""
+    """``POST /v1/messages/count_tokens``; any field not declared is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[ContentBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
+    #: extended thinking is not supported
+    thinking: only({"type": "disabled"}) = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, tools):
+        if tools:
+            unique_names([t.name for t in tools])
+        return tools
 
     @property
     def use_tools(self) -> bool:
@@ -129,6 +143,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: integer(ge=0) | None = None
     cache_salt: CacheSalt | None = None
     metadata: Metadata | None = None
+    service_tier: str | None = Field(None, description="accepted; no effect")
+    container: only(None) = None
 
     @field_validator("stop_sequences")
     @classmethod

@@ -18,6 +18,8 @@ own text (which can quote other users' input or server internals).
 from __future__ import annotations
 
 import logging
+import re
+import sys
 import uuid
 from typing import Literal
 
@@ -127,10 +129,15 @@ def _describe(exc: RequestValidationError) -> tuple[str, str | None]:
     field = _field(errors[0])
     same = [e for e in errors if _field(e)[:len(field)] == field]  # the first field's errors, one per union member
     first = next((e for e in same if not e.get("type", "").endswith(_TYPE_MISMATCH)), errors[0])
-    param = ".".join(_field(first)) or None
+    path = _field(first)
+    if first.get("type") == "field_error":  # a model validator naming its field (protocol.field_error)
+        path.append(first["ctx"]["field"])
+    param = ".".join(path) or None
     if param is None and first.get("type") == "missing":
         return "the request needs a JSON object body", None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field (not supported; remove it)"
     return (f"{param}: {message}" if param else message), param
 
 
@@ -154,13 +161,27 @@ def _json_error(error: dict) -> str:
     return f"malformed JSON body: {reason}" + (f" at position {pos[0]}" if pos else "")
 
 
-def _http_message(exc: StarletteHTTPException) -> str:
-    """The detail, or for a body FastAPI could not parse (it raises 400 from the parser's error) why."""
+#: the body as :class:`quanta.server.limits.BodyLimit` read it, in the ASGI scope
+RAW_BODY = "quanta.raw_body"
+
+
+def _http_message(exc: StarletteHTTPException, scope) -> tuple[str, str | None]:
+    """(the detail, or for a body FastAPI could not parse (it raises 400 from the parser's error) why; param)."""
     if isinstance(exc.__cause__, RecursionError):
-        return "malformed JSON body: nested too deeply"
+        return "malformed JSON body: nested too deeply", None
     if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):  # JSON or UTF-8 decoding
-        return f"malformed JSON body: {exc.__cause__}"
-    return str(exc.detail)
+        if "int_max_str_digits" in str(exc.__cause__):  # Python's own advice is no answer for a client
+            return _long_integer(scope.get(RAW_BODY) or b"")
+        return f"malformed JSON body: {exc.__cause__}", None
+    return str(exc.detail), None
+
+
+def _long_integer(body: bytes) -> tuple[str, str | None]:
+    """The 400 for a JSON integer of more digits than Python parses, naming its field when the body shows it."""
+    limit = sys.get_int_max_str_digits()
+    found = re.search(rb'"([A-Za-z0-9_]{1,64})"\s*:\s*-?[0-9]{%d,}' % (limit + 1), body)
+    param = found.group(1).decode() if found else None
+    return f"{param + ': ' if param else ''}an integer has more than {limit} digits", param
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -191,7 +212,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = respond(request, exc.status_code, _http_message(exc))
+        response = respond(request, exc.status_code, *_http_message(exc, request.scope))
         response.headers.update(exc.headers or {})
         return response
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from quanta.model.tokenizer import Tokenizer
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
-from quanta.server.errors import route_error_body
+from quanta.server.errors import RAW_BODY, route_error_body
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "PromptError", "PromptWork", "surrogate_problem"]
 
@@ -76,7 +76,8 @@ class BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = scope[RAW_BODY] = b"".join(chunks)  # for the error handlers (quanta.server.errors)
+        await self.app(scope, _replay(body, receive), send)
 
     async def _refuse(self, scope, send, size: int | None) -> None:
         got = f"{size} bytes" if size is not None else "more"

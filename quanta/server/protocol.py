@@ -1,8 +1,11 @@
 """OpenAI request bodies (the subset quanta serves), validated by pydantic.
 
 Ranges follow the OpenAI API reference; ``top_k``, ``min_p`` and
-``ignore_eos`` are the extensions vLLM and llama.cpp's server accept. Unknown
-fields are ignored, as vLLM does.
+``ignore_eos`` are the extensions vLLM and llama.cpp's server accept. An
+unknown field is a 400 naming it (a typo such as ``max_token`` is not
+ignored); the fields official clients send that change nothing here
+(:class:`NoEffect`: ``user``, ``metadata``, ``store`` false, ``service_tier``,
+``prompt_cache_key``, ``safety_identifier``) are accepted.
 
 Types are strict, as OpenAI's API is: ``"4"``, ``4.0`` or ``true`` is no
 integer, ``"0.5"`` no number, ``NaN`` and ``Infinity`` are refused; ``seed``
@@ -13,9 +16,11 @@ field. At most :data:`MAX_STOP` stop strings of at most
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from quanta.engine.sampling import SEED_RANGE, SamplingParams
 from quanta.server.limits import surrogate_problem
@@ -52,6 +57,8 @@ StrictFlag = Annotated[bool, Field(strict=True)]
 CacheSalt = Annotated[str, BeforeValidator(_unicode), Field(strict=True, min_length=1, max_length=1024)]
 TokenId = Annotated[int, Field(strict=True)]
 NonEmptyText = Annotated[str, BeforeValidator(_unicode), Field(min_length=1)]
+#: text with no lone surrogate (the 400 names the field it is in)
+UnicodeText = Annotated[str, BeforeValidator(_unicode)]
 #: a completions prompt: non-empty text, non-empty token ids, or a list of one non-empty text
 #: (the schema states each bound; :meth:`CompletionRequest._one_prompt` words the common mistakes)
 Prompt = NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
@@ -67,6 +74,42 @@ def check_stop_strings(stop: list[str], param: str) -> list[str]:
         if len(text) > MAX_STOP_CHARS:
             raise ValueError(f"{param}[{i}] has {len(text)} characters; at most {MAX_STOP_CHARS} are accepted")
     return stop
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """A validation error naming ``field`` (dotted, relative to the model that raises it):
+    a model validator's error otherwise names no field, and the 400's ``param`` would be null
+    (:func:`quanta.server.errors.install_error_handlers` reads ``ctx["field"]``)."""
+    return PydanticCustomError("field_error", message.replace("{", "(").replace("}", ")"), {"field": field})
+
+
+def only(*allowed):
+    """A field accepted only with one of the ``allowed`` JSON values, which have no effect
+    (anything else is a 400 naming the field and the allowed values)."""
+    shown = " or ".join(json.dumps(ok) for ok in allowed)
+
+    def check(value):
+        if not any(value == ok and type(value) is type(ok) for ok in allowed):
+            raise ValueError(f"only {shown} is supported")
+        return value
+    return Annotated[Any, BeforeValidator(check), Field(description=f"only {shown} (no effect)")]
+
+
+def _not_stored(value):
+    if value not in (None, False):
+        raise ValueError("only false is accepted: nothing is stored")
+    return value
+
+
+class NoEffect(BaseModel):
+    """Fields official clients send that change nothing here: accepted, not honoured."""
+
+    user: str | None = Field(None, description="accepted; no effect")
+    metadata: dict | None = Field(None, description="accepted; no effect")
+    store: Annotated[Any, BeforeValidator(_not_stored)] = Field(None, description="false or null only: nothing is stored")
+    service_tier: str | None = Field(None, description="accepted; no effect")
+    prompt_cache_key: str | None = Field(None, description="accepted; no effect (use cache_salt to partition the cache)")
+    safety_identifier: str | None = Field(None, description="accepted; no effect")
 
 
 class NullMeansDefault(BaseModel):
@@ -101,10 +144,10 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class SamplingRequest(NullMeansDefault):
-    """Fields shared by both endpoints."""
+class SamplingRequest(NoEffect, NullMeansDefault):
+    """Fields shared by both endpoints; any other field is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: number(ge=0.0, le=2.0) = 1.0
@@ -135,6 +178,12 @@ class SamplingRequest(NullMeansDefault):
         if n != 1:
             raise ValueError("n > 1 is not supported; send n separate requests")
         return n
+
+    @model_validator(mode="after")
+    def _options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "stream_options is only allowed with stream: true")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -8,6 +8,11 @@ function), ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
 ``stream``. Nothing is stored: ``previous_response_id`` is refused (send the
 whole conversation, as Codex-style clients with ``store: false`` do), and so
 are built-in tools (web search, file search, computer use) and non-text inputs.
+An unknown field is a 400 naming it; fields that change nothing here are
+accepted (``user``, ``metadata``, ``store`` false, ``service_tier``,
+``prompt_cache_key``, ``safety_identifier``, ``include`` empty, ``reasoning``
+null, ``truncation`` "disabled"). Tool names are unique and each
+``parameters`` schema must compile.
 
 Streaming sends the API's events, each with a ``sequence_number``:
 ``response.created``, ``response.in_progress``, per output item
@@ -34,8 +39,9 @@ from quanta.engine.async_engine import RequestStream
 from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.errors import APIError
-from quanta.server.openai_requests import ResponseFormat
-from quanta.server.protocol import CacheSalt, NonEmptyText, StrictFlag, integer, number
+from quanta.server.limits import surrogate_problem
+from quanta.server.openai_requests import ResponseFormat, schema_problem, unique_names
+from quanta.server.protocol import CacheSalt, NoEffect, NonEmptyText, StrictFlag, UnicodeText, integer, number, only
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
@@ -68,9 +74,18 @@ class FunctionTool(BaseModel):
     type: served("function")
     #: required (a forced call needs it), as OpenAI's chat tools spell it
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: str | None = None
+    description: UnicodeText | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _compiles(cls, parameters):
+        problem = None if parameters is None else schema_problem(parameters)
+        problem = problem or (parameters and surrogate_problem(json.dumps(parameters, ensure_ascii=False)))
+        if problem:
+            raise ValueError(f"not a usable JSON schema: {problem}")
+        return parameters
 
     @field_validator("type")
     @classmethod
@@ -98,15 +113,19 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponsesRequest(NoEffect):
+    """``POST /v1/responses``: an unknown field is a 400; :class:`NoEffect`'s fields,
+    ``include`` (empty), ``reasoning`` (null) and ``truncation`` ("disabled") are accepted."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
     input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
     parallel_tool_calls: StrictFlag = True
-    max_output_tokens: integer(ge=1) | None = None
+    #: OpenAI's minimum is 16
+    max_output_tokens: integer(ge=16) | None = None
     temperature: number(ge=0.0, le=2.0) | None = None
     top_p: number(gt=0.0, le=1.0) | None = None
     stream: StrictFlag = False
@@ -114,6 +133,16 @@ class ResponsesRequest(BaseModel):
     #: must be null (nothing is stored)
     previous_response_id: Any = Field(None, json_schema_extra={"type": "null"})
     cache_salt: CacheSalt | None = None
+    include: only(None, []) = None
+    reasoning: only(None, {}) = None
+    truncation: only(None, "disabled") = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, tools):
+        if tools:
+            unique_names([t.name for t in tools])
+        return tools
 
     @field_validator("previous_response_id")
     @classmethod
