@@ -24,6 +24,9 @@ LIST_DIR = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "Read the file notes.txt"}]
 NAMED = {"type": "function", "function": {"name": "read_file"}}
 GREEDY = dict(temperature=0, max_tokens=40)
+#: no finite JSON satisfies it: "a" is required and is the object again
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+RECURSIVE_TOOL = {"type": "function", "function": {"name": "loop", "parameters": RECURSIVE}}
 
 
 def client_for(server) -> openai.OpenAI:
@@ -190,6 +193,13 @@ def test_completion_logprobs_offsets(server):
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    # a $ref cycle with no finite value compiled, then ran unconstrained (200 with free text): now a 400
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": RECURSIVE}}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}, "response_format"),
+    ("chat", {"tools": [RECURSIVE_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"guided_json": RECURSIVE}, "guided_json"),
+    ("completions", {"guided_json": {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                     "required": ["next"]}}, "$ref": "#/$defs/n"}}, "guided_json"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
@@ -312,3 +322,16 @@ def test_served_model_name_aliases(launch_server):
         assert httpx.get(srv.base_url + "/v1/config", timeout=30).json()["tool_call_parser"] == "hermes"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("url,body,field", [
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 16,
+                       "text": {"format": {"type": "json_schema", "name": "x", "schema": RECURSIVE}}}, "text.format"),
+    ("/v1/messages", {"messages": ASK, "max_tokens": 2, "tools": [{"name": "loop", "input_schema": RECURSIVE}],
+                      "tool_choice": {"type": "any"}}, "tool_choice"),
+])
+def test_a_recursive_schema_is_400_on_responses_and_messages(server, url, body, field):
+    resp = httpx.post(server.base_url + url, json={"model": server.model, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert field in err["message"] and "$ref" in err["message"], err

@@ -31,7 +31,12 @@ A :class:`Grammar` is compiled once per request; :meth:`GrammarCompiler.constrai
 makes the :class:`GrammarConstraint` the sampler consults
 (:class:`quanta.engine.sampling.TokenConstraint`). Once the grammar is
 complete only the end-of-sequence tokens stay allowed, so the request ends
-with ``finish_reason: stop``. Unconstrained requests never touch this module.
+with ``finish_reason: stop``. A grammar no finite text matches (a
+``$ref`` cycle with no way out, or a matcher already in an error state
+before its first token) is a :class:`GrammarError` when it is compiled; a
+matcher that errs later raises from :meth:`GrammarConstraint.mask`, so its
+request alone fails (``finish_reason: error``) rather than running
+unconstrained. Unconstrained requests never touch this module.
 """
 
 from __future__ import annotations
@@ -82,6 +87,107 @@ def json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
 
 
+def _embedded_schemas(lark: str):
+    """The JSON schemas that :func:`json_rule` put in ``lark`` (after each ``%json``)."""
+    decoder = json.JSONDecoder()
+    at = lark.find("%json ")
+    while at >= 0:
+        try:
+            schema, _ = decoder.raw_decode(lark, at + len("%json "))
+        except ValueError:
+            schema = None
+        if isinstance(schema, dict):
+            yield schema
+        at = lark.find("%json ", at + 1)
+
+
+def never_terminates(schema: dict) -> bool:
+    """Whether no finite JSON value can satisfy ``schema`` through its local
+    ``$ref`` cycles (``{"$ref": "#"}``, or an object that requires a property
+    whose schema is the object again).
+
+    Conservative: True only when proven, from ``$ref``, ``allOf``, ``anyOf``,
+    ``oneOf``, required properties of an ``object`` and ``minItems`` of an
+    ``array``; other unsatisfiable schemas are llguidance's to refuse. Cost:
+    a few passes over the schema, one per ``$ref`` at most.
+    """
+    targets = {}
+    for ref in _local_refs(schema):
+        target = _resolve(schema, ref)
+        if target is not None:
+            targets[ref] = target
+    done: set[str] = set()
+    changed = True
+    while changed:  # least fixpoint: a ref terminates once one of its branches does
+        changed = False
+        for ref, target in targets.items():
+            if ref not in done and _terminates(target, done):
+                done.add(ref)
+                changed = True
+    try:
+        return not _terminates(schema, done)
+    except RecursionError:
+        return False
+
+
+def _local_refs(node) -> set[str]:
+    refs, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                refs.add(ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return refs
+
+
+def _resolve(root: dict, ref: str):
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _terminates(s, done: set[str]) -> bool:
+    """False only if ``s`` provably needs a ``$ref`` not in ``done`` (not known to terminate)."""
+    if s is False:
+        return False
+    if not isinstance(s, dict):
+        return True
+    ref = s.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in done:
+        return False
+    if any(not _terminates(x, done) for x in _list(s.get("allOf"))):
+        return False
+    for key in ("anyOf", "oneOf"):
+        branches = _list(s.get(key))
+        if branches and not any(_terminates(x, done) for x in branches):
+            return False
+    if s.get("type") in ("object", ["object"]):
+        props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        if any(p in props and not _terminates(props[p], done) for p in _list(s.get("required"))):
+            return False
+    if s.get("type") in ("array", ["array"]) and isinstance(s.get("minItems"), int):
+        prefix = _list(s.get("prefixItems"))
+        needed = prefix[: s["minItems"]] + ([s.get("items", True)] if s["minItems"] > len(prefix) else [])
+        if any(not _terminates(x, done) for x in needed):
+            return False
+    return True
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _lark_regex(pattern: str) -> str:
     return pattern.replace("/", "\\/")
 
@@ -115,8 +221,13 @@ class GrammarCompiler:
         """A fresh matcher for one request.
 
         Raises:
-            GrammarError: the grammar does not compile.
+            GrammarError: the grammar does not compile, an embedded JSON
+                schema never terminates (:func:`never_terminates`), or the
+                matcher fails computing its first mask.
         """
+        for schema in _embedded_schemas(grammar.lark):
+            if never_terminates(schema):
+                raise GrammarError("Unsatisfiable schema: a $ref cycle has no finite value (every branch recurses)")
         tok = self._tokenizer()
         try:
             compiled = llguidance.LLMatcher.grammar_from_lark(grammar.lark)
@@ -128,7 +239,16 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, compiled, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return GrammarConstraint(matcher, tok.vocab_size)
+        constraint = GrammarConstraint(matcher, tok.vocab_size)
+        try:
+            constraint.first_mask()
+        except MatcherError as exc:
+            raise GrammarError(f"the grammar allows no first token: {exc}") from exc
+        return constraint
+
+
+class MatcherError(RuntimeError):
+    """A request's matcher erred or allows no token; its request fails alone."""
 
 
 #: Threads computing next-token masks while the model runs its forward pass
@@ -149,23 +269,37 @@ class GrammarConstraint:
         self._vocab = vocab_size
         self._next: Future = _MASK_POOL.submit(self._compute)
 
-    def _compute(self) -> torch.Tensor | None:
-        if self._matcher.is_error():
-            return None
+    def _compute(self) -> torch.Tensor | str:
+        """The allowed-token mask, or the matcher's error message."""
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if self._matcher.is_error():
+            return self._matcher.get_error()
         allowed = torch.from_numpy(bits[: self._vocab].astype(bool))
-        return allowed if allowed.any() else None
+        return allowed if allowed.any() else "the grammar allows no next token"
+
+    def first_mask(self) -> None:
+        """Wait for the first mask (~1 ms for common grammars).
+
+        Raises:
+            MatcherError: the matcher erred or allows no token.
+        """
+        self._allowed()
+
+    def _allowed(self) -> torch.Tensor:
+        allowed = self._next.result()
+        if isinstance(allowed, str):
+            raise MatcherError(f"constrained decoding failed: {allowed.splitlines()[0] if allowed else 'matcher error'}")
+        return allowed
 
     def mask(self, row: torch.Tensor) -> None:
         """Disallowed tokens (and padded rows past the tokenizer's vocabulary) to ``-inf``.
 
-        A matcher in an error state (it never should be: only allowed tokens
-        are sampled) leaves the row unmasked rather than allowing nothing.
+        Raises:
+            MatcherError: the matcher erred (llguidance's limits, a grammar
+                with no finite text) or allows no token; the sampler fails
+                this request alone instead of sampling it unconstrained.
         """
-        allowed = self._next.result()
-        if allowed is None:
-            return
-        allowed = allowed[: row.shape[0]]
+        allowed = self._allowed()[: row.shape[0]]
         row[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
         row[allowed.shape[0]:] = float("-inf")
 
