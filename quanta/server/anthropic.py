@@ -57,7 +57,7 @@ from quanta.server.chat import constrain
 from quanta.server.chat_tokens import chat_prompt_ids, text_ids
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.limits import PromptError
-from quanta.server.openai_requests import unique_names
+from quanta.server.openai_requests import unique_tools
 from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number, only
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tool_templates import render_for_template, template_reads_tools
@@ -92,17 +92,10 @@ class CountTokensRequest(NullMeansDefault):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[ContentBlock] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], unique_tools(lambda t: t.name)] | None = None
     tool_choice: ToolChoice | None = None
     #: extended thinking is not supported
     thinking: only({"type": "disabled"}) = None
-
-    @field_validator("tools")
-    @classmethod
-    def _unique(cls, tools):
-        if tools:
-            unique_names([t.name for t in tools])
-        return tools
 
     @property
     def use_tools(self) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanta.engine.grammar import Grammar
 from quanta.server.limits import surrogate_problem
@@ -115,13 +115,32 @@ def schema_problem(schema: dict) -> str | None:
     return problem.split("\n", 1)[0].split(": ", 1)[-1]
 
 
-def unique_names(names: list[str], prefix: str = "") -> None:
-    """Raise a :func:`field_error` naming ``<prefix><i>`` (the index in ``tools``) at the first repeated name."""
+def unique_names(names: list[str]) -> None:
+    """Raise a :func:`field_error` naming index ``i`` (under ``tools``) at the first repeated name."""
     seen: set[str] = set()
     for i, name in enumerate(names):
         if name in seen:
-            raise field_error(f"{prefix}{i}", f"tools.{i}: the tool name {name!r} is repeated; tool names must be unique")
+            raise field_error(str(i), f"tools.{i}: the tool name {name!r} is repeated; tool names must be unique")
         seen.add(name)
+
+
+def _usable(schema: dict) -> dict:
+    problem = schema_problem(schema) or surrogate_problem(json.dumps(schema, ensure_ascii=False))
+    if problem:
+        raise ValueError(f"not a usable JSON schema: {problem}")
+    return schema
+
+
+#: a tool's ``parameters``: a JSON schema that compiles, checked whatever ``tool_choice`` is
+ToolSchema = Annotated[dict, AfterValidator(_usable)]
+
+
+def unique_tools(name):
+    """An after-validator of a tools list: 400 naming ``tools.<i>`` at the first repeated ``name(tool)``."""
+    def check(tools):
+        unique_names([name(t) for t in tools])
+        return tools
+    return AfterValidator(check)
 
 
 class FunctionCall(BaseModel):
@@ -192,17 +211,8 @@ class Message(BaseModel):
 class FunctionDef(BaseModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: UnicodeText | None = None
-    parameters: dict | None = None
+    parameters: ToolSchema | None = None
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _compiles(cls, parameters):
-        problem = None if parameters is None else schema_problem(parameters)
-        problem = problem or (parameters and surrogate_problem(json.dumps(parameters, ensure_ascii=False)))
-        if problem:
-            raise ValueError(f"not a usable JSON schema: {problem}")
-        return parameters
 
 
 class Tool(BaseModel):
@@ -249,7 +259,7 @@ class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
     """``POST /v1/chat/completions`` with tools, ``response_format`` and logprobs."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], unique_tools(lambda t: t.function.name)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictFlag = True
     response_format: ResponseFormat | None = None
@@ -263,8 +273,6 @@ class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
             raise field_error("tool_choice", "tool_choice requires tools")
-        if self.tools:
-            unique_names([t.function.name for t in self.tools], "tools.")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise field_error("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools")
         given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]

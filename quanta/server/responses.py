@@ -39,8 +39,7 @@ from quanta.engine.async_engine import RequestStream
 from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.errors import APIError
-from quanta.server.limits import surrogate_problem
-from quanta.server.openai_requests import ResponseFormat, schema_problem, unique_names
+from quanta.server.openai_requests import ResponseFormat, ToolSchema, unique_tools
 from quanta.server.protocol import CacheSalt, NoEffect, NonEmptyText, StrictFlag, UnicodeText, integer, number, only
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall
@@ -75,17 +74,8 @@ class FunctionTool(BaseModel):
     #: required (a forced call needs it), as OpenAI's chat tools spell it
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: UnicodeText | None = None
-    parameters: dict | None = None
+    parameters: ToolSchema | None = None
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _compiles(cls, parameters):
-        problem = None if parameters is None else schema_problem(parameters)
-        problem = problem or (parameters and surrogate_problem(json.dumps(parameters, ensure_ascii=False)))
-        if problem:
-            raise ValueError(f"not a usable JSON schema: {problem}")
-        return parameters
 
     @field_validator("type")
     @classmethod
@@ -121,7 +111,7 @@ class ResponsesRequest(NoEffect):
     model: str
     input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], unique_tools(lambda t: t.name)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
     parallel_tool_calls: StrictFlag = True
     #: OpenAI's minimum is 16
@@ -136,13 +126,6 @@ class ResponsesRequest(NoEffect):
     include: only(None, []) = None
     reasoning: only(None, {}) = None
     truncation: only(None, "disabled") = None
-
-    @field_validator("tools")
-    @classmethod
-    def _unique(cls, tools):
-        if tools:
-            unique_names([t.name for t in tools])
-        return tools
 
     @field_validator("previous_response_id")
     @classmethod
