@@ -10,8 +10,9 @@ whole conversation, as Codex-style clients with ``store: false`` do), and so
 are built-in tools (web search, file search, computer use) and non-text inputs.
 An unknown field is a 400 naming it; fields that change nothing here are
 accepted (``user``, ``metadata``, ``store`` false, ``service_tier``,
-``prompt_cache_key``, ``safety_identifier``, ``include`` empty, ``reasoning``
-null, ``truncation`` "disabled"). Tool names are unique and each
+``prompt_cache_key``, ``safety_identifier``, ``include`` empty or
+``reasoning.encrypted_content``, ``reasoning`` effort/summary: the model does
+not reason, ``truncation`` "disabled"). Tool names are unique and each
 ``parameters`` schema must compile.
 
 Streaming sends the API's events, each with a ``sequence_number``:
@@ -103,9 +104,19 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class Reasoning(BaseModel):
+    """``reasoning`` as Codex-style clients send it: accepted, no effect (the model does not reason)."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(NoEffect):
     """``POST /v1/responses``: an unknown field is a 400; :class:`NoEffect`'s fields,
-    ``include`` (empty), ``reasoning`` (null) and ``truncation`` ("disabled") are accepted."""
+    ``include`` (empty, or ``reasoning.encrypted_content``), ``reasoning`` (an
+    effort and summary; no effect: the model does not reason, so no reasoning
+    items are produced or included) and ``truncation`` ("disabled") are accepted."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -123,8 +134,8 @@ class ResponsesRequest(NoEffect):
     #: must be null (nothing is stored)
     previous_response_id: Any = Field(None, json_schema_extra={"type": "null"})
     cache_salt: CacheSalt | None = None
-    include: only(None, []) = None
-    reasoning: only(None, {}) = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    reasoning: Reasoning | None = None
     truncation: only(None, "disabled") = None
 
     @field_validator("previous_response_id")
