@@ -127,6 +127,7 @@ CASES = [
     ("chat/completions", "seed-5000-digits", HUGE_SEED, "seed", "4300 digits"),
     ("chat/completions", "tool-description-lone-surrogate",
      {"tools": [{"type": "function", "function": {"name": "f", "description": "a\ud800"}}]}, "tools.0.function.description", "surrogate"),
+    ("chat/completions", "reasoning-effort-unknown", {"reasoning_effort": "extreme"}, "reasoning_effort", "high"),
     ("responses", "max-output-tokens-below-16", {"max_output_tokens": 15}, "max_output_tokens", "16"),
     ("responses", "include-unknown", {"include": ["file_search_call.results"]}, "include.0", "reasoning.encrypted_content"),
     ("responses", "reasoning-unknown-effort", {"reasoning": {"effort": "extreme"}}, "reasoning.effort", "high"),
@@ -175,7 +176,7 @@ def test_invalid_input_is_a_400_with_the_route_s_error_body(server, route, case,
 #: route -> fields official clients and agents send that have no effect here: accepted (200)
 NO_EFFECT = {
     "chat/completions": {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "p",
-                         "safety_identifier": "s", "stream_options": None},
+                         "safety_identifier": "s", "stream_options": None, "reasoning_effort": "low"},
     "completions": {"user": "u", "metadata": {"k": "v"}, "store": None, "service_tier": "default", "prompt_cache_key": "p",
                     "safety_identifier": "s"},
     "responses": {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "p",

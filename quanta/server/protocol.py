@@ -234,6 +234,8 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: integer(ge=1) | None = None
     max_completion_tokens: integer(ge=1) | None = None
+    #: sent by agents configured for reasoning models; no effect (the model does not reason)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(None, description="accepted; no effect")
 
     @model_validator(mode="after")
     def _one_limit(self):
