@@ -83,7 +83,9 @@ def test_a_half_closed_client_is_aborted_deliberately(queued, stream):
     started = time.monotonic()
     reply = _half_closed_exchange(queued.port, {"model": queued.model, "prompt": "Hello", "max_tokens": 400,
                                                 "ignore_eos": True, "stream": stream})
-    assert reply == b""
+    # closed before any of the answer: nothing, or (a stream whose head was written before the FIN was read) a bare head
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    assert reply == b"" or (head.startswith(b"HTTP/1.1 200") and b"data:" not in rest and b'"text"' not in rest), reply[:300]
     assert time.monotonic() - started < 30  # closed long before 400 tokens could be generated
     deadline = time.monotonic() + 30
     while _running(queued.base_url) > 0:

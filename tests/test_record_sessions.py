@@ -44,7 +44,7 @@ def recorded(server, tmp_path_factory):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        seen = _agents(base, server.model)
+        seen = _agents(base, server.model, out)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -53,10 +53,17 @@ def recorded(server, tmp_path_factory):
     return out, seen
 
 
-def _agents(base: str, model: str) -> dict:
-    """Two chat agents (one streaming, one not), a completions agent and an Anthropic agent."""
+def _agents(base: str, model: str, out) -> dict:
+    """Two chat agents (one streaming, one not), a completions agent and an Anthropic agent.
+
+    After each request the sessions file already holds its line: the proxy writes it before the
+    client sees the reply's end, so an agent's next turn always finds its parent finished.
+    """
     oc = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     seen = {"usage": []}
+
+    def written() -> int:
+        return len(out.read_text().splitlines()) - 1  # less the header
     msgs = [{"role": "system", "content": f"You are terse. {MARK}"}, {"role": "user", "content": f"List three colors. {MARK}"}]
     for turn in range(3):
         stream = oc.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0, stream=True,
@@ -67,10 +74,12 @@ def _agents(base: str, model: str) -> dict:
                 text += chunk.choices[0].delta.content
             usage = chunk.usage or usage
         seen["usage"].append((usage.prompt_tokens, usage.completion_tokens))
+        assert written() == len(seen["usage"])
         msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Tool output: {MARK} ok {turn}"}]
     other = [{"role": "user", "content": f"Name a river. {MARK}"}]
     r = oc.chat.completions.create(model=model, messages=other, max_tokens=5, temperature=0)
     seen["usage"].append((r.usage.prompt_tokens, r.usage.completion_tokens))
+    assert written() == len(seen["usage"])  # a JSON body: written once its Content-Length arrived
     other += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"And a lake. {MARK}"}]
     r = oc.chat.completions.create(model=model, messages=other, max_tokens=5, temperature=0)
     seen["usage"].append((r.usage.prompt_tokens, r.usage.completion_tokens))
@@ -85,6 +94,7 @@ def _agents(base: str, model: str) -> dict:
         final = s.get_final_message()
     u = final.usage
     seen["usage"].append((u.input_tokens + (u.cache_read_input_tokens or 0), u.output_tokens))
+    assert written() == len(seen["usage"])
     return seen
 
 

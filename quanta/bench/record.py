@@ -51,12 +51,17 @@ class Observed:
         self.finish: str | None = None
         self.ended = False  # the protocol's last event was seen ([DONE], message_stop, a whole JSON body)
         self.sse = False
+        #: a JSON body's Content-Length: the body is whole, and parsed, once that many bytes came
+        self.length: int | None = None
         self._buf = b""
+        self._closed = False
 
     def feed(self, chunk: bytes, now: float) -> None:
         """Parse a piece of the response body (SSE lines, or a JSON body kept whole)."""
         self._buf += chunk
         if not self.sse:
+            if self.length is not None and len(self._buf) >= self.length:
+                self.close(now)
             return
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
@@ -70,6 +75,10 @@ class Observed:
                         pass
 
     def close(self, now: float) -> None:
+        """The body ended (or the client left): parse a JSON body kept whole (once)."""
+        if self._closed:
+            return
+        self._closed = True
         if not self.sse and self._buf:
             try:
                 self._event(json.loads(self._buf), now, whole=True)
@@ -232,6 +241,8 @@ def build_app(upstream: str, recorder: Recorder) -> FastAPI:
         obs = Observed(api) if api else None
         if obs:
             obs.sse = "text/event-stream" in resp.headers.get("content-type", "")
+            length = resp.headers.get("content-length", "")
+            obs.length = int(length) if length.isdigit() else None
 
         async def relay():
             complete = False
@@ -239,6 +250,10 @@ def build_app(upstream: str, recorder: Recorder) -> FastAPI:
                 async for chunk in resp.aiter_raw():
                     if obs:
                         obs.feed(chunk, recorder.now())
+                        if obs.ended and handle is not None:
+                            # written before the client sees the end: an agent's next turn, sent as soon as it
+                            # has this reply, must find this request finished to relate to it
+                            recorder.finish(handle, resp.status_code, obs, True)
                     yield chunk
                 complete = True
             finally:
