@@ -95,6 +95,10 @@ def only(*allowed):
     return Annotated[Any, BeforeValidator(check), Field(description=f"only {shown} (no effect)")]
 
 
+#: OpenAI's reasoning effort levels (chat's ``reasoning_effort``, Responses' ``reasoning.effort``)
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+
+
 def _not_stored(value):
     if value not in (None, False):
         raise ValueError("only false is accepted: nothing is stored")
@@ -235,7 +239,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: integer(ge=1) | None = None
     max_completion_tokens: integer(ge=1) | None = None
     #: sent by agents configured for reasoning models; no effect (the model does not reason)
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(None, description="accepted; no effect")
+    reasoning_effort: ReasoningEffort | None = Field(None, description="accepted; no effect")
 
     @model_validator(mode="after")
     def _one_limit(self):

@@ -41,7 +41,7 @@ from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.errors import APIError
 from quanta.server.openai_requests import ResponseFormat, ToolSchema, unique_tools
-from quanta.server.protocol import CacheSalt, NoEffect, NonEmptyText, StrictFlag, UnicodeText, integer, number, only
+from quanta.server.protocol import CacheSalt, NoEffect, NonEmptyText, ReasoningEffort, StrictFlag, UnicodeText, integer, number, only
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
@@ -108,7 +108,7 @@ class Reasoning(BaseModel):
     """``reasoning`` as Codex-style clients send it: accepted, no effect (the model does not reason)."""
 
     model_config = ConfigDict(extra="forbid")
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
