@@ -91,6 +91,11 @@ def _checked_knobs(declared: tuple[Knob, ...], policy: str, max_num_seqs: int, g
     return knobs
 
 
+#: values of ``--quantization`` (see :func:`quanta.launch.resolve_quantization`;
+#: the forms are :data:`quanta.model.quant.FORMS`)
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "q4_1", "q8_0")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """What to load and how much room to give it.
@@ -107,8 +112,10 @@ class EngineConfig:
             common prefix of a new prompt (``--no-prefix-cache`` turns it off).
         quantization: weight forms for decode- and chunk-sized matmuls: ``auto``
             (a GGUF's own 4-/8-bit types, plus fp16 copies on CPUs without
-            native bf16), ``none``, ``int8``, ``int4`` or ``fp16``; see
-            :func:`quanta.launch.resolve_quantization`.
+            native bf16), ``none``, ``int8``, ``int4``, ``fp16``, ``q4_1`` or
+            ``q8_0``; see :func:`quanta.launch.resolve_quantization`.
+        native_decode: run all-decode steps with the C glue between matmuls
+            (:mod:`quanta.model.native_decode`) where the model and machine allow.
     """
 
     model: str | None = None
@@ -118,12 +125,13 @@ class EngineConfig:
     served_model_name: str | None = None
     prefix_cache: bool = True
     quantization: str = "auto"
+    native_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4", "fp16"):
-            raise ValueError(f"--quantization must be auto, none, int8, int4 or fp16, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         for name in ("max_model_len", "max_queue"):
             value = getattr(self, name)
             if value is not None and value < 1:

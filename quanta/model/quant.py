@@ -17,6 +17,14 @@ Forms:
   (``d * q + m`` per 32 weights), so a Q4_1 tensor requantized here recovers
   its own blocks up to the bf16 rounding of the scales;
   ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations).
+- ``q4_1`` and ``q8_0``: GGUF's block forms (32 weights a block along the
+  input dimension: ``w = d * q + m``, ``q`` in [0, 15], or ``w = d * q``,
+  ``q`` in [-127, 127]; fp16 ``d``, ``m``), multiplied by quanta's own C
+  kernels (:mod:`quanta.model.native.forms`, ``qmatmul.c``) with the
+  activations quantized to 8 bits per row and block of 32 (llama.cpp's
+  Q8_1): integer dot products (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``)
+  instead of the int4 kernel's dequantize-to-float. Available where the C
+  library builds (x86-64 with AVX2 and a C compiler).
 - ``fp16``: the reference weight stored in half precision, multiplied by
   FBGEMM's fp16 GEMM (``quantized.linear_dynamic_fp16``: fp32 activations
   and accumulation, weights widened with F16C). Not a quantization of the
@@ -36,8 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
+from quanta.model.native import forms as native_forms
+
 #: weight forms a linear layer may hold besides its reference weight
-FORMS = ("int8", "int4", "fp16")
+#: forms multiplied by quanta's own C kernels (:mod:`quanta.model.native.forms`)
+NATIVE_FORMS = ("q4_1", "q8_0")
+FORMS = ("int8", "int4", "fp16", *NATIVE_FORMS)
 INT4_GROUP = 32
 
 #: Largest row count at which each form beat the next slower path, per
@@ -54,7 +66,8 @@ INT4_GROUP = 32
 #: weights, 2 threads): fp16 vs fp32 244 vs 423 ms at 128 rows, 945 vs 1111 at
 #: 512, 4251 vs 4593 at 2,048.
 _MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
-             ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048}
+             ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048,
+             ("q4_1", True): 8, ("q4_1", False): 8, ("q8_0", True): 4, ("q8_0", False): 4}
 
 
 def max_form_rows(form: str, bf16_reference: bool) -> int:
@@ -77,7 +90,10 @@ class QuantizedWeight:
     Attributes:
         kind: ``int8``, ``int4`` or ``fp16``.
         data: int8 ``[N, K]``, the int4 kernel's packed layout, or FBGEMM's packed fp16 weight.
-        scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); fp16: empty.
+        scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); q4_1: fp16
+            ``[N / 8, K / 32, 2, 8]`` (d, m) with ``data`` uint8 ``[N / 8, K / 32, 128]``;
+            q8_0: fp16 ``[N / 8, K / 32, 8]`` with int8 ``[N / 8, K / 32, 256]``
+            (8 columns interleaved, see ``qmatmul.c``); fp16: empty.
         max_rows: the largest ``M`` the caller should send here.
     """
 
@@ -88,6 +104,8 @@ class QuantizedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (int8/int4: computed with bf16 activations)."""
+        if self.kind in NATIVE_FORMS:
+            return native_forms.matmul(self.kind, x, self.data, self.scales)
         if self.kind == "fp16":
             xf = x if x.dtype == torch.float32 else x.float()
             out = torch.ops.quantized.linear_dynamic_fp16(xf if xf.is_contiguous() else xf.contiguous(), self.data)
@@ -106,6 +124,8 @@ class QuantizedWeight:
             return torch.ops.quantized.linear_unpack_fp16(self.data)[0]  # the fp16 values, widened
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
+        if self.kind in NATIVE_FORMS:
+            return native_forms.dequantize(self.kind, self.data, self.scales)
         n = self.scales.shape[1]
         eye = torch.eye(self.scales.shape[0] * INT4_GROUP, dtype=torch.bfloat16)
         return self(eye).float().t().reshape(n, -1)
@@ -123,6 +143,9 @@ def quantize(weight: torch.Tensor, kind: str, max_rows: int) -> QuantizedWeight 
             return _int8(w, max_rows)
         if kind == "int4" and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 16 == 0:
             return _int4(w, max_rows)
+        if kind in NATIVE_FORMS:
+            data = native_forms.pack(w, kind)
+            return None if data is None else QuantizedWeight(kind, data[0], data[1], max_rows)
         if kind == "fp16" and fp16_kernel_available():
             packed = torch.ops.quantized.linear_prepack_fp16(w, None)
             return QuantizedWeight("fp16", packed, torch.empty(0), max_rows)

@@ -29,7 +29,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     ``access``: API key, allowed hosts, CORS origins (None: no key, only local names and IP literals as ``Host``).
     """
     dtype = resolve_dtype(engine_cfg.dtype)
-    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization)
+    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode)
     engine = build_engine(loaded, engine_cfg, sched_cfg)
     engine.executor.decode_threads = default_decode_threads()  # leave a core to the event loop and local clients
     name = engine_cfg.served_model_name or loaded.name

@@ -1,0 +1,116 @@
+"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``) for this CPU.
+
+The sources are compiled once per (source, compiler, CPU flags) with
+``-O3 -march=native -ffast-math`` (:func:`march`) into a shared library cached under
+``$QUANTA_CACHE_DIR`` (default ``~/.cache/quanta``)``/native/``, then loaded
+with :mod:`ctypes` (whose calls release the GIL). Compiling takes under a
+second with gcc; where no C compiler works, :func:`load` says why and the
+model keeps its PyTorch decode path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c"))
+FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared")
+LIBS = ("-lmvec", "-lm")
+
+_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+_SIGNATURES = {
+    "residual_rms_norm": (_I, _I, _P, _P, _P, _F, _P, _I, _P),
+    "attention_decode": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _L, _L, _P, _P),
+    "silu_mul": (_I, _I, _P, _I, _P, _P),
+    "q4_matmul": (_I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
+    "q8_matmul": (_I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The C library could not be built or loaded here (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$QUANTA_CACHE_DIR/native`` or ``~/.cache/quanta/native``."""
+    root = os.environ.get("QUANTA_CACHE_DIR") or Path.home() / ".cache" / "quanta"
+    return Path(root) / "native"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+    return cc
+
+
+def march() -> str:
+    """The ``-march`` target: ``$QUANTA_NATIVE_MARCH`` or ``native`` (e.g. ``haswell`` runs the
+    AVX2 kernels on an AVX-512 machine, for benchmarks and tests)."""
+    return os.environ.get("QUANTA_NATIVE_MARCH") or "native"
+
+
+def _key(cc: str, target: str) -> str:
+    """Hash of the source, flags, target, compiler version and CPU flags (``-march=native`` depends on them)."""
+    from quanta.launch import cpu_flags
+
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
+    text = "\n".join([*(s.read_text() for s in SOURCES), " ".join(FLAGS + LIBS), target, version, " ".join(sorted(cpu_flags()))])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build(target: str | None = None) -> Path:
+    """Path of the library built for ``-march=target`` (default :func:`march`), compiling it
+    first if this machine has no cached copy.
+
+    Raises:
+        NativeUnavailable: no compiler, or the compile failed (with its stderr).
+    """
+    cc, arch = _compiler(), target or march()
+    lib = cache_dir() / f"quanta-{arch}-{_key(cc, arch)}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cc, *FLAGS, f"-march={arch}", *map(str, SOURCES), "-o", str(out), *LIBS]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise NativeUnavailable(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(out, lib)  # atomic: concurrent builders each publish a whole file
+    return lib
+
+
+@cache
+def load() -> ctypes.CDLL:
+    """The library for this machine (:func:`build`), loaded once per process.
+
+    Raises:
+        NativeUnavailable: see :func:`build`, or the library would not load.
+    """
+    return open_library(build())
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built library, loaded with its function signatures set.
+
+    Raises:
+        NativeUnavailable: it would not load.
+    """
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib

@@ -1,0 +1,180 @@
+/* Decode-step glue of a Llama-family layer, in C: everything between the
+ * matmuls (which stay library kernels called from Python).
+ *
+ * A decode step has one new token per sequence; in eager PyTorch each layer
+ * is ~40 small ops (norms, RoPE, cache writes, batched attention, SwiGLU),
+ * each costing a dispatch of several microseconds for a handful of rows.
+ * These three functions do that work in three calls per layer, reading and
+ * writing raw buffers, and keep the residual stream in float32.
+ *
+ * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
+ * else float32; the KV cache is bf16 when cache_bf16, else float32, laid out
+ * [slots, kv_heads, max_len, head_dim] (element strides given). bf16 values
+ * are converted with round-to-nearest-even, as torch does.
+ *
+ * Built with -O3 -march=native -ffast-math (finite values only) by quanta/model/native/__init__.py, so the
+ * loops vectorize for the CPU it runs on (AVX2 or AVX-512).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void load_row(const void *src, int bf16, int64_t offset, int n, float *dst) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src + offset;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, int bf16, int64_t offset, int n, const float *src) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst + offset;
+        for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* x[r] += add[r] (when add is not NULL); out[r] = rmsnorm(x[r]) * weight.
+ * x: float32 [rows, dim], updated in place; add, out: io dtype [rows, dim];
+ * scratch: float32 [dim]. */
+void residual_rms_norm(int rows, int dim, float *x, const void *add, const float *weight, float eps,
+                       void *out, int io_bf16, float *scratch) {
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (int64_t)r * dim;
+        if (add) {
+            load_row(add, io_bf16, (int64_t)r * dim, dim, scratch);
+            for (int i = 0; i < dim; i++) xr[i] += scratch[i];
+        }
+        float ss = 0.0f;
+        for (int i = 0; i < dim; i++) ss += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int i = 0; i < dim; i++) scratch[i] = xr[i] * inv * weight[i];
+        store_row(out, io_bf16, (int64_t)r * dim, dim, scratch);
+    }
+}
+
+/* Rotate-half RoPE of `heads` heads of `dim` in place, for angles pos * inv_freq. */
+static void rope(float *x, int heads, int dim, const float *cos_t, const float *sin_t) {
+    int half = dim / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + h * dim;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos_t[i] - b * sin_t[i];
+            v[i + half] = b * cos_t[i] + a * sin_t[i];
+        }
+    }
+}
+
+static float dot_row(const float *q, const void *k, int bf16, int64_t offset, int dim) {
+    float s = 0.0f;
+    if (bf16) {
+        const uint16_t *kk = (const uint16_t *)k + offset;
+        for (int i = 0; i < dim; i++) s += q[i] * bf16_to_f32(kk[i]);
+    } else {
+        const float *kk = (const float *)k + offset;
+        for (int i = 0; i < dim; i++) s += q[i] * kk[i];
+    }
+    return s;
+}
+
+static void axpy_row(float *acc, float p, const void *v, int bf16, int64_t offset, int dim) {
+    if (bf16) {
+        const uint16_t *vv = (const uint16_t *)v + offset;
+        for (int i = 0; i < dim; i++) acc[i] += p * bf16_to_f32(vv[i]);
+    } else {
+        const float *vv = (const float *)v + offset;
+        for (int i = 0; i < dim; i++) acc[i] += p * vv[i];
+    }
+}
+
+/* One decode token per row: RoPE on q and k, write k and v into the cache at
+ * (slots[r], :, positions[r]), then attend over positions 0..positions[r].
+ * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
+ * inv_freq: float32 [dim / 2]; out: io [rows, heads * dim];
+ * scratch: float32 [(heads + 2 kv_heads) * dim + dim + heads / kv_heads * max_len]. */
+void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
+                      const float *inv_freq, const int64_t *slots, const int64_t *positions,
+                      void *k_cache, void *v_cache, int cache_bf16, int64_t slot_stride,
+                      int64_t head_stride, void *out, float *scratch) {
+    int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
+    float *row = scratch, *cos_t = row + width, *sin_t = cos_t + half, *acc = sin_t + half;
+    float *scores = acc + dim;
+    float scale = 1.0f / sqrtf((float)dim);
+    for (int r = 0; r < rows; r++) {
+        int64_t pos = positions[r];
+        int64_t base = slots[r] * slot_stride;
+        load_row(qkv, io_bf16, (int64_t)r * width, width, row);
+        for (int i = 0; i < half; i++) {
+            float angle = (float)pos * inv_freq[i];
+            cos_t[i] = cosf(angle);
+            sin_t[i] = sinf(angle);
+        }
+        rope(row, heads + kv_heads, dim, cos_t, sin_t);
+        float *q = row, *k = row + heads * dim, *v = k + kv_heads * dim;
+        for (int g = 0; g < kv_heads; g++) {
+            int64_t at = base + g * head_stride + pos * dim;
+            store_row(k_cache, cache_bf16, at, dim, k + g * dim);
+            store_row(v_cache, cache_bf16, at, dim, v + g * dim);
+        }
+        for (int h = 0; h < heads; h++) {
+            float *qh = q + h * dim;
+            for (int i = 0; i < dim; i++) qh[i] *= scale;
+        }
+        for (int g = 0; g < kv_heads; g++) {
+            int64_t head = base + g * head_stride;
+            for (int j = 0; j < group; j++) {
+                int h = g * group + j;
+                float *s = scores + (int64_t)j * (pos + 1);
+                float top = -3.402823466e38f;  /* finite: built with -ffast-math */
+                for (int64_t t = 0; t <= pos; t++) {
+                    s[t] = dot_row(q + h * dim, k_cache, cache_bf16, head + t * dim, dim);
+                    top = s[t] > top ? s[t] : top;
+                }
+                float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+                for (int64_t t = 0; t <= pos; t++) {
+                    s[t] = expf(s[t] - top);
+                    total += s[t];
+                }
+                for (int i = 0; i < dim; i++) acc[i] = 0.0f;
+                for (int64_t t = 0; t <= pos; t++) axpy_row(acc, s[t], v_cache, cache_bf16, head + t * dim, dim);
+                float inv = 1.0f / total;
+                for (int i = 0; i < dim; i++) acc[i] *= inv;
+                store_row(out, io_bf16, (int64_t)r * heads * dim + h * dim, dim, acc);
+            }
+        }
+    }
+}
+
+/* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; io [rows, 2 inter] -> io [rows, inter].
+ * scratch: float32 [2 inter]. */
+void silu_mul(int rows, int inter, const void *gate_up, int io_bf16, void *out, float *scratch) {
+    for (int r = 0; r < rows; r++) {
+        load_row(gate_up, io_bf16, (int64_t)r * 2 * inter, 2 * inter, scratch);
+#pragma omp simd
+        for (int i = 0; i < inter; i++) {
+            float g = scratch[i];
+            scratch[i] = g / (1.0f + expf(-g)) * scratch[inter + i];
+        }
+        store_row(out, io_bf16, (int64_t)r * inter, inter, scratch);
+    }
+}

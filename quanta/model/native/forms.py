@@ -1,0 +1,103 @@
+"""GGUF block forms (Q4_1, Q8_0) packed for ``qmatmul.c``, and their matmul.
+
+Both take blocks of 32 weights along the input dimension ``K`` with fp16
+scales, as GGUF stores them (Q4_1: ``w = d * q + m``, ``q`` in [0, 15];
+Q8_0: ``w = d * q``, ``q`` in [-127, 127]), interleaved by groups of 8
+output columns so that the kernel's vector lanes are columns (layout in
+``qmatmul.c``). A Q4_1 or Q8_0 tensor of a GGUF file, dequantized by the
+loader and packed here, gets back its own blocks up to the fp16 rounding of
+the scales (the block min and max are among its values).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from quanta.model import native
+
+BLOCK = 32
+
+
+def available() -> bool:
+    """Whether the C kernels build and load on this machine."""
+    try:
+        native.load()
+    except native.NativeUnavailable:
+        return False
+    return True
+
+
+def pack(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(data, scales)`` of a float ``[N, K]`` weight in ``kind`` (``q4_1`` / ``q8_0``).
+
+    None where the kernels cannot take it: ``N`` not a multiple of 8, ``K``
+    not of 32, or no C library here.
+    """
+    n, k = w.shape
+    if n % 8 or k % BLOCK or not available():
+        return None
+    blocks = w.float().view(n, k // BLOCK, BLOCK)
+    return _pack_q4_1(blocks) if kind == "q4_1" else _pack_q8_0(blocks)
+
+
+def _by_group(t: torch.Tensor) -> torch.Tensor:
+    """``[N, B, ...]`` -> ``[N / 8, B, 8, ...]`` (columns of a group innermost but one)."""
+    n, b = t.shape[:2]
+    return t.view(n // 8, 8, b, *t.shape[2:]).transpose(1, 2)
+
+
+def _pack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+    q = _by_group(torch.round((blocks - m) / d.clamp(min=1e-12)).clamp(0, 15).to(torch.uint8))  # [G, B, c, 32]
+    g, b = q.shape[:2]
+    low, high = (h.reshape(g, b, 8, 4, 4).permute(0, 1, 3, 2, 4) for h in (q[..., :16], q[..., 16:]))  # [G, B, i, c, j]
+    data = (low | (high << 4)).reshape(g, b, 128).contiguous()
+    scales = torch.stack([_by_group(d[..., 0]), _by_group(m[..., 0])], dim=2).half().contiguous()  # [G, B, 2, c]
+    return data, scales
+
+
+def _pack_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    q = _by_group(torch.round(blocks / d.clamp(min=1e-12)).clamp(-127, 127).to(torch.int8))  # [G, B, c, 32]
+    g, b = q.shape[:2]
+    data = q.reshape(g, b, 8, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, b, 256).contiguous()  # [G, B, i, c, j]
+    return data, _by_group(d[..., 0]).half().contiguous()  # [G, B, c]
+
+
+def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` ``[M, K]`` (bf16 or float32; others computed in float32) -> ``[M, N]`` in that dtype.
+
+    ``lib``: the library to call (default :func:`quanta.model.native.load`; tests pass
+    one built for another ``-march``)."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    x = x if x.is_contiguous() else x.contiguous()
+    rows, k = x.shape
+    n = data.shape[0] * 8
+    out = torch.empty(rows, n, dtype=x.dtype)
+    quantized = torch.empty(rows * k, dtype=torch.int8)
+    work = torch.empty(rows * (k // BLOCK) * 2 + rows * n, dtype=torch.float32)  # activation scales, then sums
+    lib = lib or native.load()
+    fn = lib.q4_matmul if kind == "q4_1" else lib.q8_matmul
+    fn(rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(),
+       out.data_ptr(), quantized.data_ptr(), work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
+    return out
+
+
+def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight that ``data`` and ``scales`` hold."""
+    g, b = data.shape[:2]
+    if kind == "q4_1":
+        cells = data.view(g, b, 4, 8, 4)  # [G, B, i, c, j]
+        q = torch.cat([cells & 15, cells >> 4], dim=2)  # [G, B, 8 (i, then i + 4 for the high nibbles), c, j]
+        d, m = scales[:, :, 0].float(), scales[:, :, 1].float()  # [G, B, c]
+    else:
+        q = data.view(g, b, 8, 8, 4)
+        d = scales.float()
+        m = torch.zeros_like(d)
+    q = q.permute(0, 3, 1, 2, 4).reshape(g * 8, b, BLOCK).float()  # [N, B, 32]
+    d, m = (t.permute(0, 2, 1).reshape(g * 8, b, 1) for t in (d, m))  # [N, B, 1]
+    return (q * d + m).reshape(g * 8, b * BLOCK)

@@ -1,0 +1,126 @@
+"""The C decode path (quanta/model/native_decode.py) against transformers and the PyTorch path.
+
+fp32: decode logits equal transformers' within 1e-4 (the same tolerance as
+the PyTorch path in test_model.py), for rows in any slot order, at different
+cached lengths, one row or several, and interleaved with PyTorch steps on
+the same cache. bf16: within 0.1 of the PyTorch path's logits (observed
+~0.03 on these tiny models; both round to bf16, at different points).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from quanta.model import native
+from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.llama import LlamaModel
+from quanta.model.loader import load_checkpoint
+from quanta.model.native.forms import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="quanta's C kernels do not build on this machine")
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+CONFIGS = {
+    "llama": LlamaConfig(**TINY, tie_word_embeddings=True),
+    "llama-rope-llama3": LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=False),
+    "mha": LlamaConfig(**{**TINY, "num_key_value_heads": 4}),
+}
+PROMPT_LENGTHS = (9, 23, 1, 40)  # slot i holds a prompt of this many tokens
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(CONFIGS[request.param]).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path)
+    cfg, state = load_checkpoint(path)
+    ours = LlamaModel(cfg)
+    ours.load_hf_state_dict(state)
+    return ref, ours.eval()
+
+
+def _tokens(vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n + 6,), generator=gen) for n in PROMPT_LENGTHS]
+
+
+def _decode(model: LlamaModel, seqs: list[torch.Tensor], dtype: torch.dtype, order: list[int],
+            native_steps: set[int]) -> list[list[torch.Tensor]]:
+    """Prefill each prompt on the PyTorch path, then 6 decode steps over the slots in ``order``;
+    steps in ``native_steps`` run the C path. Returns per step the logits rows in ``order``."""
+    cfg = model.config
+    kv = KVCache(cfg.num_hidden_layers, len(seqs), cfg.num_key_value_heads, 64, cfg.head_dim, dtype)
+    decoder, model.native = model.native, None
+    for slot, n in enumerate(PROMPT_LENGTHS):
+        model(seqs[slot][:n], AttentionBatch([SeqSlice(slot, 0, n)], kv))
+    steps = []
+    for step in range(6):
+        model.native = decoder if step in native_steps else None
+        batch = AttentionBatch([SeqSlice(slot, PROMPT_LENGTHS[slot] + step, 1) for slot in order], kv)
+        ids = torch.stack([seqs[slot][PROMPT_LENGTHS[slot] + step] for slot in order])
+        steps.append(list(model.compute_logits(model(ids, batch)).float()))
+    model.native = decoder
+    return steps
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 0, 2], [1]])
+def test_fp32_native_decode_matches_transformers(pair, order):
+    ref, ours = pair
+    assert ours.enable_native_decode() == "native"
+    seqs = _tokens(ref.config.vocab_size)
+    with torch.no_grad():
+        expected = [ref(s[None]).logits[0] for s in seqs]
+    got = _decode(ours, seqs, torch.float32, order, native_steps={0, 1, 3, 5})  # 2 and 4 on the PyTorch path
+    for step, rows in enumerate(got):
+        for slot, row in zip(order, rows):
+            torch.testing.assert_close(row, expected[slot][PROMPT_LENGTHS[slot] + step], atol=1e-4, rtol=0)
+
+
+def test_bf16_native_decode_stays_close_to_the_pytorch_path(pair):
+    source = pair[1]
+    decoder, source.native = source.native, None  # a ctypes library does not copy
+    model = copy.deepcopy(source).to(torch.bfloat16)
+    source.native = decoder
+    assert model.enable_native_decode() == "native"
+    seqs, order = _tokens(model.config.vocab_size), [2, 0, 3, 1]
+    torch_path = _decode(model, seqs, torch.bfloat16, order, native_steps=set())
+    native_path = _decode(model, seqs, torch.bfloat16, order, native_steps=set(range(6)))
+    for a, b in zip(torch_path, native_path):
+        assert (torch.stack(a) - torch.stack(b)).abs().max() < 0.1
+
+
+def test_models_it_cannot_run_keep_the_pytorch_path(tmp_path):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen3Config(**TINY, head_dim=24)).save_pretrained(tmp_path)
+    cfg, state = load_checkpoint(tmp_path)
+    model = LlamaModel(cfg)
+    model.load_hf_state_dict(state)
+    assert model.enable_native_decode() == "torch (native decode does not support q/k norms)"
+    assert model.native is None
+
+
+def test_a_machine_without_a_compiler_reports_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(native.NativeUnavailable):
+        native.build()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC")
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.build()
+
+
+def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTA_CACHE_DIR", str(tmp_path))
+    first = native.build()
+    assert first.parent == tmp_path / "native" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt

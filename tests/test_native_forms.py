@@ -1,0 +1,84 @@
+"""GGUF block forms (q4_1, q8_0) and quanta's C matmul kernels for them.
+
+Packing GGUF-style blocks recovers them exactly (their scales are fp16
+values already); the kernels' products equal ``x @ dequantized.T`` up to the
+8-bit quantization of the activations (per row and block of 32, as
+llama.cpp's Q8_1): observed ~0.55% relative error, bound 1.5%. The AVX2
+kernels (maddubs) and the AVX-512 VNNI ones (dpbusd) give the same sums.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quanta.model import native
+from quanta.model.native import forms
+from quanta.model.quant import quantize
+
+pytestmark = pytest.mark.skipif(not forms.available(), reason="quanta's C kernels do not build on this machine")
+
+
+def gguf_blocks(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A ``[n, k]`` weight of exact Q4_1 (``d * q + m``, q in 0..15 using 0 and 15) or Q8_0
+    (``d * q``, q in -127..127 using 127) blocks with fp16 ``d``, ``m``."""
+    g = torch.Generator().manual_seed(seed)
+    b = k // 32
+    d = (torch.rand(n, b, 1, generator=g) * 0.01 + 1e-3).half().float()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, b, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = (-d * 7.5 + torch.randn(n, b, 1, generator=g) * 1e-3).half().float()
+        return (d * q + m).reshape(n, k)
+    q = torch.randint(-127, 128, (n, b, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_packing_gguf_blocks_recovers_them(kind):
+    w = gguf_blocks(kind, 24, 96)
+    qw = quantize(w, kind, max_rows=8)
+    torch.testing.assert_close(qw.dequantize(), w, atol=1e-6, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_shapes_the_kernels_cannot_take_are_refused(kind):
+    assert quantize(torch.randn(12, 64), kind, 8) is None  # N not a multiple of 8
+    assert quantize(torch.randn(16, 48), kind, 8) is None  # K not a multiple of 32
+    assert quantize(torch.randn(16, 64), kind, 8) is not None
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # tiles of 4 rows, and a remainder of each size
+def test_matmul_equals_the_dequantized_product(kind, dtype, rows):
+    w = gguf_blocks(kind, 40, 160, seed=rows)
+    qw = quantize(w, kind, max_rows=16)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = qw(x)
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    assert _relative_error(got, x.float() @ w.t()) < 0.015
+
+
+def test_outlier_activations_are_scaled_per_block():
+    """One huge activation (as LLM residual streams have) costs precision in its own block only."""
+    w = gguf_blocks("q8_0", 16, 256)
+    x = torch.randn(1, 256)
+    x[0, 5] = 500.0
+    got = quantize(w, "q8_0", max_rows=4)(x)
+    assert _relative_error(got, x @ w.t()) < 0.015
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_avx2_and_native_kernels_agree(kind, monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTA_CACHE_DIR", str(tmp_path))
+    avx2 = native.open_library(native.build("haswell"))
+    w = gguf_blocks(kind, 64, 576)
+    qw = quantize(w, kind, max_rows=8)
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(forms.matmul(kind, x, qw.data, qw.scales, avx2), qw(x), atol=1e-4, rtol=1e-4)
