@@ -1,6 +1,7 @@
 """Decode-step cost of each weight form on the embedded model, by rows per step.
 
-For every (projections, LM head) form — the reference weights, int8, int4 —
+For every (projections, LM head) form — the reference weights, int8, int4,
+fp16, and the GGUF block forms q4_1 / q8_0 of quanta's C kernels —
 times one forward of ``rows`` decode tokens (one per sequence, 64 cached
 positions each) plus their logits, with the quantized kernel forced at every
 row count. The crossover rows, where the reference GEMM becomes faster, are
@@ -8,9 +9,9 @@ what :data:`quanta.model.quant._MAX_ROWS` records. Also prints the
 single-stream bandwidth bound: weight bytes a decode step reads / measured
 memory read bandwidth.
 
-Usage: ``python benchmarks/quant_kernels.py [--dtype bf16|fp32] [--repeats 15]``.
-To see the AVX2 kernels on an AVX-512 machine, run it with
-``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``.
+Usage: ``python benchmarks/quant_kernels.py [--dtype bf16|fp32] [--repeats 15] [--forms q4_1/q8_0,none/none]
+[--native-decode on|off]``. To see the AVX2 kernels on an AVX-512 machine, run it with
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 QUANTA_NATIVE_MARCH=haswell``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import torch
 from quanta.bench.output import machine
 from quanta.launch import cpu_summary, load_model, resolve_dtype
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.native import march as native_march
+from quanta.model.quant import FORMS as ALL_FORMS
 
 ROWS = (1, 2, 4, 8, 16, 32)
-FORMS = (("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4"), ("fp16", "fp16"), ("int4", "fp16"))
+FORMS = (("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4"), ("fp16", "fp16"), ("int4", "fp16"),
+         ("q4_1", "none"), ("q4_1", "q8_0"), ("q4_1", "fp16"))
 CONTEXT = 64
 
 
@@ -60,7 +64,9 @@ def step_ms(model, kv: KVCache, rows: int, repeats: int) -> float:
 
 def weight_bytes(model, forms: tuple[str, str]) -> int:
     """Bytes of weights one single-row decode step reads under ``forms``."""
-    per_param = {"none": model.embed_tokens.weight.element_size(), "fp16": 2, "int8": 1, "int4": 0.5}
+    # int4 / q4_1 / q8_0: the values plus their scales (int4: bf16 scale and zero per 32; GGUF blocks: fp16)
+    per_param = {"none": model.embed_tokens.weight.element_size(), "fp16": 2, "int8": 1, "int4": 0.625,
+                 "q4_1": 0.625, "q8_0": 34 / 32}
     head = model.embed_tokens.weight.numel()
     total = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and p.dim() == 2)
     return int(total * per_param[forms[0]] + head * per_param[forms[1]])
@@ -72,6 +78,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for the raw numbers")
+    ap.add_argument("--native-decode", choices=("on", "off"), default="on", help="the C glue between matmuls (default: on)")
+    ap.add_argument("--forms", default=None, help="comma list of projections/lm_head pairs to measure, e.g. q4_1/q8_0,none/none")
     args = ap.parse_args()
     dtype = resolve_dtype({"bf16": "bfloat16", "fp32": "float32", None: None}[args.dtype])
     if args.threads:
@@ -79,19 +87,21 @@ def main() -> int:
     bandwidth = memory_bandwidth()
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "default")
     results = {}
-    for forms in FORMS:
-        loaded = load_model(None, dtype, "none")
+    chosen = [tuple(f.split("/")) for f in args.forms.split(",")] if args.forms else FORMS
+    for forms in chosen:
+        loaded = load_model(None, dtype, "none", native_decode=args.native_decode == "on")
         model = loaded.model
-        model.quantize_weights(*(() if f == "none" else (f,) for f in forms), {k: max(ROWS) for k in ("int8", "int4", "fp16")})
+        model.quantize_weights(*(() if f == "none" else (f,) for f in forms), {k: max(ROWS) for k in ALL_FORMS})
         kv = KVCache(model.config.num_hidden_layers, max(ROWS), model.config.num_key_value_heads, CONTEXT + 1,
                      model.config.head_dim, dtype)
         results["/".join(forms)] = {"ms": {r: step_ms(model, kv, r, args.repeats) for r in ROWS},
                                     "weight_bytes": weight_bytes(model, forms)}
         print(f"  measured {forms}", file=sys.stderr)
     info = {**machine(), "cpu_flags": cpu_summary(), "aten_cpu_capability": isa, "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "native_decode": args.native_decode, "native_march": native_march()}
     print(f"\nmachine: {info['cpu']} ({info['cpu_flags']}; ATen dispatch {isa}), {info['threads']} threads; "
-          f"dtype {str(dtype).removeprefix('torch.')}; memory read {bandwidth:.1f} GB/s; "
+          f"dtype {str(dtype).removeprefix('torch.')}; native decode {args.native_decode} (-march={native_march()}); "
+          f"memory read {bandwidth:.1f} GB/s; "
           f"median of {args.repeats} steps, ms per decode step (forward + logits)\n")
     print("| projections/lm_head | weights read (MB) | bandwidth bound at 1 row (ms) | " + " | ".join(f"{r} rows" for r in ROWS) + " |")
     print("|---|---|---|" + "---|" * len(ROWS))

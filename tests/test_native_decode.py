@@ -118,6 +118,14 @@ def test_a_machine_without_a_compiler_reports_why(monkeypatch, tmp_path):
         native.build()
 
 
+def test_loading_the_library_keeps_subnormal_floats():
+    """A library linked with -ffast-math would set flush-to-zero for the whole process
+    (hypothesis refuses to run then, and torch's float results change)."""
+    native.load()
+    tiny = float("5e-324")
+    assert tiny * 1.5 > 0 and torch.tensor(1e-40).item() * 2 > 0
+
+
 def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
     monkeypatch.setenv("QUANTA_CACHE_DIR", str(tmp_path))
     first = native.build()

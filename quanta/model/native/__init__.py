@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c"))
-FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
 LIBS = ("-lmvec", "-lm")
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
@@ -82,10 +82,15 @@ def build(target: str | None = None) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cc, *FLAGS, f"-march={arch}", *map(str, SOURCES), "-o", str(out), *LIBS]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise NativeUnavailable(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+        # Compile with -ffast-math but link without it: linking with it adds crtfastmath.o, which
+        # sets flush-to-zero for the whole process when the library loads (torch's numerics too).
+        steps = [[cc, *FLAGS, f"-march={arch}", "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        steps.append([cc, "-shared", *objects, "-o", str(out), *LIBS])
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise NativeUnavailable(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(out, lib)  # atomic: concurrent builders each publish a whole file
     return lib
 
