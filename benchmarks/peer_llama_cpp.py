@@ -17,6 +17,7 @@ client-side (``llama-server`` has no step trace):
 - probe: prefill tok/s of a 2,000-word prompt while 3 sessions decode.
 
 Usage: ``python benchmarks/peer_llama_cpp.py [--rounds 3] [--out benchmarks/results/peer_llama_cpp]``
+(``--servers quanta --workloads 2,3`` for a quick look at part of it; only whole runs write results)
 (never run in CI). Extra quanta flags: ``--quanta-args "--quantization none"``.
 """
 
@@ -153,7 +154,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quanta-args", default="", help="extra flags for quanta serve")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "peer_llama_cpp")
+    ap.add_argument("--servers", default="llama-server,quanta", help="comma list, for a quick look at one side")
+    ap.add_argument("--workloads", default=None, help="comma list of workload numbers (1-5) to run (default: all)")
     args = ap.parse_args()
+    picked = {int(i) for i in args.workloads.split(",")} if args.workloads else set(range(1, len(WORKLOADS) + 1))
+    workloads = {name: w for i, (name, w) in enumerate(WORKLOADS.items(), 1) if i in picked}
     binary = build_llama_server()
     gguf = embedded_model_path()
     workdir = Path(tempfile.mkdtemp(prefix="quanta-peer-"))
@@ -163,14 +168,15 @@ def main() -> int:
         "quanta": [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
                    "--port", str(ports["quanta"]), *QUANTA_ARGS, *shlex.split(args.quanta_args)],
     }
-    results: dict[str, dict[str, list[float]]] = {w: {s: [] for s in cmds} for w in WORKLOADS}
+    cmds = {name: cmd for name, cmd in cmds.items() if name in args.servers.split(",")}
+    results: dict[str, dict[str, list[float]]] = {w: {s: [] for s in cmds} for w in workloads}
     order = list(cmds)
     for rnd in range(args.rounds):
         for server in order if rnd % 2 == 0 else order[::-1]:  # alternate who goes first
             proc = start(cmds[server], ports[server], workdir / f"{server}.log")
             try:
                 url = f"http://127.0.0.1:{ports[server]}"
-                for i, (name, (flags, kind, _, _)) in enumerate(WORKLOADS.items()):
+                for i, (name, (flags, kind, _, _)) in enumerate(workloads.items()):
                     results[name][server].append(bench(url, flags, kind, workdir / f"{server}-w{i}-r{rnd}"))
                     print(f"  round {rnd + 1} {server}: {name}: {results[name][server][-1]:.1f}", file=sys.stderr)
             finally:
@@ -181,6 +187,8 @@ def main() -> int:
     table = render(results, info, args.rounds)
     print(table)
     print(f"bench results (quanta's carry its server trace, for quanta profile-engine --from-bench): {workdir}")
+    if len(cmds) < 2 or len(workloads) < len(WORKLOADS):
+        return 0  # a partial look: the committed results stay those of a whole run
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(table)
     record = {"date": datetime.now(UTC).isoformat(), "machine": info, "rounds": args.rounds,
@@ -206,6 +214,10 @@ def render(results: dict, info: dict, rounds: int) -> str:
            "| workload | llama-server | quanta | quanta / llama (speed) |", "|---|---|---|---|"]
     for name, per in results.items():
         _, _, unit, higher = WORKLOADS[name]
+        if not (per.get("llama-server") and per.get("quanta")):  # a --servers run of one side
+            cells = [_fmt(summarize(per[s]), unit) if per.get(s) else "-" for s in ("llama-server", "quanta")]
+            out.append(f"| {name} | {cells[0]} | {cells[1]} | - |")
+            continue
         llama, ours = summarize(per["llama-server"]), summarize(per["quanta"])
         ratio = ours["median"] / llama["median"] if higher else llama["median"] / ours["median"]
         out.append(f"| {name} | {_fmt(llama, unit)} | {_fmt(ours, unit)} | {ratio:.2f} |")

@@ -84,19 +84,20 @@ def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[t
     of every projection and the LM head. ``int8`` / ``int4`` / ``q4_1`` /
     ``q8_0``: that form of the projections plus the fp16 copies. ``auto``: for
     a GGUF whose first layer's ``attn_q`` has a type in ``_GGUF_FORMS``, its
-    4- or 8-bit form — ``q4_1`` / ``q8_0`` (quanta's C kernels, 8-bit
-    activations) where they build, else ``int4`` / ``int8`` — else as
+    4- or 8-bit form — ``q4_1`` / ``q8_0`` (quanta's C kernels, integer
+    dot products) where they build, else ``int4`` / ``int8`` — else as
     ``fp16``. Forms that never beat the reference on this kind of CPU
     (:func:`quanta.model.quant.max_form_rows` is 0: fp16 beside a bf16
     reference, int8 beside fp16) are dropped.
 
-    The LM head takes ``q8_0`` blocks beside a bf16 reference where the C
-    kernels build (llama.cpp's choice for a Q8_0 ``token_embd``), else only
-    the fp16 copy. The README's first prompt is a near-tie at its first
-    token: an int8 head per channel turned its greedy answer "The capital of
-    France is Paris." into "L'Étoile, la Marseillaise, ..." on an
-    avx512_bf16 machine, and so does the q8_0 head (its 8-bit activations)
-    beside an fp32 reference, while beside bf16 it keeps Paris
+    The LM head takes ``q8_0`` blocks where the C kernels build (llama.cpp's
+    choice for a Q8_0 ``token_embd``), else only the fp16 copy: an int8 head
+    per channel, from the embedded model's Q8_0 embeddings, turned the
+    README's greedy answer "The capital of France is Paris." into
+    "L'Étoile, la Marseillaise, ..." on an avx512_bf16 machine (the prompt
+    is a near-tie at its first token; so did Q8_0 blocks with 8-bit
+    activations beside an fp32 reference), while Q8_0 blocks with the
+    kernels' 15-bit activations keep it in both dtypes
     (``tests/test_quant.py::test_default_quantization_answers_like_the_reference``).
 
     Raises:
@@ -112,7 +113,7 @@ def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[t
         kinds = _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), ("fp16", "fp16"))
         name = kinds[0] if native else kinds[1]
     projections = (name, "fp16") if name != "fp16" else ("fp16",)
-    head = ("q8_0",) if native and bf16_reference and name in NATIVE_FORMS else ("fp16",)
+    head = ("q8_0", "fp16") if native and name in NATIVE_FORMS else ("fp16",)
 
     def useful(forms: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(f for f in forms if max_form_rows(f, bf16_reference) > 0)

@@ -2,8 +2,9 @@
 
 Packing GGUF-style blocks recovers them exactly (their scales are fp16
 values already); the kernels' products equal ``x @ dequantized.T`` up to the
-8-bit quantization of the activations (per row and block of 32, as
-llama.cpp's Q8_1): observed ~0.55% relative error, bound 1.5%. The AVX2
+15-bit quantization of the activations (per row and block of 32): observed
+relative error ~3e-5 in fp32 (bound 2e-4) and ~0.17% with bf16 in and out (the
+output's bf16 rounding; bound 0.5%); 8-bit activations gave ~0.55%. The AVX2
 kernels (maddubs) and the AVX-512 VNNI ones (dpbusd) give the same sums.
 """
 
@@ -62,7 +63,7 @@ def test_matmul_equals_the_dequantized_product(kind, dtype, rows):
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(7)).to(dtype)
     got = qw(x)
     assert got.shape == (rows, 40) and got.dtype == dtype
-    assert _relative_error(got, x.float() @ w.t()) < 0.015
+    assert _relative_error(got, x.float() @ w.t()) < (2e-4 if dtype == torch.float32 else 5e-3)
 
 
 def test_outlier_activations_are_scaled_per_block():
@@ -71,7 +72,7 @@ def test_outlier_activations_are_scaled_per_block():
     x = torch.randn(1, 256)
     x[0, 5] = 500.0
     got = quantize(w, "q8_0", max_rows=4)(x)
-    assert _relative_error(got, x @ w.t()) < 0.015
+    assert _relative_error(got, x @ w.t()) < 2e-4
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -88,7 +88,8 @@ def test_auto_follows_the_gguf_types_and_the_cpu(tmp_path):
     gguf = embedded_model_path()
     four = "q4_1" if native_forms_available() else "int4"  # quanta's C kernel where it builds
     # fp32 reference (CPUs without native bf16): 4-bit for the Q4_1 blocks, fp16 copies above it
-    assert resolve_quantization("auto", gguf, False) == ((four, "fp16"), ("fp16",))
+    head = ("q8_0", "fp16") if four == "q4_1" else ("fp16",)
+    assert resolve_quantization("auto", gguf, False) == ((four, "fp16"), head)
     assert resolve_quantization("auto", tmp_path, False) == (("fp16",), ("fp16",))  # an HF directory
     assert resolve_quantization("int8", tmp_path, False) == (("fp16",), ("fp16",))  # int8 never beats fp16 there
     # bf16 reference (avx512_bf16 / AMX): fp16 copies never attached
@@ -158,15 +159,16 @@ def test_quantized_decode_logits_stay_close(loaded, forms):
 @pytest.mark.parametrize("forms", FORM_CASES)
 def test_quantized_greedy_agrees_with_the_reference(loaded, forms):
     """Measured (first diverging token of 16, per prompt): int4 + int8 head [16, 16, 16, 4, 3, 0]
-    in fp32 and bf16; q4_1 + q8_0 head (8-bit activations) [5, 16, 4, 16, 8, 7] in fp32 and
-    [5, 16, 16, 16, 3, 0] in bf16; the divergences are near-ties. Bound: at least 2 prompts
-    fully, and the first 2 tokens of at least 5."""
+    in fp32 and bf16; q4_1 + q8_0 head (15-bit activations) all 16 in fp32 and
+    [16, 16, 16, 16, 16, 0] in bf16 (with 8-bit activations they were [5, 16, 4, 16, 8, 7]
+    in fp32); the divergences are near-ties. Bound: at least 3 prompts fully, and the first
+    2 tokens of at least 5."""
     try:
         ref = _greedy(loaded, NONE)
         got = _greedy(loaded, forms)
     finally:
         loaded.model.quantize_weights(*NONE, ALL_ROWS)
-    assert sum(r == g for r, g in zip(ref, got)) >= 2
+    assert sum(r == g for r, g in zip(ref, got)) >= 3
     assert sum(r[:2] == g[:2] for r, g in zip(ref, got)) >= 5
 
 

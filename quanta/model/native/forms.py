@@ -78,12 +78,11 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     rows, k = x.shape
     n = data.shape[0] * 8
     out = torch.empty(rows, n, dtype=x.dtype)
-    quantized = torch.empty(rows * k, dtype=torch.int8)
+    quantized = torch.empty(rows * 2 * k, dtype=torch.int8)  # the two bytes of each 15-bit activation
     work = torch.empty(rows * (k // BLOCK) * 2 + rows * n, dtype=torch.float32)  # activation scales, then sums
-    lib = lib or native.load()
-    fn = lib.q4_matmul if kind == "q4_1" else lib.q8_matmul
-    fn(rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(),
-       out.data_ptr(), quantized.data_ptr(), work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
+    (lib or native.load()).block_matmul(
+        4 if kind == "q4_1" else 8, rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
+        scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
     return out
 
 

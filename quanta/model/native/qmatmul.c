@@ -1,21 +1,26 @@
-/* 4- and 8-bit weight x 8-bit activation matmuls for a few rows (decode steps).
+/* 4- and 8-bit weight matmuls for a few rows (decode steps), with integer dot products.
  *
- * Weights, [n, k] with n a multiple of 8, in blocks of 32 along k (the
- * values of GGUF's Q4_1): w = d * q + m, q in [0, 15], one fp16 d and m per
- * block. Stored interleaved by groups of 8 columns (as llama.cpp's repacked
- * CPU formats are), so that one 32-byte load holds 4 consecutive k of each of
- * 8 columns and the dot products fill the 8 lanes of a vector, one column a
- * lane, with no horizontal sums:
- *   qs[g][b][i][c][j] (bytes, g = column group, b = block, i, j in 0..3,
- *   c in 0..7): low nibble q[8g + c][32b + 4i + j], high nibble
- *   q[8g + c][32b + 16 + 4i + j];
- *   dm[g][b][0][c] = d, dm[g][b][1][c] = m (fp16).
- * Activations are quantized per row and block of 32 (llama.cpp's Q8_1):
- * x ~ dx * p, p in [-127, 127], dx = max|x| / 127, sx = dx * sum(p); a
- * block contributes d * dx * sum(q * p) + m * sx, the integer sum taken by
- * AVX-512 VNNI's dpbusd or AVX2's maddubs.
+ * Weights, [n, k] with n a multiple of 8, in blocks of 32 along k with fp16
+ * scales, as GGUF stores them: Q4_1 (w = d * q + m, q in [0, 15]) or Q8_0
+ * (w = d * q, q in [-127, 127]). Stored interleaved by groups of 8 columns
+ * (as llama.cpp's repacked CPU formats are), so one 32-byte load holds 4
+ * consecutive k of each of 8 columns and the dot products fill a vector's
+ * lanes one column a lane, with no horizontal sums:
+ *   Q4_1: qs[g][b][i][c][j] (bytes; g column group, b block, i, j in 0..3,
+ *         c in 0..7): low nibble q[8g + c][32b + 4i + j], high nibble
+ *         q[8g + c][32b + 16 + 4i + j]; dm[g][b][0][c] = d, dm[g][b][1][c] = m.
+ *   Q8_0: qs[g][b][i][c][j] = q[8g + c][32b + 4i + j] (i in 0..7); d[g][b][c].
  *
- * Source of the scheme: llama.cpp's Q4_1 x Q8_1 dot product (ggml-cpu).
+ * Activations are quantized per row and block of 32 to 15-bit integers,
+ * a = round(x / dx), dx = max|x| / 16256, held as two signed bytes
+ * a = 128 h + l (h in [-127, 127], l in [-64, 63]); sx = dx * sum(a). The
+ * integer dot of q with a is 128 (q . h) + (q . l), two byte dot products
+ * (AVX-512 VNNI's dpbusd, or AVX2's maddubs + madd). 8-bit activations
+ * (llama.cpp's Q8_1) were measured too coarse: they flipped greedy answers
+ * that bf16 activations keep (tests/test_quant.py); 15 bits are within
+ * ~1e-4 of the float product. A block adds d * dx * (q . a) + m * sx.
+ *
+ * Source of the block scheme: llama.cpp's Q4_1 / Q8_0 dot products (ggml-cpu).
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +32,14 @@
 #endif
 
 #define QK 32
+#define AMAX 16256.0f /* 127 * 128: h = floor((a + 64) / 128) stays in [-127, 127] */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_ZMM 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI256 1
+#endif
 
 static inline float bf16_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -43,10 +56,11 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Quantize rows x [rows, k] (io dtype) to p [rows, k] int8 and scales xs [rows, k/32, 2] = (dx, sx). */
+/* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx). */
 static void quantize_rows(int rows, int k, const void *x, int io_bf16, int8_t *p, float *xs) {
     float buf[QK];
     for (int r = 0; r < rows; r++) {
+        int8_t *h = p + (int64_t)r * 2 * k, *l = h + k;
         for (int b = 0; b < k / QK; b++) {
             int64_t at = (int64_t)r * k + (int64_t)b * QK;
             if (io_bf16) {
@@ -56,12 +70,14 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int8_t *p
             }
             float amax = 0.0f;
             for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(buf[j]));
-            float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+            float dx = amax / AMAX, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
             int sum = 0;
             for (int j = 0; j < QK; j++) {
-                int v = (int)lrintf(buf[j] * inv);
-                p[at + j] = (int8_t)v;
-                sum += v;
+                int a = (int)lrintf(buf[j] * inv);
+                int hi = (a + 64) >> 7; /* arithmetic shift: floor */
+                h[b * QK + j] = (int8_t)hi;
+                l[b * QK + j] = (int8_t)(a - 128 * hi);
+                sum += a;
             }
             xs[2 * (at / QK)] = dx;
             xs[2 * (at / QK) + 1] = dx * (float)sum;
@@ -69,49 +85,54 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int8_t *p
     }
 }
 
-/* sum over 32 k of q * p for 8 columns: w[i] (4 loads of 32 bytes), p the row's block. */
-static inline __m256i block_dot(const __m256i *lo, const __m256i *hi, const int8_t *p) {
-    int32_t four[8];
-    memcpy(four, p, 32);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        s = _mm256_dpbusd_epi32(s, lo[i], _mm256_set1_epi32(four[i]));
-        t = _mm256_dpbusd_epi32(t, hi[i], _mm256_set1_epi32(four[4 + i]));
-    }
-    return _mm256_add_epi32(s, t);
-#else
-    /* 8 maddubs pairs sum to at most 8 * 2 * 15 * 127 = 30,480: int16 holds it */
+/* ---- 256-bit: one group of 8 columns ---- */
+
+/* Q4_1's u8 weights w[i] (8 chunks of 4 k per column) times one row's activation bytes, the
+ * 4 bytes of chunk i at a[order[i]]: the int32 sum per column lane. */
+static inline __m256i dot_u8(const __m256i *w, const int32_t *a, const int *order) {
+#ifdef HAVE_VNNI256
     __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[i], _mm256_set1_epi32(four[i])));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[i], _mm256_set1_epi32(four[4 + i])));
-    }
+    for (int i = 0; i < 8; i++) s = _mm256_dpbusd_epi32(s, w[i], _mm256_set1_epi32(a[order[i]]));
+    return s;
+#else
+    /* int16 holds the sum of 8 maddubs pairs: at most 8 * 2 * 15 * 128 = 30,720 */
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(a[order[i]])));
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 #endif
 }
 
-/* 8 columns (group g) of R rows (R <= 4): out[r][8g .. 8g + 7]. */
-static inline __attribute__((always_inline)) void group8(int R, int64_t g, int k, const int8_t *p, const float *xs,
-                                                         const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
+static const int ORDER_Q4[8] = {0, 4, 1, 5, 2, 6, 3, 7}; /* lo[0], hi[0], lo[1], ...: k 0-3, 16-19, 4-7, ... */
+
+/* 128 (w . h) + (w . l) for one row's block, h and l its two activation bytes. */
+static inline __m256i dot15(const __m256i *w, const int8_t *h, const int8_t *l) {
+    int32_t hh[8], ll[8];
+    memcpy(hh, h, 32);
+    memcpy(ll, l, 32);
+    return _mm256_add_epi32(_mm256_slli_epi32(dot_u8(w, hh, ORDER_Q4), 7), dot_u8(w, ll, ORDER_Q4));
+}
+
+/* Q4_1, 8 columns (group g) of R rows (R <= 4): out[r][8g .. 8g + 7]. */
+static inline __attribute__((always_inline)) void q4_group8(int R, int64_t g, int k, const int8_t *p, const float *xs,
+                                                            const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int blocks = k / QK;
     const __m256i nib = _mm256_set1_epi8(0x0f);
-    __m256 acc[4], accm[4];  /* the d and m terms apart: two FMA chains, not one twice as long */
+    __m256 acc[4], accm[4]; /* the d and m terms apart: two FMA chains, not one twice as long */
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
-        const uint8_t *w = qs + gb * 128;
-        __m256i lo[4], hi[4];
+        __m256i w[8]; /* lo[0], hi[0], lo[1], hi[1], ... */
         for (int i = 0; i < 4; i++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * i));
-            lo[i] = _mm256_and_si256(v, nib);
-            hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + gb * 128 + 32 * i));
+            w[2 * i] = _mm256_and_si256(v, nib);
+            w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16)));
         __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16 + 8)));
         for (int r = 0; r < R; r++) {
+            const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
             const float *x = xs + 2 * ((int64_t)r * blocks + b);
-            __m256 dot = _mm256_cvtepi32_ps(block_dot(lo, hi, p + (int64_t)r * k + b * QK));
+            __m256 dot = _mm256_cvtepi32_ps(dot15(w, h, h + k));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[0])), dot, acc[r]);
             accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[1]), accm[r]);
         }
@@ -119,122 +140,117 @@ static inline __attribute__((always_inline)) void group8(int R, int64_t g, int k
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm256_add_ps(acc[r], accm[r]));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HAVE_ZMM 1
-/* Two adjacent groups (16 columns) in 512-bit vectors: half the instructions of group8. */
-static inline __attribute__((always_inline)) void group16(int R, int64_t g, int k, const int8_t *p, const float *xs,
-                                                          const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
-    int blocks = k / QK;
-    const __m512i nib = _mm512_set1_epi8(0x0f);
-    __m512 acc[4], accm[4];
-    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
-        const uint8_t *w0 = qs + gb0 * 128, *w1 = qs + gb1 * 128;
-        __m512i lo[4], hi[4];
-        for (int i = 0; i < 4; i++) {
-            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w0 + 32 * i))),
-                                           _mm256_loadu_si256((const __m256i *)(w1 + 32 * i)), 1);
-            lo[i] = _mm512_and_si512(v, nib);
-            hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        }
-        __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb0 * 16)))),
-                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb1 * 16))), 1);
-        __m512 m = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb0 * 16 + 8)))),
-                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb1 * 16 + 8))), 1);
-        for (int r = 0; r < R; r++) {
-            int32_t four[8];
-            memcpy(four, p + (int64_t)r * k + b * QK, 32);
-            __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                s = _mm512_dpbusd_epi32(s, lo[i], _mm512_set1_epi32(four[i]));
-                t = _mm512_dpbusd_epi32(t, hi[i], _mm512_set1_epi32(four[4 + i]));
-            }
-            const float *x = xs + 2 * ((int64_t)r * blocks + b);
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s, t));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[0])), dot, acc[r]);
-            accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[1]), accm[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm512_add_ps(acc[r], accm[r]));
-}
-#endif
-
-static inline __attribute__((always_inline)) void row_tile(int R, int n, int k, const int8_t *p, const float *xs,
-                                                           const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
-    int64_t g = 0;
-#ifdef HAVE_ZMM
-    for (; g + 1 < n / 8; g += 2) group16(R, g, k, p, xs, qs, dm, out, ldo);
-#endif
-    for (; g < n / 8; g++) group8(R, g, k, p, xs, qs, dm, out, ldo);
-}
-
-/* sum over 32 k of w * p for 8 columns of 8-bit weights w[0..7] (signed), as
- * |w| * (p with w's sign): the unsigned x signed product the instructions take. */
-static inline __m256i block_dot8(const __m256i *w, const int8_t *p) {
-    int32_t four[8];
-    memcpy(four, p, 32);
-    __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) {
-        __m256i a = _mm256_abs_epi8(w[i]), sp = _mm256_sign_epi8(_mm256_set1_epi32(four[i]), w[i]);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        s = _mm256_dpbusd_epi32(s, a, sp);
-#else
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sp), _mm256_set1_epi16(1)));
-#endif
-    }
-    return s;
-}
-
-/* Q8_0 weights (w = d * q, q in [-127, 127], fp16 d per block of 32), 8 columns interleaved:
- * qs[g][b][i][c][j] = q[8g + c][32b + 4i + j] (i in 0..7), d[g][b][c]. */
-static inline __attribute__((always_inline)) void group8_q8(int R, int64_t g, int k, const int8_t *p, const float *xs,
+/* Q8_0, 8 columns: signed weights as |w| times activations carrying w's sign. */
+static inline __attribute__((always_inline)) void q8_group8(int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                             const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
-        __m256i w[8];
-        for (int i = 0; i < 8; i++) w[i] = _mm256_loadu_si256((const __m256i *)(qs + gb * 256 + 32 * i));
+        __m256i w[8], a[8];
+        for (int i = 0; i < 8; i++) {
+            w[i] = _mm256_loadu_si256((const __m256i *)(qs + gb * 256 + 32 * i));
+            a[i] = _mm256_abs_epi8(w[i]);
+        }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb * 8)));
         for (int r = 0; r < R; r++) {
-            __m256 dot = _mm256_cvtepi32_ps(block_dot8(w, p + (int64_t)r * k + b * QK));
+            int32_t hh[8], ll[8];
+            memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
+            memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                __m256i vh = _mm256_sign_epi8(_mm256_set1_epi32(hh[i]), w[i]);
+                __m256i vl = _mm256_sign_epi8(_mm256_set1_epi32(ll[i]), w[i]);
+#ifdef HAVE_VNNI256
+                sh = _mm256_dpbusd_epi32(sh, a[i], vh);
+                sl = _mm256_dpbusd_epi32(sl, a[i], vl);
+#else
+                const __m256i ones = _mm256_set1_epi16(1);
+                sh = _mm256_add_epi32(sh, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], vh), ones));
+                sl = _mm256_add_epi32(sl, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], vl), ones));
+#endif
+            }
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sh, 7), sl));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
 
+/* ---- 512-bit: two adjacent groups (16 columns) a vector, half the instructions ---- */
 #ifdef HAVE_ZMM
-/* Two adjacent Q8_0 groups (16 columns) in 512-bit vectors. */
-static inline __attribute__((always_inline)) void group16_q8(int R, int64_t g, int k, const int8_t *p, const float *xs,
+static inline __m512i load_pair(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __m512 scales_pair(const uint16_t *a, const uint16_t *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
+}
+
+static inline __attribute__((always_inline)) void q4_group16(int R, int64_t g, int k, const int8_t *p, const float *xs,
+                                                             const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
+    int blocks = k / QK;
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    __m512 acc[4], accm[4];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
+        __m512i w[8];
+        for (int i = 0; i < 4; i++) {
+            __m512i v = load_pair(qs + gb0 * 128 + 32 * i, qs + gb1 * 128 + 32 * i);
+            w[2 * i] = _mm512_and_si512(v, nib);
+            w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+        __m512 d = scales_pair(dm + gb0 * 16, dm + gb1 * 16), m = scales_pair(dm + gb0 * 16 + 8, dm + gb1 * 16 + 8);
+        for (int r = 0; r < R; r++) {
+            int32_t hh[8], ll[8];
+            memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
+            memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) {
+                sh = _mm512_dpbusd_epi32(sh, w[i], _mm512_set1_epi32(hh[ORDER_Q4[i]]));
+                sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(ll[ORDER_Q4[i]]));
+            }
+            const float *x = xs + 2 * ((int64_t)r * blocks + b);
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[0])), dot, acc[r]);
+            accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[1]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm512_add_ps(acc[r], accm[r]));
+}
+
+static inline __attribute__((always_inline)) void q8_group16(int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                              const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
-        __m512i w[8], a[8];
+        __m512i a[8];
+        __mmask64 neg[8];
         for (int i = 0; i < 8; i++) {
-            w[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(qs + gb0 * 256 + 32 * i))),
-                                      _mm256_loadu_si256((const __m256i *)(qs + gb1 * 256 + 32 * i)), 1);
-            a[i] = _mm512_abs_epi8(w[i]);
+            __m512i w = load_pair(qs + gb0 * 256 + 32 * i, qs + gb1 * 256 + 32 * i);
+            a[i] = _mm512_abs_epi8(w);
+            neg[i] = _mm512_movepi8_mask(w);
         }
-        __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb0 * 8)))),
-                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb1 * 8))), 1);
+        __m512 d = scales_pair(dd + gb0 * 8, dd + gb1 * 8);
         for (int r = 0; r < R; r++) {
-            int32_t four[8];
-            memcpy(four, p + (int64_t)r * k + b * QK, 32);
-            __m512i s = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) {
-                /* p with w's sign, zero where w is zero: AVX-512 has no sign_epi8 */
-                __m512i pv = _mm512_set1_epi32(four[i]);
-                __mmask64 neg = _mm512_movepi8_mask(w[i]);
-                __m512i sp = _mm512_mask_sub_epi8(pv, neg, _mm512_setzero_si512(), pv);
-                s = _mm512_dpbusd_epi32(s, a[i], sp);
+            int32_t hh[8], ll[8];
+            memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
+            memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) { /* activations with w's sign (AVX-512 has no sign_epi8) */
+                __m512i vh = _mm512_set1_epi32(hh[i]), vl = _mm512_set1_epi32(ll[i]);
+                vh = _mm512_mask_sub_epi8(vh, neg[i], _mm512_setzero_si512(), vh);
+                vl = _mm512_mask_sub_epi8(vl, neg[i], _mm512_setzero_si512(), vl);
+                sh = _mm512_dpbusd_epi32(sh, a[i], vh);
+                sl = _mm512_dpbusd_epi32(sl, a[i], vl);
             }
-            __m512 dot = _mm512_cvtepi32_ps(s);
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
@@ -242,13 +258,24 @@ static inline __attribute__((always_inline)) void group16_q8(int R, int64_t g, i
 }
 #endif
 
-static inline __attribute__((always_inline)) void row_tile_q8(int R, int n, int k, const int8_t *p, const float *xs,
-                                                              const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
+/* ---- drivers ---- */
+
+static inline __attribute__((always_inline)) void q4_rows(int R, int n, int k, const int8_t *p, const float *xs,
+                                                          const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int64_t g = 0;
 #ifdef HAVE_ZMM
-    for (; g + 1 < n / 8; g += 2) group16_q8(R, g, k, p, xs, qs, dd, out, ldo);
+    for (; g + 1 < n / 8; g += 2) q4_group16(R, g, k, p, xs, qs, dm, out, ldo);
 #endif
-    for (; g < n / 8; g++) group8_q8(R, g, k, p, xs, qs, dd, out, ldo);
+    for (; g < n / 8; g++) q4_group8(R, g, k, p, xs, qs, dm, out, ldo);
+}
+
+static inline __attribute__((always_inline)) void q8_rows(int R, int n, int k, const int8_t *p, const float *xs,
+                                                          const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
+    int64_t g = 0;
+#ifdef HAVE_ZMM
+    for (; g + 1 < n / 8; g += 2) q8_group16(R, g, k, p, xs, qs, dd, out, ldo);
+#endif
+    for (; g < n / 8; g++) q8_group8(R, g, k, p, xs, qs, dd, out, ldo);
 }
 
 static void finish(int64_t total, const float *acc, void *out, int io_bf16) {
@@ -259,42 +286,29 @@ static void finish(int64_t total, const float *acc, void *out, int io_bf16) {
     }
 }
 
-/* As q4_matmul, for Q8_0 weights (qs int8 [n / 8, k / 32, 256], d fp16 [n / 8, k / 32, 8]). */
-void q8_matmul(int rows, int n, int k, const void *x, int io_bf16, const int8_t *qs, const uint16_t *dd,
-               void *out, int8_t *p, float *xs, float *acc) {
+/* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
+ * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
+ * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
+ * [n / 8, k / 32, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
+ * acc float32 [rows, n]. Rows go 4 at a time, each weight block unpacked once for them. */
+void block_matmul(int kind, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
+                  const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
     quantize_rows(rows, k, x, io_bf16, p, xs);
     int blocks = k / QK;
     for (int r0 = 0; r0 < rows; r0 += 4) {
         int R = rows - r0 < 4 ? rows - r0 : 4;
-        const int8_t *pr = p + (int64_t)r0 * k;
+        const int8_t *pr = p + (int64_t)r0 * 2 * k;
         const float *xr = xs + (int64_t)r0 * blocks * 2;
         float *o = acc + (int64_t)r0 * n;
-        switch (R) {
-            case 1: row_tile_q8(1, n, k, pr, xr, qs, dd, o, n); break;
-            case 2: row_tile_q8(2, n, k, pr, xr, qs, dd, o, n); break;
-            case 3: row_tile_q8(3, n, k, pr, xr, qs, dd, o, n); break;
-            default: row_tile_q8(4, n, k, pr, xr, qs, dd, o, n); break;
-        }
-    }
-    finish((int64_t)rows * n, acc, out, io_bf16);
-}
-
-/* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype (bf16 when io_bf16, else float32).
- * p: int8 scratch [rows, k]; xs: float32 scratch [rows, k / 32, 2]; acc: float32 scratch [rows, n]. */
-void q4_matmul(int rows, int n, int k, const void *x, int io_bf16, const uint8_t *qs, const uint16_t *dm,
-               void *out, int8_t *p, float *xs, float *acc) {
-    quantize_rows(rows, k, x, io_bf16, p, xs);
-    int blocks = k / QK;
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-        int R = rows - r0 < 4 ? rows - r0 : 4;
-        const int8_t *pr = p + (int64_t)r0 * k;
-        const float *xr = xs + (int64_t)r0 * blocks * 2;
-        float *o = acc + (int64_t)r0 * n;
-        switch (R) {  /* constant row counts, so the tile loops unroll */
-            case 1: row_tile(1, n, k, pr, xr, qs, dm, o, n); break;
-            case 2: row_tile(2, n, k, pr, xr, qs, dm, o, n); break;
-            case 3: row_tile(3, n, k, pr, xr, qs, dm, o, n); break;
-            default: row_tile(4, n, k, pr, xr, qs, dm, o, n); break;
+        switch (kind * 10 + R) { /* constant row counts, so the tile loops unroll */
+            case 41: q4_rows(1, n, k, pr, xr, qs, scales, o, n); break;
+            case 42: q4_rows(2, n, k, pr, xr, qs, scales, o, n); break;
+            case 43: q4_rows(3, n, k, pr, xr, qs, scales, o, n); break;
+            case 44: q4_rows(4, n, k, pr, xr, qs, scales, o, n); break;
+            case 81: q8_rows(1, n, k, pr, xr, qs, scales, o, n); break;
+            case 82: q8_rows(2, n, k, pr, xr, qs, scales, o, n); break;
+            case 83: q8_rows(3, n, k, pr, xr, qs, scales, o, n); break;
+            default: q8_rows(4, n, k, pr, xr, qs, scales, o, n); break;
         }
     }
     finish((int64_t)rows * n, acc, out, io_bf16);
