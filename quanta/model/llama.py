@@ -203,7 +203,7 @@ class LlamaModel(nn.Module):
         return count
 
     def quantize_weights(self, projections: tuple[str, ...], lm_head: tuple[str, ...],
-                         max_rows: dict[str, int]) -> dict[str, int]:
+                         max_rows: dict[str, int], fine_projections: bool = False) -> dict[str, int]:
         """Attach weight forms for small- and medium-row calls (see :mod:`quanta.model.quant`).
 
         Args:
@@ -213,14 +213,17 @@ class LlamaModel(nn.Module):
             lm_head: the same for the LM head (tied or not).
             max_rows: per form, the largest row count sent to its kernel; forms
                 are tried in ascending order of it.
+            fine_projections: q4_1 / q8_0 projections take 15-bit activations
+                (the LM head always does); default 8-bit, as llama.cpp, ~1.4x
+                faster a decode step (``benchmarks/quant_kernels.py``).
 
         Returns:
             linears given each form (a shape a kernel cannot take keeps the forms it can).
         """
         counts: dict[str, int] = {}
 
-        def attach(weight: torch.Tensor, kinds: tuple[str, ...]) -> tuple[QuantizedWeight, ...]:
-            forms = [q for kind in kinds if (q := quantize(weight, kind, max_rows[kind])) is not None]
+        def attach(weight: torch.Tensor, kinds: tuple[str, ...], fine: bool) -> tuple[QuantizedWeight, ...]:
+            forms = [q for kind in kinds if (q := quantize(weight, kind, max_rows[kind], fine)) is not None]
             for q in forms:
                 counts[q.kind] = counts.get(q.kind, 0) + 1
             return tuple(sorted(forms, key=lambda q: q.max_rows))
@@ -230,11 +233,11 @@ class LlamaModel(nn.Module):
             if isinstance(layer.mlp, MLP):
                 linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for lin in linears:
-                lin.forms = attach(lin.weight, projections)
+                lin.forms = attach(lin.weight, projections, fine_projections)
         if self.lm_head is not None:
-            self.lm_head.forms = attach(self.lm_head.weight, lm_head)
+            self.lm_head.forms = attach(self.lm_head.weight, lm_head, True)
         else:
-            self._tied_head_forms = attach(self.embed_tokens.weight, lm_head)
+            self._tied_head_forms = attach(self.embed_tokens.weight, lm_head, True)
         self.quantized, self.weight_forms = counts, (tuple(projections), tuple(lm_head))
         self.form_rows = {k: max_rows[k] for k in counts}
         return counts

@@ -67,7 +67,7 @@ INT4_GROUP = 32
 #: 512, 4251 vs 4593 at 2,048.
 _MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
              ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048,
-             ("q4_1", True): 8, ("q4_1", False): 8, ("q8_0", True): 4, ("q8_0", False): 4}
+             ("q4_1", True): 8, ("q4_1", False): 8, ("q8_0", True): 2, ("q8_0", False): 4}
 
 
 def max_form_rows(form: str, bf16_reference: bool) -> int:
@@ -101,11 +101,13 @@ class QuantizedWeight:
     data: torch.Tensor
     scales: torch.Tensor
     max_rows: int
+    #: q4_1 / q8_0: 15-bit activations (else 8-bit; see :func:`quanta.model.native.forms.matmul`)
+    fine: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (int8/int4: computed with bf16 activations)."""
         if self.kind in NATIVE_FORMS:
-            return native_forms.matmul(self.kind, x, self.data, self.scales)
+            return native_forms.matmul(self.kind, x, self.data, self.scales, self.fine)
         if self.kind == "fp16":
             xf = x if x.dtype == torch.float32 else x.float()
             out = torch.ops.quantized.linear_dynamic_fp16(xf if xf.is_contiguous() else xf.contiguous(), self.data)
@@ -131,11 +133,13 @@ class QuantizedWeight:
         return self(eye).float().t().reshape(n, -1)
 
 
-def quantize(weight: torch.Tensor, kind: str, max_rows: int) -> QuantizedWeight | None:
+def quantize(weight: torch.Tensor, kind: str, max_rows: int, fine: bool = True) -> QuantizedWeight | None:
     """Quantize a ``[N, K]`` weight; None where the kernel cannot take it.
 
     int4 needs ``K`` divisible by 32 and ``N`` by 16 (the kernel's tiling);
-    int8 and fp16 take any shape. A kernel missing from this torch build gives None.
+    int8 and fp16 take any shape; q4_1 and q8_0 need ``N`` divisible by 8 and
+    ``K`` by 32, and ``fine`` chooses their activations' precision (15 or 8
+    bits). A kernel missing from this torch build (or C library) gives None.
     """
     w = weight.detach().float()
     try:
@@ -145,7 +149,7 @@ def quantize(weight: torch.Tensor, kind: str, max_rows: int) -> QuantizedWeight 
             return _int4(w, max_rows)
         if kind in NATIVE_FORMS:
             data = native_forms.pack(w, kind)
-            return None if data is None else QuantizedWeight(kind, data[0], data[1], max_rows)
+            return None if data is None else QuantizedWeight(kind, data[0], data[1], max_rows, fine)
         if kind == "fp16" and fp16_kernel_available():
             packed = torch.ops.quantized.linear_prepack_fp16(w, None)
             return QuantizedWeight("fp16", packed, torch.empty(0), max_rows)

@@ -28,7 +28,7 @@ _SIGNATURES = {
     "residual_rms_norm": (_I, _I, _P, _P, _P, _F, _P, _I, _P),
     "attention_decode": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _L, _L, _P, _P),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
-    "block_matmul": (_I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
+    "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
 }
 
 

@@ -56,8 +56,9 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx). */
-static void quantize_rows(int rows, int k, const void *x, int io_bf16, int8_t *p, float *xs) {
+/* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
+ * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused). */
+static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int8_t *p, float *xs) {
     float buf[QK];
     for (int r = 0; r < rows; r++) {
         int8_t *h = p + (int64_t)r * 2 * k, *l = h + k;
@@ -70,13 +71,13 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int8_t *p
             }
             float amax = 0.0f;
             for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(buf[j]));
-            float dx = amax / AMAX, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+            float dx = amax / (fine ? AMAX : 127.0f), inv = dx > 0.0f ? 1.0f / dx : 0.0f;
             int sum = 0;
             for (int j = 0; j < QK; j++) {
                 int a = (int)lrintf(buf[j] * inv);
-                int hi = (a + 64) >> 7; /* arithmetic shift: floor */
+                int hi = fine ? (a + 64) >> 7 : a; /* arithmetic shift: floor */
                 h[b * QK + j] = (int8_t)hi;
-                l[b * QK + j] = (int8_t)(a - 128 * hi);
+                if (fine) l[b * QK + j] = (int8_t)(a - 128 * hi);
                 sum += a;
             }
             xs[2 * (at / QK)] = dx;
@@ -104,16 +105,17 @@ static inline __m256i dot_u8(const __m256i *w, const int32_t *a, const int *orde
 
 static const int ORDER_Q4[8] = {0, 4, 1, 5, 2, 6, 3, 7}; /* lo[0], hi[0], lo[1], ...: k 0-3, 16-19, 4-7, ... */
 
-/* 128 (w . h) + (w . l) for one row's block, h and l its two activation bytes. */
-static inline __m256i dot15(const __m256i *w, const int8_t *h, const int8_t *l) {
+/* 128 (w . h) + (w . l) for one row's block, h and l its two activation bytes (F = 0: w . h). */
+static inline __attribute__((always_inline)) __m256i dot15(int F, const __m256i *w, const int8_t *h, const int8_t *l) {
     int32_t hh[8], ll[8];
     memcpy(hh, h, 32);
+    if (!F) return dot_u8(w, hh, ORDER_Q4);
     memcpy(ll, l, 32);
     return _mm256_add_epi32(_mm256_slli_epi32(dot_u8(w, hh, ORDER_Q4), 7), dot_u8(w, ll, ORDER_Q4));
 }
 
 /* Q4_1, 8 columns (group g) of R rows (R <= 4): out[r][8g .. 8g + 7]. */
-static inline __attribute__((always_inline)) void q4_group8(int R, int64_t g, int k, const int8_t *p, const float *xs,
+static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                             const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int blocks = k / QK;
     const __m256i nib = _mm256_set1_epi8(0x0f);
@@ -132,7 +134,7 @@ static inline __attribute__((always_inline)) void q4_group8(int R, int64_t g, in
         for (int r = 0; r < R; r++) {
             const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
             const float *x = xs + 2 * ((int64_t)r * blocks + b);
-            __m256 dot = _mm256_cvtepi32_ps(dot15(w, h, h + k));
+            __m256 dot = _mm256_cvtepi32_ps(dot15(F, w, h, h + k));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[0])), dot, acc[r]);
             accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[1]), accm[r]);
         }
@@ -141,7 +143,7 @@ static inline __attribute__((always_inline)) void q4_group8(int R, int64_t g, in
 }
 
 /* Q8_0, 8 columns: signed weights as |w| times activations carrying w's sign. */
-static inline __attribute__((always_inline)) void q8_group8(int R, int64_t g, int k, const int8_t *p, const float *xs,
+static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                             const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
     __m256 acc[4];
@@ -157,21 +159,25 @@ static inline __attribute__((always_inline)) void q8_group8(int R, int64_t g, in
         for (int r = 0; r < R; r++) {
             int32_t hh[8], ll[8];
             memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
-            memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
             __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
             for (int i = 0; i < 8; i++) {
                 __m256i vh = _mm256_sign_epi8(_mm256_set1_epi32(hh[i]), w[i]);
-                __m256i vl = _mm256_sign_epi8(_mm256_set1_epi32(ll[i]), w[i]);
 #ifdef HAVE_VNNI256
                 sh = _mm256_dpbusd_epi32(sh, a[i], vh);
-                sl = _mm256_dpbusd_epi32(sl, a[i], vl);
 #else
                 const __m256i ones = _mm256_set1_epi16(1);
                 sh = _mm256_add_epi32(sh, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], vh), ones));
+#endif
+                if (!F) continue;
+                __m256i vl = _mm256_sign_epi8(_mm256_set1_epi32(ll[i]), w[i]);
+#ifdef HAVE_VNNI256
+                sl = _mm256_dpbusd_epi32(sl, a[i], vl);
+#else
                 sl = _mm256_add_epi32(sl, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], vl), ones));
 #endif
             }
-            __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sh, 7), sl));
+            __m256 dot = _mm256_cvtepi32_ps(F ? _mm256_add_epi32(_mm256_slli_epi32(sh, 7), sl) : sh);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
@@ -190,7 +196,7 @@ static inline __m512 scales_pair(const uint16_t *a, const uint16_t *b) {
                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
 }
 
-static inline __attribute__((always_inline)) void q4_group16(int R, int64_t g, int k, const int8_t *p, const float *xs,
+static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                              const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int blocks = k / QK;
     const __m512i nib = _mm512_set1_epi8(0x0f);
@@ -208,14 +214,14 @@ static inline __attribute__((always_inline)) void q4_group16(int R, int64_t g, i
         for (int r = 0; r < R; r++) {
             int32_t hh[8], ll[8];
             memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
-            memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) {
                 sh = _mm512_dpbusd_epi32(sh, w[i], _mm512_set1_epi32(hh[ORDER_Q4[i]]));
-                sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(ll[ORDER_Q4[i]]));
+                if (F) sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(ll[ORDER_Q4[i]]));
             }
             const float *x = xs + 2 * ((int64_t)r * blocks + b);
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl));
+            __m512 dot = _mm512_cvtepi32_ps(F ? _mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl) : sh);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[0])), dot, acc[r]);
             accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[1]), accm[r]);
         }
@@ -223,7 +229,7 @@ static inline __attribute__((always_inline)) void q4_group16(int R, int64_t g, i
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm512_add_ps(acc[r], accm[r]));
 }
 
-static inline __attribute__((always_inline)) void q8_group16(int R, int64_t g, int k, const int8_t *p, const float *xs,
+static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                              const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
     __m512 acc[4];
@@ -241,16 +247,18 @@ static inline __attribute__((always_inline)) void q8_group16(int R, int64_t g, i
         for (int r = 0; r < R; r++) {
             int32_t hh[8], ll[8];
             memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
-            memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) { /* activations with w's sign (AVX-512 has no sign_epi8) */
-                __m512i vh = _mm512_set1_epi32(hh[i]), vl = _mm512_set1_epi32(ll[i]);
+                __m512i vh = _mm512_set1_epi32(hh[i]);
                 vh = _mm512_mask_sub_epi8(vh, neg[i], _mm512_setzero_si512(), vh);
-                vl = _mm512_mask_sub_epi8(vl, neg[i], _mm512_setzero_si512(), vl);
                 sh = _mm512_dpbusd_epi32(sh, a[i], vh);
+                if (!F) continue;
+                __m512i vl = _mm512_set1_epi32(ll[i]);
+                vl = _mm512_mask_sub_epi8(vl, neg[i], _mm512_setzero_si512(), vl);
                 sl = _mm512_dpbusd_epi32(sl, a[i], vl);
             }
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl));
+            __m512 dot = _mm512_cvtepi32_ps(F ? _mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl) : sh);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
@@ -260,22 +268,22 @@ static inline __attribute__((always_inline)) void q8_group16(int R, int64_t g, i
 
 /* ---- drivers ---- */
 
-static inline __attribute__((always_inline)) void q4_rows(int R, int n, int k, const int8_t *p, const float *xs,
+static inline __attribute__((always_inline)) void q4_rows(int F, int R, int n, int k, const int8_t *p, const float *xs,
                                                           const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int64_t g = 0;
 #ifdef HAVE_ZMM
-    for (; g + 1 < n / 8; g += 2) q4_group16(R, g, k, p, xs, qs, dm, out, ldo);
+    for (; g + 1 < n / 8; g += 2) q4_group16(F, R, g, k, p, xs, qs, dm, out, ldo);
 #endif
-    for (; g < n / 8; g++) q4_group8(R, g, k, p, xs, qs, dm, out, ldo);
+    for (; g < n / 8; g++) q4_group8(F, R, g, k, p, xs, qs, dm, out, ldo);
 }
 
-static inline __attribute__((always_inline)) void q8_rows(int R, int n, int k, const int8_t *p, const float *xs,
+static inline __attribute__((always_inline)) void q8_rows(int F, int R, int n, int k, const int8_t *p, const float *xs,
                                                           const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int64_t g = 0;
 #ifdef HAVE_ZMM
-    for (; g + 1 < n / 8; g += 2) q8_group16(R, g, k, p, xs, qs, dd, out, ldo);
+    for (; g + 1 < n / 8; g += 2) q8_group16(F, R, g, k, p, xs, qs, dd, out, ldo);
 #endif
-    for (; g < n / 8; g++) q8_group8(R, g, k, p, xs, qs, dd, out, ldo);
+    for (; g < n / 8; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
 }
 
 static void finish(int64_t total, const float *acc, void *out, int io_bf16) {
@@ -290,25 +298,34 @@ static void finish(int64_t total, const float *acc, void *out, int io_bf16) {
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
  * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
  * [n / 8, k / 32, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
- * acc float32 [rows, n]. Rows go 4 at a time, each weight block unpacked once for them. */
-void block_matmul(int kind, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
+ * acc float32 [rows, n]. fine: 15-bit activations, else 8-bit. Rows go 4 at a time, each
+ * weight block unpacked once for them. */
+void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
-    quantize_rows(rows, k, x, io_bf16, p, xs);
+    quantize_rows(rows, k, x, io_bf16, fine, p, xs);
     int blocks = k / QK;
     for (int r0 = 0; r0 < rows; r0 += 4) {
         int R = rows - r0 < 4 ? rows - r0 : 4;
         const int8_t *pr = p + (int64_t)r0 * 2 * k;
         const float *xr = xs + (int64_t)r0 * blocks * 2;
         float *o = acc + (int64_t)r0 * n;
-        switch (kind * 10 + R) { /* constant row counts, so the tile loops unroll */
-            case 41: q4_rows(1, n, k, pr, xr, qs, scales, o, n); break;
-            case 42: q4_rows(2, n, k, pr, xr, qs, scales, o, n); break;
-            case 43: q4_rows(3, n, k, pr, xr, qs, scales, o, n); break;
-            case 44: q4_rows(4, n, k, pr, xr, qs, scales, o, n); break;
-            case 81: q8_rows(1, n, k, pr, xr, qs, scales, o, n); break;
-            case 82: q8_rows(2, n, k, pr, xr, qs, scales, o, n); break;
-            case 83: q8_rows(3, n, k, pr, xr, qs, scales, o, n); break;
-            default: q8_rows(4, n, k, pr, xr, qs, scales, o, n); break;
+        switch (kind * 100 + (fine ? 10 : 0) + R) { /* constants, so the tile loops unroll */
+            case 401: q4_rows(0, 1, n, k, pr, xr, qs, scales, o, n); break;
+            case 402: q4_rows(0, 2, n, k, pr, xr, qs, scales, o, n); break;
+            case 403: q4_rows(0, 3, n, k, pr, xr, qs, scales, o, n); break;
+            case 404: q4_rows(0, 4, n, k, pr, xr, qs, scales, o, n); break;
+            case 411: q4_rows(1, 1, n, k, pr, xr, qs, scales, o, n); break;
+            case 412: q4_rows(1, 2, n, k, pr, xr, qs, scales, o, n); break;
+            case 413: q4_rows(1, 3, n, k, pr, xr, qs, scales, o, n); break;
+            case 414: q4_rows(1, 4, n, k, pr, xr, qs, scales, o, n); break;
+            case 801: q8_rows(0, 1, n, k, pr, xr, qs, scales, o, n); break;
+            case 802: q8_rows(0, 2, n, k, pr, xr, qs, scales, o, n); break;
+            case 803: q8_rows(0, 3, n, k, pr, xr, qs, scales, o, n); break;
+            case 804: q8_rows(0, 4, n, k, pr, xr, qs, scales, o, n); break;
+            case 811: q8_rows(1, 1, n, k, pr, xr, qs, scales, o, n); break;
+            case 812: q8_rows(1, 2, n, k, pr, xr, qs, scales, o, n); break;
+            case 813: q8_rows(1, 3, n, k, pr, xr, qs, scales, o, n); break;
+            default: q8_rows(1, 4, n, k, pr, xr, qs, scales, o, n); break;
         }
     }
     finish((int64_t)rows * n, acc, out, io_bf16);
