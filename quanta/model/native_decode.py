@@ -67,7 +67,7 @@ class NativeDecoder:
         c = self.cfg
         width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         group = c.num_attention_heads // c.num_key_value_heads
-        need = max(width + 2 * c.head_dim + group * max_len, 2 * c.intermediate_size, c.hidden_size)
+        need = max(width + (group + 2) * c.head_dim + group * max_len, 2 * c.intermediate_size, c.hidden_size)
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch

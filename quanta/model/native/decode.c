@@ -84,25 +84,38 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
     }
 }
 
-static float dot_row(const float *q, const void *k, int bf16, int64_t offset, int dim) {
-    float s = 0.0f;
-    if (bf16) {
-        const uint16_t *kk = (const uint16_t *)k + offset;
-        for (int i = 0; i < dim; i++) s += q[i] * bf16_to_f32(kk[i]);
-    } else {
-        const float *kk = (const float *)k + offset;
-        for (int i = 0; i < dim; i++) s += q[i] * kk[i];
+/* One KV head's group of query heads (q: float32 [group, dim], pre-scaled) over cache
+ * positions 0..len-1 at element offset `head`: each key and value row is converted to float32
+ * once for the whole group. out: float32 [group, dim]; scores: [group, len]; row: [dim]. */
+static inline __attribute__((always_inline)) void attend_group(const float *q, int group, int dim, const void *k_cache, const void *v_cache, int bf16,
+                         int64_t head, int64_t len, float *scores, float *row, float *out) {
+    for (int64_t t = 0; t < len; t++) {
+        load_row(k_cache, bf16, head + t * dim, dim, row);
+        for (int j = 0; j < group; j++) {
+            const float *qj = q + j * dim;
+            float dot = 0.0f;
+            for (int i = 0; i < dim; i++) dot += qj[i] * row[i];
+            scores[j * len + t] = dot;
+        }
     }
-    return s;
-}
-
-static void axpy_row(float *acc, float p, const void *v, int bf16, int64_t offset, int dim) {
-    if (bf16) {
-        const uint16_t *vv = (const uint16_t *)v + offset;
-        for (int i = 0; i < dim; i++) acc[i] += p * bf16_to_f32(vv[i]);
-    } else {
-        const float *vv = (const float *)v + offset;
-        for (int i = 0; i < dim; i++) acc[i] += p * vv[i];
+    for (int j = 0; j < group; j++) {
+        float *sj = scores + j * len, top = -3.402823466e38f, total = 0.0f; /* finite: built with -ffast-math */
+        for (int64_t t = 0; t < len; t++) top = sj[t] > top ? sj[t] : top;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) {
+            sj[t] = expf(sj[t] - top);
+            total += sj[t];
+        }
+        float inv = 1.0f / total;
+        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+    }
+    memset(out, 0, (size_t)group * dim * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        load_row(v_cache, bf16, head + t * dim, dim, row);
+        for (int j = 0; j < group; j++) {
+            float p = scores[j * len + t], *oj = out + j * dim;
+            for (int i = 0; i < dim; i++) oj[i] += p * row[i];
+        }
     }
 }
 
@@ -110,14 +123,14 @@ static void axpy_row(float *acc, float p, const void *v, int bf16, int64_t offse
  * (slots[r], :, positions[r]), then attend over positions 0..positions[r].
  * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
  * inv_freq: float32 [dim / 2]; out: io [rows, heads * dim];
- * scratch: float32 [(heads + 2 kv_heads) * dim + dim + heads / kv_heads * max_len]. */
+ * scratch: float32 [(heads + 2 kv_heads) * dim + (heads / kv_heads + 2) * dim + heads / kv_heads * max_len]. */
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
                       const float *inv_freq, const int64_t *slots, const int64_t *positions,
                       void *k_cache, void *v_cache, int cache_bf16, int64_t slot_stride,
                       int64_t head_stride, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
     float *row = scratch, *cos_t = row + width, *sin_t = cos_t + half, *acc = sin_t + half;
-    float *scores = acc + dim;
+    float *kv_row = acc + group * dim, *scores = kv_row + dim;
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -140,27 +153,15 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
             for (int i = 0; i < dim; i++) qh[i] *= scale;
         }
         for (int g = 0; g < kv_heads; g++) {
+            const float *qg = q + g * group * dim;
             int64_t head = base + g * head_stride;
-            for (int j = 0; j < group; j++) {
-                int h = g * group + j;
-                float *s = scores + (int64_t)j * (pos + 1);
-                float top = -3.402823466e38f;  /* finite: built with -ffast-math */
-                for (int64_t t = 0; t <= pos; t++) {
-                    s[t] = dot_row(q + h * dim, k_cache, cache_bf16, head + t * dim, dim);
-                    top = s[t] > top ? s[t] : top;
-                }
-                float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-                for (int64_t t = 0; t <= pos; t++) {
-                    s[t] = expf(s[t] - top);
-                    total += s[t];
-                }
-                for (int i = 0; i < dim; i++) acc[i] = 0.0f;
-                for (int64_t t = 0; t <= pos; t++) axpy_row(acc, s[t], v_cache, cache_bf16, head + t * dim, dim);
-                float inv = 1.0f / total;
-                for (int i = 0; i < dim; i++) acc[i] *= inv;
-                store_row(out, io_bf16, (int64_t)r * heads * dim + h * dim, dim, acc);
-            }
+            if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
+                attend_group(qg, group, 64, k_cache, v_cache, cache_bf16, head, pos + 1, scores, kv_row, acc);
+            else if (dim == 128)
+                attend_group(qg, group, 128, k_cache, v_cache, cache_bf16, head, pos + 1, scores, kv_row, acc);
+            else
+                attend_group(qg, group, dim, k_cache, v_cache, cache_bf16, head, pos + 1, scores, kv_row, acc);
+            store_row(out, io_bf16, (int64_t)r * heads * dim + g * group * dim, group * dim, acc);
         }
     }
 }
