@@ -65,9 +65,18 @@ INT4_GROUP = 32
 #: Beyond 32 rows, an ad hoc loop over the 30 layers' projection shapes (cold
 #: weights, 2 threads): fp16 vs fp32 244 vs 423 ms at 128 rows, 945 vs 1111 at
 #: 512, 4251 vs 4593 at 2,048.
+#: q4_1 / q8_0 (quanta's C kernels, with the native decode glue), fp32 with
+#: AVX2 kernels forced, one thread (``results/quant_kernels_fp32_avx2_native.md``):
+#: q4_1 projections with an fp16 head vs fp16 projections 12.5 / 16.2 ms at
+#: 1 row, 22.8 / 24.1 at 4, 38.8 / 40.0 at 8, 72.9 / 69.5 at 16; the q8_0
+#: head vs fp16 beside q4_1 8.5 / 12.5 at 1 row, 11.3 / 16.0 at 2, 26.6 /
+#: 22.8 at 4. bf16 reference (``results/quant_kernels_bf16_native.md``): q4_1
+#: vs the packed bf16 reference, both with a bf16 head, 10.4 / 27.2 ms at 1
+#: row, 23.3 / 32.2 at 8, 37.0 / 48.2 at 16, 71.7 / 72.3 at 32; the q8_0 head
+#: beside q4_1 8.2 / 10.4 at 1 row, 10.5 / 11.9 at 2, 17.5 / 15.7 at 4.
 _MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
              ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048,
-             ("q4_1", True): 8, ("q4_1", False): 8, ("q8_0", True): 2, ("q8_0", False): 4}
+             ("q4_1", True): 16, ("q4_1", False): 8, ("q8_0", True): 2, ("q8_0", False): 2}
 
 
 def max_form_rows(form: str, bf16_reference: bool) -> int:

@@ -92,9 +92,13 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
  * 4 bytes of chunk i at a[order[i]]: the int32 sum per column lane. */
 static inline __m256i dot_u8(const __m256i *w, const int32_t *a, const int *order) {
 #ifdef HAVE_VNNI256
-    __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) s = _mm256_dpbusd_epi32(s, w[i], _mm256_set1_epi32(a[order[i]]));
-    return s;
+    /* two chains: dpbusd has a latency of several cycles, and 8 in a row stall a one-row call */
+    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        s = _mm256_dpbusd_epi32(s, w[i], _mm256_set1_epi32(a[order[i]]));
+        t = _mm256_dpbusd_epi32(t, w[i + 1], _mm256_set1_epi32(a[order[i + 1]]));
+    }
+    return _mm256_add_epi32(s, t);
 #else
     /* int16 holds the sum of 8 maddubs pairs: at most 8 * 2 * 15 * 128 = 30,720 */
     __m256i s = _mm256_setzero_si256();
@@ -215,11 +219,16 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
             int32_t hh[8], ll[8];
             memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
             if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
-            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) {
+            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512(), sh2 = sh, sl2 = sl;
+            for (int i = 0; i < 8; i += 2) { /* two chains per sum (dpbusd latency) */
                 sh = _mm512_dpbusd_epi32(sh, w[i], _mm512_set1_epi32(hh[ORDER_Q4[i]]));
-                if (F) sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(ll[ORDER_Q4[i]]));
+                sh2 = _mm512_dpbusd_epi32(sh2, w[i + 1], _mm512_set1_epi32(hh[ORDER_Q4[i + 1]]));
+                if (!F) continue;
+                sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(ll[ORDER_Q4[i]]));
+                sl2 = _mm512_dpbusd_epi32(sl2, w[i + 1], _mm512_set1_epi32(ll[ORDER_Q4[i + 1]]));
             }
+            sh = _mm512_add_epi32(sh, sh2);
+            sl = _mm512_add_epi32(sl, sl2);
             const float *x = xs + 2 * ((int64_t)r * blocks + b);
             __m512 dot = _mm512_cvtepi32_ps(F ? _mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl) : sh);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[0])), dot, acc[r]);
@@ -272,7 +281,11 @@ static inline __attribute__((always_inline)) void q4_rows(int F, int R, int n, i
                                                           const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int64_t g = 0;
 #ifdef HAVE_ZMM
-    for (; g + 1 < n / 8; g += 2) q4_group16(F, R, g, k, p, xs, qs, dm, out, ldo);
+    /* 512-bit only from 3 rows: at 1-2 rows the two interleaved streams of a group pair read cold
+     * weights slower (whole decode steps, bf16: 12.9-14.9 vs 9.2-9.5 ms at one row, 17-21 vs
+     * 19-24 ms at 4; benchmarks/quant_kernels.py with QUANTA_NATIVE_MARCH=haswell for 256-bit) */
+    if (R >= 3)
+        for (; g + 1 < n / 8; g += 2) q4_group16(F, R, g, k, p, xs, qs, dm, out, ldo);
 #endif
     for (; g < n / 8; g++) q4_group8(F, R, g, k, p, xs, qs, dm, out, ldo);
 }
@@ -281,7 +294,11 @@ static inline __attribute__((always_inline)) void q8_rows(int F, int R, int n, i
                                                           const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int64_t g = 0;
 #ifdef HAVE_ZMM
-    for (; g + 1 < n / 8; g += 2) q8_group16(F, R, g, k, p, xs, qs, dd, out, ldo);
+    /* 512-bit only from 3 rows: at 1-2 rows the two interleaved streams of a group pair read cold
+     * weights slower (whole decode steps, bf16: 12.9-14.9 vs 9.2-9.5 ms at one row, 17-21 vs
+     * 19-24 ms at 4; benchmarks/quant_kernels.py with QUANTA_NATIVE_MARCH=haswell for 256-bit) */
+    if (R >= 3)
+        for (; g + 1 < n / 8; g += 2) q8_group16(F, R, g, k, p, xs, qs, dd, out, ldo);
 #endif
     for (; g < n / 8; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
 }
