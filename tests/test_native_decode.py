@@ -118,6 +118,14 @@ def test_a_machine_without_a_compiler_reports_why(monkeypatch, tmp_path):
         native.build()
 
 
+def test_an_unwritable_cache_reports_why(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("QUANTA_CACHE_DIR", str(blocker))
+    with pytest.raises(native.NativeUnavailable, match="cannot build in"):
+        native.build()
+
+
 def test_loading_the_library_keeps_subnormal_floats():
     """A library linked with -ffast-math would set flush-to-zero for the whole process
     (hypothesis refuses to run then, and torch's float results change)."""
@@ -132,3 +140,14 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
     assert first.parent == tmp_path / "native" and first.exists()
     stamp = first.stat().st_mtime_ns
     assert native.build() == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
+
+
+def test_the_serve_flag_turns_native_decode_off_and_the_startup_line_says_so():
+    from quanta.flags import configs_from_args, parse_serve_flags
+    from quanta.launch import load_model
+
+    engine_cfg, _ = configs_from_args(parse_serve_flags(["--native-decode", "off"]))
+    assert engine_cfg.native_decode is False
+    assert configs_from_args(parse_serve_flags([]))[0].native_decode is True
+    loaded = load_model(None, torch.float32, "none", native_decode=engine_cfg.native_decode)
+    assert loaded.model.native is None and loaded.kernels.endswith("decode=torch (--native-decode off)")

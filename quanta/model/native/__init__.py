@@ -72,8 +72,16 @@ def build(target: str | None = None) -> Path:
     first if this machine has no cached copy.
 
     Raises:
-        NativeUnavailable: no compiler, or the compile failed (with its stderr).
+        NativeUnavailable: no compiler, the compile failed (with its stderr), or the
+            cache directory cannot be written.
     """
+    try:
+        return _build(target)
+    except OSError as e:  # an unwritable cache directory, a full disk
+        raise NativeUnavailable(f"cannot build in {cache_dir()}: {e}") from e
+
+
+def _build(target: str | None) -> Path:
     cc, arch = _compiler(), target or march()
     lib = cache_dir() / f"quanta-{arch}-{_key(cc, arch)}.so"
     if lib.exists():
