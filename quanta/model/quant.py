@@ -21,8 +21,8 @@ Forms:
   input dimension: ``w = d * q + m``, ``q`` in [0, 15], or ``w = d * q``,
   ``q`` in [-127, 127]; fp16 ``d``, ``m``), multiplied by quanta's own C
   kernels (:mod:`quanta.model.native.forms`, ``qmatmul.c``) with the
-  activations quantized to 8 bits per row and block of 32 (llama.cpp's
-  Q8_1): integer dot products (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``)
+  activations quantized per row and block of 32 to 8 bits (projections, as
+  llama.cpp's Q8_1) or 15 bits (the LM head, ``fine``): integer dot products (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``)
   instead of the int4 kernel's dequantize-to-float. Available where the C
   library builds (x86-64 with AVX2 and a C compiler).
 - ``fp16``: the reference weight stored in half precision, multiplied by
@@ -97,7 +97,7 @@ class QuantizedWeight:
     """A ``[N, K]`` weight in ``int8``, ``int4`` or ``fp16`` form; call it on ``[M, K]`` rows.
 
     Attributes:
-        kind: ``int8``, ``int4`` or ``fp16``.
+        kind: ``int8``, ``int4``, ``fp16``, ``q4_1`` or ``q8_0``.
         data: int8 ``[N, K]``, the int4 kernel's packed layout, or FBGEMM's packed fp16 weight.
         scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); q4_1: fp16
             ``[N / 8, K / 32, 2, 8]`` (d, m) with ``data`` uint8 ``[N / 8, K / 32, 128]``;
