@@ -329,3 +329,17 @@ def test_unsupported_gguf_architecture_raises(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
         load_checkpoint(path)
+
+
+def test_one_load_parses_the_gguf_header_once_and_a_rewritten_file_again(tmp_path):
+    import shutil
+
+    from quanta.model.gguf_loader import _reader
+
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(embedded_model_path(), copy)
+    first = _reader(copy)
+    assert _reader(copy) is first  # tensor types, config and weights share one parse
+    with copy.open("ab") as f:
+        f.write(b"\0" * 32)  # same path, new size and mtime: parsed again
+    assert _reader(copy) is not first
