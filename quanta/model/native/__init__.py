@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
 LIBS = ("-lmvec", "-lm")
 
@@ -56,14 +57,14 @@ def march() -> str:
 
 
 def _key(cc: str, target: str) -> str:
-    """Hash of the source, flags, target, compiler version and CPU flags (``-march=native`` depends on them)."""
+    """Hash of the sources and header, flags, target, compiler version and CPU flags (``-march=native`` depends on them)."""
     from quanta.launch import cpu_flags
 
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
-    text = "\n".join([*(s.read_text() for s in SOURCES), " ".join(FLAGS + LIBS), target, version, " ".join(sorted(cpu_flags()))])
+    text = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(FLAGS + LIBS), target, version, " ".join(sorted(cpu_flags()))])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

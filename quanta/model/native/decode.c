@@ -9,8 +9,7 @@
  *
  * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
  * else float32; the KV cache is bf16 when cache_bf16, else float32, laid out
- * [slots, kv_heads, max_len, head_dim] (element strides given). bf16 values
- * are converted with round-to-nearest-even, as torch does.
+ * [slots, kv_heads, max_len, head_dim] (element strides given); conversions in bf16.h.
  *
  * Built with -O3 -march=native -ffast-math (finite values only) by quanta/model/native/__init__.py, so the
  * loops vectorize for the CPU it runs on (AVX2 or AVX-512).
@@ -19,38 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline void load_row(const void *src, int bf16, int64_t offset, int n, float *dst) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)src + offset;
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    } else {
-        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
-    }
-}
-
-static inline void store_row(void *dst, int bf16, int64_t offset, int n, const float *src) {
-    if (bf16) {
-        uint16_t *d = (uint16_t *)dst + offset;
-        for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-    } else {
-        memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
-    }
-}
+#include "bf16.h"
 
 /* x[r] += add[r] (when add is not NULL); out[r] = rmsnorm(x[r]) * weight.
  * x: float32 [rows, dim], updated in place; add, out: io dtype [rows, dim];

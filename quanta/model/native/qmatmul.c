@@ -27,6 +27,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "qmatmul.c needs AVX2, FMA and F16C"
 #endif
@@ -41,21 +43,6 @@
 #define HAVE_VNNI256 1
 #endif
 
-static inline float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
  * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused). */
 static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int8_t *p, float *xs) {
@@ -64,11 +51,7 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
         int8_t *h = p + (int64_t)r * 2 * k, *l = h + k;
         for (int b = 0; b < k / QK; b++) {
             int64_t at = (int64_t)r * k + (int64_t)b * QK;
-            if (io_bf16) {
-                for (int j = 0; j < QK; j++) buf[j] = bf16_f32(((const uint16_t *)x)[at + j]);
-            } else {
-                memcpy(buf, (const float *)x + at, sizeof buf);
-            }
+            load_row(x, io_bf16, at, QK, buf);
             float amax = 0.0f;
             for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(buf[j]));
             float dx = amax / (fine ? AMAX : 127.0f), inv = dx > 0.0f ? 1.0f / dx : 0.0f;
@@ -303,14 +286,6 @@ static inline __attribute__((always_inline)) void q8_rows(int F, int R, int n, i
     for (; g < n / 8; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
 }
 
-static void finish(int64_t total, const float *acc, void *out, int io_bf16) {
-    if (io_bf16) {
-        for (int64_t i = 0; i < total; i++) ((uint16_t *)out)[i] = f32_bf16(acc[i]);
-    } else {
-        memcpy(out, acc, (size_t)total * sizeof(float));
-    }
-}
-
 /* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
  * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
@@ -345,5 +320,5 @@ void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int
             default: q8_rows(1, 4, n, k, pr, xr, qs, scales, o, n); break;
         }
     }
-    finish((int64_t)rows * n, acc, out, io_bf16);
+    store_row(out, io_bf16, 0, (int64_t)rows * n, acc);
 }
