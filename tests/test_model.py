@@ -13,24 +13,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.llama import LlamaModel
-from quanta.model.loader import embedded_model_path, load_checkpoint
+from quanta.model.loader import embedded_model_path
+from tiny_llama import LLAMA3_ROPE, TINY, load_ours
 
-TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
 CONFIGS = {
     "llama": LlamaConfig(**TINY, tie_word_embeddings=True),
-    "llama-rope-llama3": LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama-rope-llama3": LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE),
     "qwen2": Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=False),
 }
-
-
-def _ours(path) -> LlamaModel:
-    cfg, state = load_checkpoint(path)
-    model = LlamaModel(cfg)
-    model.load_hf_state_dict(state)
-    return model.eval()
 
 
 def _run_chunks(model: LlamaModel, ids: torch.Tensor, chunks: list[int], slot: int = 0) -> torch.Tensor:
@@ -52,7 +43,7 @@ def tiny_pair(request, tmp_path_factory):
     ref = AutoModelForCausalLM.from_config(hf_cfg).eval()
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
-    return ref, _ours(path)
+    return ref, load_ours(path)
 
 
 @pytest.mark.parametrize("chunks", [[40], [16, 24], [1] * 8 + [32], [7, 13, 19, 1]])
@@ -90,7 +81,7 @@ def test_mixed_batch_matches_separate_runs(tiny_pair):
 def smollm2_pair():
     path = embedded_model_path()
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return ref, _ours(path)
+    return ref, load_ours(path)
 
 
 def test_smollm2_gguf_logits_match_transformers(smollm2_pair):

@@ -18,17 +18,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from quanta.model import native
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.llama import LlamaModel
-from quanta.model.loader import load_checkpoint
 from quanta.model.native.forms import available
+from tiny_llama import LLAMA3_ROPE, TINY, load_ours
 
 pytestmark = pytest.mark.skipif(not available(), reason="quanta's C kernels do not build on this machine")
 
-TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
 CONFIGS = {
     "llama": LlamaConfig(**TINY, tie_word_embeddings=True),
-    "llama-rope-llama3": LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama-rope-llama3": LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE),
     "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=False),
     "mha": LlamaConfig(**{**TINY, "num_key_value_heads": 4}),
 }
@@ -41,10 +38,7 @@ def pair(request, tmp_path_factory):
     ref = AutoModelForCausalLM.from_config(CONFIGS[request.param]).eval()
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
-    cfg, state = load_checkpoint(path)
-    ours = LlamaModel(cfg)
-    ours.load_hf_state_dict(state)
-    return ref, ours.eval()
+    return ref, load_ours(path)
 
 
 def _tokens(vocab: int) -> list[torch.Tensor]:
@@ -100,9 +94,7 @@ def test_bf16_native_decode_stays_close_to_the_pytorch_path(pair):
 def test_models_it_cannot_run_keep_the_pytorch_path(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(Qwen3Config(**TINY, head_dim=24)).save_pretrained(tmp_path)
-    cfg, state = load_checkpoint(tmp_path)
-    model = LlamaModel(cfg)
-    model.load_hf_state_dict(state)
+    model = load_ours(tmp_path)
     assert model.enable_native_decode() == "torch (native decode does not support q/k norms)"
     assert model.native is None
 
