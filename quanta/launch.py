@@ -147,6 +147,8 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     model.quantize_weights(*forms, {k: max_form_rows(k, bf16) for k in FORMS})
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
+    if model.native is not None:
+        decode += f"(threads={model.native.threads})"
     kernels = f"{model.describe_kernels()} decode={decode}"
     log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,
              cfg.num_hidden_layers, time.monotonic() - t0, dtype, cpu_summary(), kernels)

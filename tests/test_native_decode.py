@@ -65,10 +65,12 @@ def _decode(model: LlamaModel, seqs: list[torch.Tensor], dtype: torch.dtype, ord
     return steps
 
 
+@pytest.mark.parametrize("threads", [1, 2])  # pool.c: 2 splits matmul columns and attention's positions
 @pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 0, 2], [1]])
-def test_fp32_native_decode_matches_transformers(pair, order):
+def test_fp32_native_decode_matches_transformers(pair, order, threads):
     ref, ours = pair
     assert ours.enable_native_decode() == "native"
+    ours.native.threads = threads
     seqs = _tokens(ref.config.vocab_size)
     with torch.no_grad():
         expected = [ref(s[None]).logits[0] for s in seqs]

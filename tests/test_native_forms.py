@@ -11,6 +11,9 @@ kernels (maddubs) and the AVX-512 VNNI ones (dpbusd) give the same sums.
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
+
 import pytest
 import torch
 
@@ -96,3 +99,65 @@ def test_avx2_and_native_kernels_agree(kind, fine, monkeypatch, tmp_path):
     qw = quantize(w, kind, max_rows=8, fine=fine)
     x = torch.randn(6, 576, generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(forms.matmul(kind, x, qw.data, qw.scales, fine, lib=avx2), qw(x), atol=1e-4, rtol=1e-4)
+
+
+def _product(lib, kind: str, x: torch.Tensor, w) -> torch.Tensor:
+    return forms.matmul(kind, x, *w, lib=lib)
+
+
+@pytest.fixture
+def two_threads():
+    lib = native.load()
+    before = lib.pool_threads()
+    lib.pool_set_threads(2)
+    yield lib
+    lib.pool_set_threads(before)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n", [8, 24, 40, 1024])  # fewer column groups than threads x 2, odd pairs, many
+def test_two_threads_give_the_one_thread_product(kind, n, two_threads):
+    lib = two_threads
+    w = forms.pack(gguf_blocks(kind, n, 64), kind)
+    x = torch.randn(5, 64)
+    split = _product(lib, kind, x, w)
+    lib.pool_set_threads(1)
+    whole = _product(lib, kind, x, w)
+    assert torch.equal(split, whole)
+
+
+def test_concurrent_callers_each_get_their_own_product(two_threads):
+    """A caller that finds the pool busy runs its whole job itself (pool.c): no mixed-up outputs."""
+    lib = two_threads
+    jobs = [(forms.pack(gguf_blocks("q4_1", 64, 96, seed), "q4_1"), torch.randn(3, 96)) for seed in range(4)]
+    want = [forms.dequantize("q4_1", *w) for w, _ in jobs]
+    errors: list[float] = []
+
+    def work(i: int) -> None:
+        w, x = jobs[i]
+        for _ in range(200):
+            errors.append(_relative_error(_product(lib, "q4_1", x, w), x @ want[i].T))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(errors) == 200 * len(jobs) and max(errors) < 0.02
+
+
+def _child_product(queue, x: torch.Tensor, w) -> None:
+    queue.put(_product(native.load(), "q8_0", x, w).tolist())  # plain lists; only quanta's kernels: torch's OpenMP pool is not fork-safe
+
+
+def test_a_forked_child_starts_its_own_worker(two_threads):
+    """fork() copies the pool's state but not its worker thread; the child must not wait on it."""
+    w, x = forms.pack(gguf_blocks("q8_0", 64, 64), "q8_0"), torch.randn(2, 64)
+    want = _product(two_threads, "q8_0", x, w)  # the parent's worker is running
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_product, args=(queue, x, w))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=10)
+    assert child.exitcode == 0 and got == want.tolist()

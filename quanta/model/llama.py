@@ -168,6 +168,7 @@ class LlamaModel(nn.Module):
 
         Call after :meth:`pack_weights` and :meth:`quantize_weights`. Returns
         ``native`` or ``torch (<why not>)`` for the startup line; never raises.
+        The C kernels' thread count is ``self.native.threads``.
         """
         from quanta.model.native import NativeUnavailable
         from quanta.model.native_decode import NativeDecoder
@@ -240,6 +241,8 @@ class LlamaModel(nn.Module):
             self._tied_head_forms = attach(self.embed_tokens.weight, lm_head, True)
         self.quantized, self.weight_forms = counts, (tuple(projections), tuple(lm_head))
         self.form_rows = {k: max_rows[k] for k in counts}
+        if self.native is not None:
+            self.native.forget_plans()
         return counts
 
     def describe_kernels(self) -> str:

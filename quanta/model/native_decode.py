@@ -17,12 +17,32 @@ difference and checks greedy agreement.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
 from quanta.model import native
 from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
+from quanta.model.native import forms
+from quanta.model.quant import NATIVE_FORMS, QuantizedWeight
+
+
+def default_threads(cores: int | None = None) -> int:
+    """Threads of the C kernels in a decode step: 2 where the machine has 2 cores or more, else 1.
+
+    Every matmul's output columns and attention's cache positions are split over
+    both (``pool.c``). Measured on the 2-core dev VM (AVX-512 + bf16, embedded
+    model, ``benchmarks/peer_llama_cpp.py --servers quanta --workloads 2,3,4
+    --rounds 2``, which sets ``$QUANTA_NATIVE_THREADS``): one stream 7.6 -> 6.8 ms a
+    token, 8 streams 164 -> 188 tok/s, 32 requests on 8 slots 239 -> 297 tok/s,
+    with 2 instead of 1, although the event loop shares the second core.
+    ``$QUANTA_NATIVE_THREADS`` overrides it.
+    """
+    env = os.environ.get("QUANTA_NATIVE_THREADS")
+    if env:
+        return 2 if int(env) >= 2 else 1
+    return 2 if (cores or os.cpu_count() or 1) >= 2 else 1
 
 
 def unsupported_reason(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
@@ -61,16 +81,30 @@ class NativeDecoder:
         self.final_norm = f32(model.norm.weight)
         self.inv_freq = model.rope.inv_freq.float().contiguous()
         self._scratch: torch.Tensor | None = None
+        self._plans: dict[int, list[list[_Direct | None]]] = {}
+        #: threads of the C kernels in a step (pool.c: 1 or 2)
+        self.threads = default_threads()
 
-    def scratch(self, max_len: int) -> torch.Tensor:
-        """float32 work space big enough for every C call at ``max_len`` cache positions."""
+    def scratch(self, rows: int, max_len: int) -> torch.Tensor:
+        """float32 work space big enough for every C call of ``rows`` rows at ``max_len`` cache positions."""
         c = self.cfg
-        width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        group = c.num_attention_heads // c.num_key_value_heads
-        need = max(width + (group + 2) * c.head_dim + group * max_len, 2 * c.intermediate_size, c.hidden_size)
+        attention = self.lib.attention_scratch(rows, c.num_attention_heads, c.num_key_value_heads, c.head_dim, max_len)
+        need = max(attention, 2 * c.intermediate_size, c.hidden_size)
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch
+
+    def forget_plans(self) -> None:
+        """Drop the prepared calls (the model's weight forms changed)."""
+        self._plans.clear()
+
+    def plan(self, rows: int) -> list[list[_Direct | None]]:
+        """Per layer, its four projections (qkv, o, gate_up, down) at ``rows`` rows: the
+        q4_1 / q8_0 form :func:`quanta.model.linear.linear` would pick, called straight, or None
+        (the linear itself)."""
+        if rows not in self._plans:
+            self._plans[rows] = [[_Direct.pick(lin, rows) for lin in _projections(layer)] for layer in self.model.layers]
+        return self._plans[rows]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -78,31 +112,83 @@ class NativeDecoder:
         c, lib, io = self.cfg, self.lib, self.io_bf16
         rows, heads, kv_heads, dim = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kv = batch.kv
-        scratch = self.scratch(kv.max_len).data_ptr()
+        scratch = self.scratch(rows, kv.max_len).data_ptr()
+        lib.pool_set_threads(self.threads)
+        plan = self.plan(rows)
         x = self.model.embed_tokens(input_ids).float().contiguous()
+        width = (heads + 2 * kv_heads) * dim
         h = torch.empty(rows, c.hidden_size, dtype=self.dtype)
         attn = torch.empty(rows, heads * dim, dtype=self.dtype)
         mid = torch.empty(rows, c.intermediate_size, dtype=self.dtype)
+        outs = [torch.empty(rows, n, dtype=self.dtype) for n in (width, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)]
+        work = _MatmulScratch(rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size))
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
         slots, positions = batch.write_slots.data_ptr(), batch.positions.data_ptr()
         cache_bf16 = int(kv.k[0].dtype == torch.bfloat16)
         slot_stride, head_stride = kv.k[0].stride(0), kv.k[0].stride(1)
+
+        def project(layer, which: int, src: torch.Tensor) -> torch.Tensor:
+            direct = plan[i][which]
+            if direct is None:
+                return _checked(_projections(layer)[which](src), self.dtype)
+            direct(lib, rows, src.data_ptr(), io, outs[which].data_ptr(), work)
+            return outs[which]
+
         down = None
         for i, layer in enumerate(self.model.layers):
             norm_in, norm_post = self.norms[i]
             lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), norm_in.data_ptr(), self.eps, hp, io, scratch)
-            qkv = _checked(layer.self_attn.qkv_proj(h), self.dtype)
+            qkv = project(layer, 0, h)
             lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, self.inv_freq.data_ptr(), slots, positions,
-                                 kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_bf16, slot_stride, head_stride, ap, scratch)
-            o = _checked(layer.self_attn.o_proj(attn), self.dtype)
+                                 kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_bf16, slot_stride, head_stride, kv.max_len, ap, scratch)
+            o = project(layer, 1, attn)
             lib.residual_rms_norm(rows, c.hidden_size, xp, o.data_ptr(), norm_post.data_ptr(), self.eps, hp, io, scratch)
-            gate_up = _checked(layer.mlp.gate_up_proj(h), self.dtype)
+            gate_up = project(layer, 2, h)
             lib.silu_mul(rows, c.intermediate_size, gate_up.data_ptr(), io, mp, scratch)
-            down = _checked(layer.mlp.down_proj(mid), self.dtype)
+            down = project(layer, 3, mid)
         out = torch.empty(rows, c.hidden_size, dtype=self.dtype)
         lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), self.final_norm.data_ptr(), self.eps,
                               out.data_ptr(), io, scratch)
         return out
+
+
+def _projections(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+class _MatmulScratch:
+    """``block_matmul``'s scratch for ``rows`` rows of up to ``k`` inputs and ``n`` outputs."""
+
+    def __init__(self, rows: int, k: int, n: int) -> None:
+        self.quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
+        self.floats = torch.empty(rows * (k // forms.BLOCK) * 2 + rows * n, dtype=torch.float32)
+        self.q, self.xs = self.quantized.data_ptr(), self.floats.data_ptr()
+        self.acc = self.xs + rows * (k // forms.BLOCK) * 2 * 4
+
+
+class _Direct:
+    """A projection's q4_1 / q8_0 form called straight into ``block_matmul``: the same
+    kernel as :meth:`QuantizedWeight.__call__`, without its per-call tensors and checks
+    (~30 us of Python a call, against ~25-75 us of kernel at one row)."""
+
+    def __init__(self, form: QuantizedWeight) -> None:
+        self.form = form  # keeps data and scales alive
+        self.kind = 4 if form.kind == "q4_1" else 8
+        self.fine = int(form.fine)
+        self.n, self.k = form.data.shape[0] * 8, form.data.shape[1] * forms.BLOCK
+        self.data, self.scales = form.data.data_ptr(), form.scales.data_ptr()
+
+    @classmethod
+    def pick(cls, linear, rows: int) -> _Direct | None:
+        """The form ``linear`` takes at ``rows`` rows if it is a bias-free q4_1 / q8_0 one, else None."""
+        if getattr(linear, "bias", None) is not None:
+            return None
+        form = next((f for f in getattr(linear, "forms", ()) if rows <= f.max_rows), None)
+        return cls(form) if form is not None and form.kind in NATIVE_FORMS else None
+
+    def __call__(self, lib, rows: int, x: int, io_bf16: int, out: int, work: _MatmulScratch) -> None:
+        lib.block_matmul(self.kind, self.fine, rows, self.n, self.k, x, io_bf16, self.data, self.scales, out,
+                         work.q, work.xs, work.acc)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,4 +1,5 @@
-"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``) for this CPU.
+"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, and ``pool.c``, the
+two-thread fork-join they split their work over) for this CPU.
 
 The sources are compiled once per (source, compiler, CPU flags) with
 ``-O3 -march=native -ffast-math`` (:func:`march`) into a shared library cached under
@@ -19,18 +20,23 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c", "pool.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "pool.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
-LIBS = ("-lmvec", "-lm")
+LIBS = ("-lmvec", "-lm", "-lpthread")
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 _SIGNATURES = {
     "residual_rms_norm": (_I, _I, _P, _P, _P, _F, _P, _I, _P),
-    "attention_decode": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _L, _L, _P, _P),
+    "attention_decode": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _L, _L, _L, _P, _P),
+    "attention_scratch": (_I, _I, _I, _I, _L),
+    "pool_set_threads": (_I,),
+    "pool_threads": (),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
 }
+
+_RESULTS = {"attention_scratch": _L, "pool_threads": _I}
 
 
 class NativeUnavailable(RuntimeError):
@@ -125,5 +131,5 @@ def open_library(path: Path) -> ctypes.CDLL:
         raise NativeUnavailable(f"cannot load {path}: {e}") from e
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, _RESULTS.get(name)
     return lib

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "pool.h"
 
 /* x[r] += add[r] (when add is not NULL); out[r] = rmsnorm(x[r]) * weight.
  * x: float32 [rows, dim], updated in place; add, out: io dtype [rows, dim];
@@ -53,17 +54,21 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
 }
 
 /* One KV head's group of query heads (q: float32 [group, dim], pre-scaled) over cache
- * positions 0..len-1 at element offset `head`: each key and value row is converted to float32
- * once for the whole group. out: float32 [group, dim]; scores: [group, len]; row: [dim]. */
-static inline __attribute__((always_inline)) void attend_group(const float *q, int group, int dim, const void *k_cache, const void *v_cache, int bf16,
-                         int64_t head, int64_t len, float *scores, float *row, float *out) {
-    for (int64_t t = 0; t < len; t++) {
+ * positions t0..t1-1 at element offset `head`, each key and value row converted to float32
+ * once for the whole group: out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)),
+ * float32 [group][dim + 2], for the merge of attention_decode's parts (flash-decoding's split
+ * over positions); top = -FLT_MAX, sum 0 for no positions. scores: [group, t1 - t0]; row: [dim]. */
+static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
+                                                              const void *v_cache, int bf16, int64_t head, int64_t t0,
+                                                              int64_t t1, float *scores, float *row, float *out) {
+    int64_t len = t1 - t0;
+    for (int64_t t = t0; t < t1; t++) {
         load_row(k_cache, bf16, head + t * dim, dim, row);
         for (int j = 0; j < group; j++) {
             const float *qj = q + j * dim;
             float dot = 0.0f;
             for (int i = 0; i < dim; i++) dot += qj[i] * row[i];
-            scores[j * len + t] = dot;
+            scores[j * len + t - t0] = dot;
         }
     }
     for (int j = 0; j < group; j++) {
@@ -74,31 +79,74 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, i
             sj[t] = expf(sj[t] - top);
             total += sj[t];
         }
-        float inv = 1.0f / total;
-        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+        float *oj = out + j * (dim + 2);
+        memset(oj, 0, (size_t)dim * sizeof(float));
+        oj[dim] = top;
+        oj[dim + 1] = total;
     }
-    memset(out, 0, (size_t)group * dim * sizeof(float));
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         load_row(v_cache, bf16, head + t * dim, dim, row);
         for (int j = 0; j < group; j++) {
-            float p = scores[j * len + t], *oj = out + j * dim;
+            float p = scores[j * len + t - t0], *oj = out + j * (dim + 2);
             for (int i = 0; i < dim; i++) oj[i] += p * row[i];
         }
     }
 }
 
+#define PARTS 2 /* pool.c's threads at most */
+
+struct attention_job {
+    int rows, heads, kv_heads, dim, cache_bf16;
+    const float *q; /* [rows, heads * dim], rotated and scaled */
+    const int64_t *slots, *positions;
+    const void *k_cache, *v_cache;
+    int64_t slot_stride, head_stride, max_len;
+    float *work;     /* per part: [dim + group * max_len] */
+    float *partials; /* [PARTS, rows, heads, dim + 2] */
+};
+
+/* Share `part` of every (row, KV head)'s cache positions. */
+static void attention_part(void *arg, int part, int parts) {
+    const struct attention_job *j = arg;
+    int dim = j->dim, group = j->heads / j->kv_heads;
+    float *row = j->work + (int64_t)part * (dim + group * j->max_len), *scores = row + dim;
+    for (int r = 0; r < j->rows; r++) {
+        int64_t t0, t1;
+        pool_share(j->positions[r] + 1, 1, part, parts, &t0, &t1);
+        for (int g = 0; g < j->kv_heads; g++) {
+            const float *q = j->q + ((int64_t)r * j->heads + g * group) * dim;
+            float *out = j->partials + (((int64_t)part * j->rows + r) * j->heads + g * group) * (dim + 2);
+            int64_t head = j->slots[r] * j->slot_stride + g * j->head_stride;
+            if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
+                attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, row, out);
+            else if (dim == 128)
+                attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, row, out);
+            else
+                attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, row, out);
+        }
+    }
+}
+
+/* Float32 scratch attention_decode needs (elements). */
+int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
+    int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    return (int64_t)rows * heads * dim + width + dim + PARTS * (dim + group * max_len) +
+           (int64_t)PARTS * rows * heads * (dim + 2);
+}
+
 /* One decode token per row: RoPE on q and k, write k and v into the cache at
- * (slots[r], :, positions[r]), then attend over positions 0..positions[r].
+ * (slots[r], :, positions[r]), then attend over positions 0..positions[r], the positions
+ * split over pool.c's threads and the parts merged here.
  * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
  * inv_freq: float32 [dim / 2]; out: io [rows, heads * dim];
- * scratch: float32 [(heads + 2 kv_heads) * dim + (heads / kv_heads + 2) * dim + heads / kv_heads * max_len]. */
+ * scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
                       const float *inv_freq, const int64_t *slots, const int64_t *positions,
                       void *k_cache, void *v_cache, int cache_bf16, int64_t slot_stride,
-                      int64_t head_stride, void *out, float *scratch) {
+                      int64_t head_stride, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
-    float *row = scratch, *cos_t = row + width, *sin_t = cos_t + half, *acc = sin_t + half;
-    float *kv_row = acc + group * dim, *scores = kv_row + dim;
+    float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
+    float *work = sin_t + half, *partials = work + PARTS * (dim + group * max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -116,21 +164,31 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
             store_row(k_cache, cache_bf16, at, dim, k + g * dim);
             store_row(v_cache, cache_bf16, at, dim, v + g * dim);
         }
-        for (int h = 0; h < heads; h++) {
-            float *qh = q + h * dim;
-            for (int i = 0; i < dim; i++) qh[i] *= scale;
+        float *qr = qs + (int64_t)r * heads * dim;
+        for (int i = 0; i < heads * dim; i++) qr[i] = q[i] * scale;
+    }
+    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, slots, positions, k_cache, v_cache,
+                                slot_stride, head_stride, max_len, work, partials};
+    int parts = pool_run(attention_part, &job);
+    for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
+        float *acc = row; /* free now: [dim] */
+        const float *first = partials + rh * (dim + 2);
+        float top = first[dim];
+        for (int p = 1; p < parts; p++) {
+            float t = partials[((int64_t)p * rows * heads + rh) * (dim + 2) + dim];
+            top = t > top ? t : top;
         }
-        for (int g = 0; g < kv_heads; g++) {
-            const float *qg = q + g * group * dim;
-            int64_t head = base + g * head_stride;
-            if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-                attend_group(qg, group, 64, k_cache, v_cache, cache_bf16, head, pos + 1, scores, kv_row, acc);
-            else if (dim == 128)
-                attend_group(qg, group, 128, k_cache, v_cache, cache_bf16, head, pos + 1, scores, kv_row, acc);
-            else
-                attend_group(qg, group, dim, k_cache, v_cache, cache_bf16, head, pos + 1, scores, kv_row, acc);
-            store_row(out, io_bf16, (int64_t)r * heads * dim + g * group * dim, group * dim, acc);
+        float total = 0.0f;
+        memset(acc, 0, (size_t)dim * sizeof(float));
+        for (int p = 0; p < parts; p++) {
+            const float *o = partials + ((int64_t)p * rows * heads + rh) * (dim + 2);
+            float w = o[dim + 1] > 0.0f ? expf(o[dim] - top) : 0.0f;
+            total += w * o[dim + 1];
+            for (int i = 0; i < dim; i++) acc[i] += w * o[i];
         }
+        float inv = 1.0f / total;
+        for (int i = 0; i < dim; i++) acc[i] *= inv;
+        store_row(out, io_bf16, rh * dim, dim, acc);
     }
 }
 

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "pool.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "qmatmul.c needs AVX2, FMA and F16C"
@@ -260,65 +261,92 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
 
 /* ---- drivers ---- */
 
-static inline __attribute__((always_inline)) void q4_rows(int F, int R, int n, int k, const int8_t *p, const float *xs,
-                                                          const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
-    int64_t g = 0;
+/* column groups [g0, g1) (g0 even) of R rows */
+static inline __attribute__((always_inline)) void q4_rows(int F, int R, int64_t g0, int64_t g1, int k, const int8_t *p,
+                                                          const float *xs, const uint8_t *qs, const uint16_t *dm, float *out,
+                                                          int ldo) {
+    int64_t g = g0;
 #ifdef HAVE_ZMM
     /* 512-bit only from 3 rows: at 1-2 rows the two interleaved streams of a group pair read cold
      * weights slower (whole decode steps, bf16: 12.9-14.9 vs 9.2-9.5 ms at one row, 17-21 vs
      * 19-24 ms at 4; benchmarks/quant_kernels.py with QUANTA_NATIVE_MARCH=haswell for 256-bit) */
     if (R >= 3)
-        for (; g + 1 < n / 8; g += 2) q4_group16(F, R, g, k, p, xs, qs, dm, out, ldo);
+        for (; g + 1 < g1; g += 2) q4_group16(F, R, g, k, p, xs, qs, dm, out, ldo);
 #endif
-    for (; g < n / 8; g++) q4_group8(F, R, g, k, p, xs, qs, dm, out, ldo);
+    for (; g < g1; g++) q4_group8(F, R, g, k, p, xs, qs, dm, out, ldo);
 }
 
-static inline __attribute__((always_inline)) void q8_rows(int F, int R, int n, int k, const int8_t *p, const float *xs,
-                                                          const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
-    int64_t g = 0;
+/* column groups [g0, g1) (g0 even) of R rows */
+static inline __attribute__((always_inline)) void q8_rows(int F, int R, int64_t g0, int64_t g1, int k, const int8_t *p,
+                                                          const float *xs, const int8_t *qs, const uint16_t *dd, float *out,
+                                                          int ldo) {
+    int64_t g = g0;
 #ifdef HAVE_ZMM
     /* 512-bit only from 3 rows: at 1-2 rows the two interleaved streams of a group pair read cold
      * weights slower (whole decode steps, bf16: 12.9-14.9 vs 9.2-9.5 ms at one row, 17-21 vs
      * 19-24 ms at 4; benchmarks/quant_kernels.py with QUANTA_NATIVE_MARCH=haswell for 256-bit) */
     if (R >= 3)
-        for (; g + 1 < n / 8; g += 2) q8_group16(F, R, g, k, p, xs, qs, dd, out, ldo);
+        for (; g + 1 < g1; g += 2) q8_group16(F, R, g, k, p, xs, qs, dd, out, ldo);
 #endif
-    for (; g < n / 8; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
+    for (; g < g1; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
+}
+
+struct matmul_job {
+    int kind, fine, rows, n, k, io_bf16;
+    const int8_t *p;
+    const float *xs;
+    const void *qs;
+    const uint16_t *scales;
+    void *out;
+    float *acc;
+};
+
+/* The job's column groups of share `part`: every row, 4 at a time, each weight block unpacked once for them. */
+static void matmul_part(void *arg, int part, int parts) {
+    const struct matmul_job *j = arg;
+    int n = j->n, k = j->k, blocks = k / QK;
+    int64_t g0, g1;
+    pool_share(n / 8, 2, part, parts, &g0, &g1); /* pairs of groups: the 512-bit tiles take two */
+    if (g0 >= g1) return;
+    const void *qs = j->qs;
+    const uint16_t *scales = j->scales;
+    for (int r0 = 0; r0 < j->rows; r0 += 4) {
+        int R = j->rows - r0 < 4 ? j->rows - r0 : 4;
+        const int8_t *pr = j->p + (int64_t)r0 * 2 * k;
+        const float *xr = j->xs + (int64_t)r0 * blocks * 2;
+        float *o = j->acc + (int64_t)r0 * n;
+        switch (j->kind * 100 + (j->fine ? 10 : 0) + R) { /* constants, so the tile loops unroll */
+            case 401: q4_rows(0, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 402: q4_rows(0, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 403: q4_rows(0, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 404: q4_rows(0, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 411: q4_rows(1, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 412: q4_rows(1, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 413: q4_rows(1, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 414: q4_rows(1, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 801: q8_rows(0, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 802: q8_rows(0, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 803: q8_rows(0, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 804: q8_rows(0, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 811: q8_rows(1, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 812: q8_rows(1, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            case 813: q8_rows(1, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            default: q8_rows(1, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
+        }
+    }
+    for (int r = 0; r < j->rows; r++)
+        store_row(j->out, j->io_bf16, (int64_t)r * n + g0 * 8, (g1 - g0) * 8, j->acc + (int64_t)r * n + g0 * 8);
 }
 
 /* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
  * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
  * [n / 8, k / 32, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
- * acc float32 [rows, n]. fine: 15-bit activations, else 8-bit. Rows go 4 at a time, each
- * weight block unpacked once for them. */
+ * acc float32 [rows, n]. fine: 15-bit activations, else 8-bit. The output columns are split
+ * over the pool's threads (pool.c). */
 void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
     quantize_rows(rows, k, x, io_bf16, fine, p, xs);
-    int blocks = k / QK;
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-        int R = rows - r0 < 4 ? rows - r0 : 4;
-        const int8_t *pr = p + (int64_t)r0 * 2 * k;
-        const float *xr = xs + (int64_t)r0 * blocks * 2;
-        float *o = acc + (int64_t)r0 * n;
-        switch (kind * 100 + (fine ? 10 : 0) + R) { /* constants, so the tile loops unroll */
-            case 401: q4_rows(0, 1, n, k, pr, xr, qs, scales, o, n); break;
-            case 402: q4_rows(0, 2, n, k, pr, xr, qs, scales, o, n); break;
-            case 403: q4_rows(0, 3, n, k, pr, xr, qs, scales, o, n); break;
-            case 404: q4_rows(0, 4, n, k, pr, xr, qs, scales, o, n); break;
-            case 411: q4_rows(1, 1, n, k, pr, xr, qs, scales, o, n); break;
-            case 412: q4_rows(1, 2, n, k, pr, xr, qs, scales, o, n); break;
-            case 413: q4_rows(1, 3, n, k, pr, xr, qs, scales, o, n); break;
-            case 414: q4_rows(1, 4, n, k, pr, xr, qs, scales, o, n); break;
-            case 801: q8_rows(0, 1, n, k, pr, xr, qs, scales, o, n); break;
-            case 802: q8_rows(0, 2, n, k, pr, xr, qs, scales, o, n); break;
-            case 803: q8_rows(0, 3, n, k, pr, xr, qs, scales, o, n); break;
-            case 804: q8_rows(0, 4, n, k, pr, xr, qs, scales, o, n); break;
-            case 811: q8_rows(1, 1, n, k, pr, xr, qs, scales, o, n); break;
-            case 812: q8_rows(1, 2, n, k, pr, xr, qs, scales, o, n); break;
-            case 813: q8_rows(1, 3, n, k, pr, xr, qs, scales, o, n); break;
-            default: q8_rows(1, 4, n, k, pr, xr, qs, scales, o, n); break;
-        }
-    }
-    store_row(out, io_bf16, 0, (int64_t)rows * n, acc);
+    struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, qs, scales, out, acc};
+    pool_run(matmul_part, &job);
 }
