@@ -50,6 +50,10 @@ THREADS = os.cpu_count() or 2
 LLAMA_ARGS = ["-t", str(THREADS), "-np", "8", "-c", "32768"]
 QUANTA_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096"]
 
+#: environment variables that change which kernels either server runs (recorded with the results)
+ENV_KNOBS = ("QUANTA_NATIVE_MARCH", "QUANTA_NATIVE_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+             "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+
 #: name -> (quanta bench run flags, figure, unit, higher is better)
 WORKLOADS = {
     "prefill, 1,000-word prompt, nothing else running": (
@@ -156,10 +160,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "peer_llama_cpp")
     ap.add_argument("--servers", default="llama-server,quanta", help="comma list, for a quick look at one side")
     ap.add_argument("--workloads", default=None, help="comma list of workload numbers (1-5) to run (default: all)")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="a llama-server binary to use instead of the cached build (e.g. one built for AVX2 only)")
     args = ap.parse_args()
     picked = {int(i) for i in args.workloads.split(",")} if args.workloads else set(range(1, len(WORKLOADS) + 1))
     workloads = {name: w for i, (name, w) in enumerate(WORKLOADS.items(), 1) if i in picked}
-    binary = build_llama_server()
+    binary = args.llama_server or build_llama_server()
     gguf = embedded_model_path()
     workdir = Path(tempfile.mkdtemp(prefix="quanta-peer-"))
     ports = {"llama-server": free_port(), "quanta": free_port()}
@@ -183,7 +189,8 @@ def main() -> int:
                 stop(proc)
     info = {**machine(), "cpu_flags": cpu_summary(), "llama_cpp_python": LLAMA_CPP_PYTHON,
             "llama_server_args": LLAMA_ARGS, "quanta_args": QUANTA_ARGS + shlex.split(args.quanta_args),
-            "quanta_startup": _startup_line(workdir / "quanta.log")}
+            "llama_server_binary": str(binary), "quanta_startup": _startup_line(workdir / "quanta.log"),
+            "env": {k: v for k, v in os.environ.items() if k in ENV_KNOBS}}
     table = render(results, info, args.rounds)
     print(table)
     print(f"bench results (quanta's carry its server trace, for quanta profile-engine --from-bench): {workdir}")
@@ -208,6 +215,8 @@ def render(results: dict, info: dict, rounds: int) -> str:
            f"- machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {info['cpu_flags']}",
            f"- llama-server: llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON}, CPU Release, `{' '.join(LLAMA_ARGS)}`",
            f"- quanta: `quanta serve {' '.join(info['quanta_args'])}`; startup: `{info['quanta_startup']}`",
+           f"- llama-server binary: `{info['llama_server_binary']}`; kernel environment: "
+           + (", ".join(f"`{k}={v}`" for k, v in info["env"].items()) or "none set"),
            "- model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF for both; client: `quanta bench run` on the same machine",
            f"- {rounds} rounds, servers alternating first; median (min-max) over rounds; ratio = quanta / llama-server "
            "of the medians (for time per token: llama / quanta, so > 1 means quanta is faster)", "",

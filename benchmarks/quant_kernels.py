@@ -98,9 +98,11 @@ def main() -> int:
                                     "weight_bytes": weight_bytes(model, forms)}
         print(f"  measured {forms}", file=sys.stderr)
     info = {**machine(), "cpu_flags": cpu_summary(), "aten_cpu_capability": isa, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "native_decode": args.native_decode, "native_march": native_march()}
+            "torch": torch.__version__, "native_decode": args.native_decode, "native_march": native_march(),
+            "native_threads": model.native.threads if model.native else None}
     print(f"\nmachine: {info['cpu']} ({info['cpu_flags']}; ATen dispatch {isa}), {info['threads']} threads; "
-          f"dtype {str(dtype).removeprefix('torch.')}; native decode {args.native_decode} (-march={native_march()}); "
+          f"dtype {str(dtype).removeprefix('torch.')}; native decode {args.native_decode} (-march={native_march()}, "
+          f"{info['native_threads']} C-kernel threads); "
           f"memory read {bandwidth:.1f} GB/s; "
           f"median of {args.repeats} steps, ms per decode step (forward + logits)\n")
     print("| projections/lm_head | weights read (MB) | bandwidth bound at 1 row (ms) | " + " | ".join(f"{r} rows" for r in ROWS) + " |")

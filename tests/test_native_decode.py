@@ -15,10 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from quanta.config import EngineConfig, SchedulerConfig
+from quanta.engine.sampling import SamplingParams
+from quanta.launch import build_engine, load_model
 from quanta.model import native
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.llama import LlamaModel
 from quanta.model.native.forms import available
+from quanta.model.presets import _embedded_tokenizer as embedded_tokenizer
 from tiny_llama import LLAMA3_ROPE, TINY, load_ours
 
 pytestmark = pytest.mark.skipif(not available(), reason="quanta's C kernels do not build on this machine")
@@ -145,3 +149,39 @@ def test_the_serve_flag_turns_native_decode_off_and_the_startup_line_says_so():
     assert configs_from_args(parse_serve_flags([]))[0].native_decode is True
     loaded = load_model(None, torch.float32, "none", native_decode=engine_cfg.native_decode)
     assert loaded.model.native is None and loaded.kernels.endswith("decode=torch (--native-decode off)")
+
+
+def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp_path):
+    """claim_threads: an all-decode step whose projections are all C calls runs the C pool on 2
+    threads and torch on 1; prefill steps and decode steps past the q4_1 form's row limit run
+    the pool on 1 and torch on its own count, which the executor leaves as it found it."""
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]).save_pretrained(tmp_path)
+    embedded_tokenizer().save_pretrained(tmp_path)  # load_model wants one; the requests are token ids
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loaded = load_model(str(tmp_path), torch.float32, "q4_1")
+        model, lib = loaded.model, native.load()
+        model.native.threads = 2
+        limit = model.form_rows["q4_1"]
+        seen: list[tuple[int, bool, int, int]] = []  # (tokens, all decode, torch threads, C threads) a step
+        forward = model.forward
+
+        def record(input_ids, batch):
+            seen.append((input_ids.shape[0], batch.all_decode, torch.get_num_threads(), lib.pool_threads()))
+            return forward(input_ids, batch)
+
+        model.forward = record
+        engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", limit + 1, {}))
+        for i in range(limit + 1):  # request 0 outlives the others: its last steps decode alone
+            engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=limit + 4 + 3 * (i == 0), temperature=0,
+                                                            ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    for tokens, all_decode, torch_threads, c_threads in seen:
+        carried = all_decode and tokens <= limit
+        assert (torch_threads, c_threads) == ((1, 2) if carried else (2, 1)), (tokens, all_decode)
+    assert {(t, d) for t, d, _, _ in seen} >= {(1, True), (limit + 1, True)} and not all(d for _, d, _, _ in seen)

@@ -47,7 +47,9 @@ class ModelExecutor(Executor):
         decode_threads: intra-op threads of steps of at most
             ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
             construction, which larger steps use; ``quanta serve`` sets
-            :func:`default_decode_threads`).
+            :func:`default_decode_threads`). A step the native decoder's C
+            kernels carry runs torch on 1 thread instead
+            (:meth:`quanta.model.native_decode.NativeDecoder.claim_threads`).
     """
 
     def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int, decode_threads: int | None = None) -> None:
@@ -70,18 +72,29 @@ class ModelExecutor(Executor):
             if start + n >= seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 samplers.append(seq)
-        torch.set_num_threads(self.decode_threads if len(ids) <= DECODE_STEP_TOKENS else self.prefill_threads)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long), AttentionBatch(slices, self.kv))
+        batch = AttentionBatch(slices, self.kv)
+        threads = self.decode_threads if len(ids) <= DECODE_STEP_TOKENS else self.prefill_threads
+        if self.model.native is not None:
+            threads = self.model.native.claim_threads(len(ids), batch.all_decode, threads)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            tokens = self._forward_and_sample(ids, batch, sample_rows, samplers)
+        finally:
+            torch.set_num_threads(before)  # the process's setting stays as found
         stats = self.model.expert_stats()
         experts = stats.to_dict() if stats is not None else None
-        tokens: list[int] = []
-        if samplers:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            tokens = self.sampler.sample(
-                logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]
-            )
         by_seq = dict(zip((s.seq_id for s in samplers), tokens))
         return StepResult([by_seq.get(c.seq.seq_id) for c in plan.chunks], experts)
+
+    def _forward_and_sample(self, ids: list[int], batch: AttentionBatch, sample_rows: list[int], samplers: list) -> list[int]:
+        hidden = self.model(torch.tensor(ids, dtype=torch.long), batch)
+        if not samplers:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler.sample(
+            logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]
+        )
 
     def release(self, seq_id: int) -> None:
         """Forget per-sequence sampler state."""

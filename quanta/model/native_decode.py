@@ -106,6 +106,27 @@ class NativeDecoder:
             self._plans[rows] = [[_Direct.pick(lin, rows) for lin in _projections(layer)] for layer in self.model.layers]
         return self._plans[rows]
 
+    def covers(self, rows: int) -> bool:
+        """Whether every projection of a ``rows``-row decode step is a direct C call (:meth:`plan`)."""
+        return all(d is not None for layer in self.plan(rows) for d in layer)
+
+    def claim_threads(self, tokens: int, all_decode: bool, torch_threads: int) -> int:
+        """Split the cores between the C kernels' pool and torch's for one step of ``tokens`` tokens.
+
+        A step the C kernels carry (all decode, :meth:`covers`) runs them on
+        :attr:`threads` threads and torch (embedding, sampling, an LM head outside
+        the C forms) on 1; any other step runs the C kernels on 1 and torch on
+        ``torch_threads``: each pool's idle threads spin between calls and take the
+        core the other pool needs. Measured in-process on the 2-core dev VM
+        (AVX-512 + bf16, embedded model, ``benchmarks/engine_throughput.py``'s decode,
+        medians of 3): 1 row 118 tok/s with both pools at 2 threads, 180 with C 1 /
+        torch 2, 274 with C 2 / torch 1; 8 rows 458 / 539 / 649; 32 rows (torch's
+        bf16 matmuls) 732 / 850 / 578. Returns torch's thread count for the step.
+        """
+        carried = all_decode and self.covers(tokens)
+        self.lib.pool_set_threads(self.threads if carried else 1)
+        return 1 if carried else torch_threads
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """``[T]`` token ids, one per decoding sequence -> ``[T, hidden]`` final-normed hidden states (model dtype)."""
@@ -113,7 +134,7 @@ class NativeDecoder:
         rows, heads, kv_heads, dim = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kv = batch.kv
         scratch = self.scratch(rows, kv.max_len).data_ptr()
-        lib.pool_set_threads(self.threads)
+        lib.pool_set_threads(self.threads if self.covers(rows) else 1)  # see claim_threads
         plan = self.plan(rows)
         x = self.model.embed_tokens(input_ids).float().contiguous()
         width = (heads + 2 * kv_heads) * dim

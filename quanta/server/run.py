@@ -43,7 +43,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "prefill_threads": engine.executor.prefill_threads,
         "api_key": bool(access and access.api_keys), "cors_origins": list(access.cors_origins) if access else [],
     }
-    log.info("%s max_model_len=%d dtype=%s prefix_cache=%s quantization=%s kernels: %s; cpu: %s; threads: decode %d, prefill %d",
+    log.info("%s max_model_len=%d dtype=%s prefix_cache=%s quantization=%s kernels: %s; cpu: %s; torch threads: decode %d, prefill %d",
              sched_cfg.describe(), engine.max_model_len, config["dtype"], "on" if engine_cfg.prefix_cache else "off",
              engine_cfg.quantization, loaded.kernels, config["cpu_flags"], config["decode_threads"], config["prefill_threads"])
     async_engine = AsyncEngine(engine, engine_cfg.max_queue)
