@@ -33,11 +33,11 @@ def default_threads(cores: int | None = None) -> int:
 
     Every matmul's output columns and attention's cache positions are split over
     both (``pool.c``). Measured on the 2-core dev VM (AVX-512 + bf16, embedded
-    model, ``benchmarks/peer_llama_cpp.py --servers quanta --workloads 2,3,4
-    --rounds 2``, which sets ``$QUANTA_NATIVE_THREADS``): one stream 7.6 -> 6.8 ms a
-    token, 8 streams 164 -> 188 tok/s, 32 requests on 8 slots 239 -> 297 tok/s,
-    with 2 instead of 1, although the event loop shares the second core.
-    ``$QUANTA_NATIVE_THREADS`` overrides it.
+    model, ``QUANTA_NATIVE_THREADS=1|2 benchmarks/peer_llama_cpp.py --servers quanta
+    --workloads 2,3,4 --rounds 1``, two runs each, alternating): one stream 5.6-5.7 ->
+    4.6-5.3 ms a token, 8 streams 252-255 -> 250-278 tok/s, 32 requests on 8 slots
+    339-345 -> 377-447 tok/s, with 2 instead of 1, although the event loop shares the
+    second core. ``$QUANTA_NATIVE_THREADS`` overrides it.
     """
     env = os.environ.get("QUANTA_NATIVE_THREADS")
     if env:
