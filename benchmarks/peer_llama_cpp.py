@@ -18,7 +18,11 @@ client-side (``llama-server`` has no step trace):
 
 Usage: ``python benchmarks/peer_llama_cpp.py [--rounds 3] [--out benchmarks/results/peer_llama_cpp]``
 (``--servers quanta --workloads 2,3`` for a quick look at part of it; only whole runs write results)
-(never run in CI). Extra quanta flags: ``--quanta-args "--quantization none"``.
+(never run in CI). Extra quanta flags: ``--quanta-args "--quantization none"``. The AVX2 kind on an
+AVX-512 machine: build ``llama-server`` with ``-DGGML_NATIVE=OFF -DGGML_AVX512=OFF`` into another
+build directory, pass it as ``--llama-server PATH``, and run with ``QUANTA_NATIVE_MARCH=haswell
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``--quanta-args
+"--dtype fp32"`` (the environment is recorded with the results).
 """
 
 from __future__ import annotations
