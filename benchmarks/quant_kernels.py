@@ -52,17 +52,21 @@ def memory_bandwidth() -> float:
 
 def step_ms(model, kv: KVCache, rows: int, repeats: int) -> float:
     """Median ms of one decode forward of ``rows`` sequences plus their logits, on the threads
-    the engine's executor would give the step (``NativeDecoder.claim_threads``)."""
+    the engine's executor would give them (``NativeDecoder.claim_threads`` and ``head_threads``)."""
     ids = torch.randint(100, 40000, (rows,))
     times = []
     before = torch.get_num_threads()
-    if model.native is not None:
-        torch.set_num_threads(model.native.claim_threads(rows, True, before))
+    native = model.native
     try:
         for _ in range(repeats + 2):
             batch = AttentionBatch([SeqSlice(i, CONTEXT, 1) for i in range(rows)], kv)
             t0 = time.perf_counter()
-            model.compute_logits(model(ids, batch))
+            if native is not None:
+                torch.set_num_threads(native.claim_threads(rows, True, before))
+            hidden = model(ids, batch)
+            if native is not None:
+                torch.set_num_threads(native.head_threads(rows, before))
+            model.compute_logits(hidden)
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)

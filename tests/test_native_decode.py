@@ -154,24 +154,32 @@ def test_the_serve_flag_turns_native_decode_off_and_the_startup_line_says_so():
 def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp_path):
     """claim_threads: an all-decode step whose projections are all C calls runs the C pool on 2
     threads and torch on 1; prefill steps and decode steps past the q4_1 form's row limit run
-    the pool on 1 and torch on its own count, which the executor leaves as it found it."""
-    AutoModelForCausalLM.from_config(CONFIGS["llama"]).save_pretrained(tmp_path)
+    the pool on 1 and torch on its own count, which the executor leaves as it found it.
+    head_threads: the same split for the LM head, by its own form (q8_0 up to 2 rows)."""
+    config = LlamaConfig(**{**TINY, "vocab_size": 256}, tie_word_embeddings=True)  # q8_0 packs 8 columns a group
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     embedded_tokenizer().save_pretrained(tmp_path)  # load_model wants one; the requests are token ids
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         loaded = load_model(str(tmp_path), torch.float32, "q4_1")
         model, lib = loaded.model, native.load()
+        model.quantize_weights(("q4_1",), ("q8_0",), {"q4_1": 8, "q8_0": 2})
         model.native.threads = 2
         limit = model.form_rows["q4_1"]
         seen: list[tuple[int, bool, int, int]] = []  # (tokens, all decode, torch threads, C threads) a step
-        forward = model.forward
+        heads: list[tuple[int, int, int]] = []  # (rows, torch threads, C threads) an LM head
+        forward, compute_logits = model.forward, model.compute_logits
 
         def record(input_ids, batch):
             seen.append((input_ids.shape[0], batch.all_decode, torch.get_num_threads(), lib.pool_threads()))
             return forward(input_ids, batch)
 
-        model.forward = record
+        def record_head(hidden):
+            heads.append((hidden.shape[0], torch.get_num_threads(), lib.pool_threads()))
+            return compute_logits(hidden)
+
+        model.forward, model.compute_logits = record, record_head
         engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", limit + 1, {}))
         for i in range(limit + 1):  # request 0 outlives the others: its last steps decode alone
             engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=limit + 4 + 3 * (i == 0), temperature=0,
@@ -185,3 +193,6 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
         carried = all_decode and tokens <= limit
         assert (torch_threads, c_threads) == ((1, 2) if carried else (2, 1)), (tokens, all_decode)
     assert {(t, d) for t, d, _, _ in seen} >= {(1, True), (limit + 1, True)} and not all(d for _, d, _, _ in seen)
+    assert {rows for rows, _, _ in heads} >= {1, limit + 1}
+    for rows, torch_threads, c_threads in heads:
+        assert (torch_threads, c_threads) == ((1, 2) if rows <= 2 else (2, 1)), rows

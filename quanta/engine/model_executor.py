@@ -49,7 +49,9 @@ class ModelExecutor(Executor):
             construction, which larger steps use; ``quanta serve`` sets
             :func:`default_decode_threads`). A step the native decoder's C
             kernels carry runs torch on 1 thread instead
-            (:meth:`quanta.model.native_decode.NativeDecoder.claim_threads`).
+            (:meth:`quanta.model.native_decode.NativeDecoder.claim_threads`); the
+            LM head gets its own split (``head_threads``: all of torch's threads
+            for a head outside the C forms).
     """
 
     def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int, decode_threads: int | None = None) -> None:
@@ -91,6 +93,8 @@ class ModelExecutor(Executor):
         hidden = self.model(torch.tensor(ids, dtype=torch.long), batch)
         if not samplers:
             return []
+        if self.model.native is not None:
+            torch.set_num_threads(self.model.native.head_threads(len(sample_rows), self.prefill_threads))
         logits = self.model.compute_logits(hidden[sample_rows])
         return self.sampler.sample(
             logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]

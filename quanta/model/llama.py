@@ -184,6 +184,11 @@ class LlamaModel(nn.Module):
         """Expert activity of the last :meth:`forward`, averaged over MoE layers (None if dense)."""
         return expert_stats(self.moe_blocks, self._last_num_tokens)
 
+    @property
+    def lm_head_forms(self) -> tuple[QuantizedWeight, ...]:
+        """The LM head's weight forms (:meth:`quantize_weights`), tied or not."""
+        return self.lm_head.forms if self.lm_head is not None else self._tied_head_forms
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""

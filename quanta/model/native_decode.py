@@ -114,8 +114,7 @@ class NativeDecoder:
         """Split the cores between the C kernels' pool and torch's for one step of ``tokens`` tokens.
 
         A step the C kernels carry (all decode, :meth:`covers`) runs them on
-        :attr:`threads` threads and torch (embedding, sampling, an LM head outside
-        the C forms) on 1; any other step runs the C kernels on 1 and torch on
+        :attr:`threads` threads and torch (the embedding lookup) on 1; any other step runs the C kernels on 1 and torch on
         ``torch_threads``: each pool's idle threads spin between calls and take the
         core the other pool needs. Measured in-process on the 2-core dev VM
         (AVX-512 + bf16, embedded model, ``benchmarks/engine_throughput.py``'s decode,
@@ -124,6 +123,21 @@ class NativeDecoder:
         bf16 matmuls) 732 / 850 / 578. Returns torch's thread count for the step.
         """
         carried = all_decode and self.covers(tokens)
+        self.lib.pool_set_threads(self.threads if carried else 1)
+        return 1 if carried else torch_threads
+
+    def head_threads(self, rows: int, torch_threads: int) -> int:
+        """Split the cores for the LM head of ``rows`` sampled rows, as :meth:`claim_threads`
+        does for the forward: a C form (the q8_0 head up to its row limit) gets the C pool's
+        :attr:`threads` and torch 1; any other form gets torch's ``torch_threads`` (one large
+        GEMM, which a preempted thread delays little) and the pool 1. Measured through HTTP on
+        the 2-core dev VM (``benchmarks/peer_llama_cpp.py --servers quanta --workloads 3,4
+        --rounds 1``, two runs each, alternating), torch on 2 threads instead of 1 for a head
+        above 2 rows: bf16, 8 streams 234-254 -> 281-298 tok/s, 32 on 8 slots 394-439 -> 456-462;
+        AVX2 kernels forced (fp32, fp16 head), 205-221 -> 208-211 and 290-299 -> 316-318.
+        Returns torch's thread count for the head.
+        """
+        carried = native_form(self.model.lm_head_forms, rows) is not None
         self.lib.pool_set_threads(self.threads if carried else 1)
         return 1 if carried else torch_threads
 
@@ -173,6 +187,13 @@ class NativeDecoder:
         return out
 
 
+def native_form(forms: tuple[QuantizedWeight, ...], rows: int) -> QuantizedWeight | None:
+    """The form of ``forms`` a ``rows``-row call takes (the first whose limit covers it) if it is
+    one of quanta's C forms (q4_1 / q8_0), else None."""
+    form = next((f for f in forms if rows <= f.max_rows), None)
+    return form if form is not None and form.kind in NATIVE_FORMS else None
+
+
 def _projections(layer) -> tuple:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
@@ -204,8 +225,8 @@ class _Direct:
         """The form ``linear`` takes at ``rows`` rows if it is a bias-free q4_1 / q8_0 one, else None."""
         if getattr(linear, "bias", None) is not None:
             return None
-        form = next((f for f in getattr(linear, "forms", ()) if rows <= f.max_rows), None)
-        return cls(form) if form is not None and form.kind in NATIVE_FORMS else None
+        form = native_form(getattr(linear, "forms", ()), rows)
+        return cls(form) if form is not None else None
 
     def __call__(self, lib, rows: int, x: int, io_bf16: int, out: int, work: _MatmulScratch) -> None:
         lib.block_matmul(self.kind, self.fine, rows, self.n, self.k, x, io_bf16, self.data, self.scales, out,
