@@ -16,6 +16,9 @@ To see the AVX2 kernels on an AVX-512 machine, run it with
 
 from __future__ import annotations
 
+import quanta  # noqa: F401  first: it sets libgomp's spin count before torch loads libgomp (quanta/__init__.py)
+
+# isort: split
 import argparse
 import os
 import statistics

@@ -18,6 +18,9 @@ Usage: ``python benchmarks/engine_throughput.py [--dtype bf16|fp32] [--quantizat
 
 from __future__ import annotations
 
+import quanta  # noqa: F401  first: it sets libgomp's spin count before torch loads libgomp (quanta/__init__.py)
+
+# isort: split
 import argparse
 import json
 import statistics

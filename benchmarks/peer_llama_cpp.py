@@ -55,7 +55,7 @@ LLAMA_ARGS = ["-t", str(THREADS), "-np", "8", "-c", "32768"]
 QUANTA_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096"]
 
 #: environment variables that change which kernels either server runs (recorded with the results)
-ENV_KNOBS = ("QUANTA_NATIVE_MARCH", "QUANTA_NATIVE_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+ENV_KNOBS = ("QUANTA_NATIVE_MARCH", "QUANTA_NATIVE_THREADS", "GOMP_SPINCOUNT", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
              "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
 
 #: name -> (quanta bench run flags, figure, unit, higher is better)

@@ -16,6 +16,9 @@ Usage: ``python benchmarks/quant_kernels.py [--dtype bf16|fp32] [--repeats 15] [
 
 from __future__ import annotations
 
+import quanta  # noqa: F401  first: it sets libgomp's spin count before torch loads libgomp (quanta/__init__.py)
+
+# isort: split
 import argparse
 import json
 import os

@@ -10,6 +10,9 @@ the same cache. bf16: within 0.1 of the PyTorch path's logits (observed
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +199,12 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
     assert {rows for rows, _, _ in heads} >= {1, limit + 1}
     for rows, torch_threads, c_threads in heads:
         assert (torch_threads, c_threads) == ((1, 2) if rows <= 2 else (2, 1)), rows
+
+
+@pytest.mark.parametrize("given, expected", [(None, "10000"), ("5", "5")])
+def test_importing_quanta_shortens_openmp_spinning_unless_the_user_chose(given, expected):
+    """quanta/__init__.py sets GOMP_SPINCOUNT before torch loads libgomp; a user's value wins."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | ({"GOMP_SPINCOUNT": given} if given else {})
+    code = "import quanta, os, torch; print(os.environ['GOMP_SPINCOUNT'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == expected
