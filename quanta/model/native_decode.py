@@ -114,9 +114,9 @@ class NativeDecoder:
         """Split the cores between the C kernels' pool and torch's for one step of ``tokens`` tokens.
 
         A step the C kernels carry (all decode, :meth:`covers`) runs them on
-        :attr:`threads` threads and torch (the embedding lookup) on 1; any other step runs the C kernels on 1 and torch on
-        ``torch_threads``: each pool's idle threads spin between calls and take the
-        core the other pool needs. Measured in-process on the 2-core dev VM
+        :attr:`threads` threads and torch (the embedding lookup) on 1; any other
+        step runs the C kernels on 1 and torch on ``torch_threads``: each pool's
+        idle threads spin between calls and take the core the other pool needs. Measured in-process on the 2-core dev VM
         (AVX-512 + bf16, embedded model, ``benchmarks/engine_throughput.py``'s decode,
         medians of 3): 1 row 118 tok/s with both pools at 2 threads, 180 with C 1 /
         torch 2, 274 with C 2 / torch 1; 8 rows 458 / 539 / 649; 32 rows (torch's
