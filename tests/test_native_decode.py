@@ -72,16 +72,25 @@ def _decode(model: LlamaModel, seqs: list[torch.Tensor], dtype: torch.dtype, ord
     return steps
 
 
-@pytest.mark.parametrize("threads", [1, 2])  # pool.c: 2 splits matmul columns and attention's positions
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])  # pool.c: 2 splits matmul columns and attention's positions
+def pool_threads(request):
+    lib = native.load()
+    before = lib.pool_threads()
+    lib.pool_set_threads(request.param)
+    assert lib.pool_threads() == request.param
+    yield request.param
+    lib.pool_set_threads(before)
+
+
 @pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 0, 2], [1]])
-def test_fp32_native_decode_matches_transformers(pair, order, threads):
+def test_fp32_native_decode_matches_transformers(pair, order, pool_threads):
     ref, ours = pair
     assert ours.enable_native_decode() == "native"
-    ours.native.threads = threads
     seqs = _tokens(ref.config.vocab_size)
     with torch.no_grad():
         expected = [ref(s[None]).logits[0] for s in seqs]
     got = _decode(ours, seqs, torch.float32, order, native_steps={0, 1, 3, 5})  # 2 and 4 on the PyTorch path
+    assert native.load().pool_threads() == pool_threads  # the model's calls leave the executor's choice alone
     for step, rows in enumerate(got):
         for slot, row in zip(order, rows):
             torch.testing.assert_close(row, expected[slot][PROMPT_LENGTHS[slot] + step], atol=1e-4, rtol=0)

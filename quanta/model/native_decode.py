@@ -143,12 +143,14 @@ class NativeDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """``[T]`` token ids, one per decoding sequence -> ``[T, hidden]`` final-normed hidden states (model dtype)."""
+        """``[T]`` token ids, one per decoding sequence -> ``[T, hidden]`` final-normed hidden states (model dtype).
+
+        Runs the C kernels on the pool's current thread count, which the executor sets per step
+        (:meth:`claim_threads`)."""
         c, lib, io = self.cfg, self.lib, self.io_bf16
         rows, heads, kv_heads, dim = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kv = batch.kv
         scratch = self.scratch(rows, kv.max_len).data_ptr()
-        lib.pool_set_threads(self.threads if self.covers(rows) else 1)  # see claim_threads
         plan = self.plan(rows)
         x = self.model.embed_tokens(input_ids).float().contiguous()
         width = (heads + 2 * kv_heads) * dim

@@ -93,8 +93,6 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
     }
 }
 
-#define PARTS 2 /* pool.c's threads at most */
-
 struct attention_job {
     int rows, heads, kv_heads, dim, cache_bf16;
     const float *q; /* [rows, heads * dim], rotated and scaled */
@@ -102,7 +100,7 @@ struct attention_job {
     const void *k_cache, *v_cache;
     int64_t slot_stride, head_stride, max_len;
     float *work;     /* per part: [dim + group * max_len] */
-    float *partials; /* [PARTS, rows, heads, dim + 2] */
+    float *partials; /* [POOL_MAX_PARTS, rows, heads, dim + 2] */
 };
 
 /* Share `part` of every (row, KV head)'s cache positions. */
@@ -130,8 +128,8 @@ static void attention_part(void *arg, int part, int parts) {
 /* Float32 scratch attention_decode needs (elements). */
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
     int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-    return (int64_t)rows * heads * dim + width + dim + PARTS * (dim + group * max_len) +
-           (int64_t)PARTS * rows * heads * (dim + 2);
+    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * (dim + group * max_len) +
+           (int64_t)POOL_MAX_PARTS * rows * heads * (dim + 2);
 }
 
 /* One decode token per row: RoPE on q and k, write k and v into the cache at
@@ -146,7 +144,7 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
                       int64_t head_stride, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
-    float *work = sin_t + half, *partials = work + PARTS * (dim + group * max_len);
+    float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * (dim + group * max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];

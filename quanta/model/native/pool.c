@@ -63,7 +63,7 @@ static void *worker(void *first) {
 
 static void forget_worker(void) { P.started = 0; } /* a fork()ed child has no worker thread */
 
-void pool_set_threads(int threads) { P.threads = threads >= 2 ? 2 : 1; }
+void pool_set_threads(int threads) { P.threads = threads >= POOL_MAX_PARTS ? POOL_MAX_PARTS : 1; }
 
 int pool_threads(void) { return P.threads; }
 

@@ -11,7 +11,10 @@ typedef void (*pool_fn)(void *arg, int part, int parts);
  * Returns the parts run (2 or 1). */
 int pool_run(pool_fn fn, void *arg);
 
-/* 1 (default: every part on the caller) or 2 threads. */
+/* The most parts a job is split into: the caller and one worker. */
+#define POOL_MAX_PARTS 2
+
+/* 1 (default: every part on the caller) or POOL_MAX_PARTS threads. */
 void pool_set_threads(int threads);
 int pool_threads(void);
 
