@@ -90,11 +90,17 @@ def test_8_bit_activations_are_coarser_but_close(kind, rows):
     assert fine < 2e-4 < coarse < 0.015
 
 
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory):
+    """The library built for ``-march=haswell`` (256-bit AVX2 code), in a cache of its own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUANTA_CACHE_DIR", str(tmp_path_factory.mktemp("haswell")))
+        return native.open_library(native.build("haswell"))
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("fine", [True, False])
-def test_avx2_and_native_kernels_agree(kind, fine, monkeypatch, tmp_path):
-    monkeypatch.setenv("QUANTA_CACHE_DIR", str(tmp_path))
-    avx2 = native.open_library(native.build("haswell"))
+def test_avx2_and_native_kernels_agree(kind, fine, avx2):
     w = gguf_blocks(kind, 64, 576)
     qw = quantize(w, kind, max_rows=8, fine=fine)
     x = torch.randn(6, 576, generator=torch.Generator().manual_seed(8))
@@ -103,6 +109,21 @@ def test_avx2_and_native_kernels_agree(kind, fine, monkeypatch, tmp_path):
 
 def _product(lib, kind: str, x: torch.Tensor, w) -> torch.Tensor:
     return forms.matmul(kind, x, *w, lib=lib)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fine", [True, False])
+@pytest.mark.parametrize("build", ["native", "haswell"])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(kind, fine, build, avx2):
+    """Batch invariance: a row multiplied in a tile of 4, of 3 or alone (256- or 512-bit tiles,
+    one or two FMA chains) gets the same bits, so a request's greedy tokens do not depend on
+    what else is in its decode step. 5 column groups: an odd one left to the 256-bit tile."""
+    lib = native.load() if build == "native" else avx2
+    w = forms.pack(gguf_blocks(kind, 40, 96), kind)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(3))
+    batch = forms.matmul(kind, x, *w, fine, lib=lib)
+    for r in range(7):
+        assert torch.equal(batch[r:r + 1], forms.matmul(kind, x[r:r + 1], *w, fine, lib=lib)), r
 
 
 @pytest.fixture

@@ -72,42 +72,57 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
 
 /* ---- 256-bit: one group of 8 columns ---- */
 
-/* Q4_1's u8 weights w[i] (8 chunks of 4 k per column) times one row's activation bytes, the
- * 4 bytes of chunk i at a[order[i]]: the int32 sum per column lane. */
-static inline __m256i dot_u8(const __m256i *w, const int32_t *a, const int *order) {
-#ifdef HAVE_VNNI256
-    /* two chains: dpbusd has a latency of several cycles, and 8 in a row stall a one-row call */
-    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i += 2) {
-        s = _mm256_dpbusd_epi32(s, w[i], _mm256_set1_epi32(a[order[i]]));
-        t = _mm256_dpbusd_epi32(t, w[i + 1], _mm256_set1_epi32(a[order[i + 1]]));
-    }
-    return _mm256_add_epi32(s, t);
-#else
-    /* int16 holds the sum of 8 maddubs pairs: at most 8 * 2 * 15 * 128 = 30,720 */
-    __m256i s = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(a[order[i]])));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-#endif
+/* The 4 activation bytes at a, in every int32 lane. */
+static inline __m256i bcast4(const int8_t *a) {
+    int32_t v;
+    memcpy(&v, a, 4);
+    return _mm256_set1_epi32(v);
 }
 
 static const int ORDER_Q4[8] = {0, 4, 1, 5, 2, 6, 3, 7}; /* lo[0], hi[0], lo[1], ...: k 0-3, 16-19, 4-7, ... */
 
-/* 128 (w . h) + (w . l) for one row's block, h and l its two activation bytes (F = 0: w . h). */
-static inline __attribute__((always_inline)) __m256i dot15(int F, const __m256i *w, const int8_t *h, const int8_t *l) {
-    int32_t hh[8], ll[8];
-    memcpy(hh, h, 32);
-    if (!F) return dot_u8(w, hh, ORDER_Q4);
-    memcpy(ll, l, 32);
-    return _mm256_add_epi32(_mm256_slli_epi32(dot_u8(w, hh, ORDER_Q4), 7), dot_u8(w, ll, ORDER_Q4));
+/* Q4_1's u8 weights w[i] (8 chunks of 4 k per column) times one row's 32 activation bytes a
+ * (chunk i of w takes a[4 ORDER_Q4[i] ..]): the int32 sum per column lane. */
+static inline __attribute__((always_inline)) __m256i dot_u8(const __m256i *w, const int8_t *a) {
+#ifdef HAVE_VNNI256
+    /* two chains: dpbusd has a latency of several cycles, and 8 in a row stall a one-row call */
+    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        s = _mm256_dpbusd_epi32(s, w[i], bcast4(a + 4 * ORDER_Q4[i]));
+        t = _mm256_dpbusd_epi32(t, w[i + 1], bcast4(a + 4 * ORDER_Q4[i + 1]));
+    }
+    return _mm256_add_epi32(s, t);
+#else
+    /* int16 holds the sum of 8 maddubs pairs: at most 8 * 2 * 15 * 128 = 30,720 */
+    __m256i s = _mm256_maddubs_epi16(w[0], bcast4(a));
+    for (int i = 1; i < 8; i++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[i], bcast4(a + 4 * ORDER_Q4[i])));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
 }
 
-/* Q4_1, 8 columns (group g) of R rows (R <= 4): out[r][8g .. 8g + 7]. */
+/* 128 (w . h) + (w . l) for one row's block, h and l its two activation bytes (F = 0: w . h). */
+static inline __attribute__((always_inline)) __m256i dot15(int F, const __m256i *w, const int8_t *h, const int8_t *l) {
+    if (!F) return dot_u8(w, h);
+    return _mm256_add_epi32(_mm256_slli_epi32(dot_u8(w, h), 7), dot_u8(w, l));
+}
+
+/* Q4_1's m term apart from the d term (two FMA chains, not one twice as long) where 512-bit
+ * tiles share the rows with these (their sums must match to the bit); in one chain on 256-bit
+ * builds, whose 16 vector registers hold 8 weight vectors and the rows' sums. */
+#ifdef HAVE_ZMM
+#define SPLIT_M 1
+#else
+#define SPLIT_M 0
+#endif
+
+/* Q4_1, 8 columns (group g) of R rows (R <= 4): out[r][8g .. 8g + 7]. The row loops unroll
+ * (R is a constant), so each row's sums stay in registers. */
 static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                             const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int blocks = k / QK;
     const __m256i nib = _mm256_set1_epi8(0x0f);
-    __m256 acc[4], accm[4]; /* the d and m terms apart: two FMA chains, not one twice as long */
+    __m256 acc[4], accm[4];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
@@ -119,15 +134,42 @@ static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16)));
         __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16 + 8)));
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
             const float *x = xs + 2 * ((int64_t)r * blocks + b);
             __m256 dot = _mm256_cvtepi32_ps(dot15(F, w, h, h + k));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[0])), dot, acc[r]);
-            accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[1]), accm[r]);
+            if (SPLIT_M)
+                accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[1]), accm[r]);
+            else
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[1]), acc[r]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm256_add_ps(acc[r], accm[r]));
+}
+
+/* Q8_0's |w| (a) times activation bytes x carrying w's sign: int32 sums per column lane. `pair`:
+ * |x| <= 64 (the low byte of a 15-bit activation), so two maddubs fit in int16 before madd. */
+static inline __attribute__((always_inline)) __m256i dot_s8(const __m256i *a, const int8_t *qs, const int8_t *x, int pair) {
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        __m256i v0 = _mm256_sign_epi8(bcast4(x + 4 * i), _mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+        __m256i v1 = _mm256_sign_epi8(bcast4(x + 4 * i + 4), _mm256_loadu_si256((const __m256i *)(qs + 32 * i + 32)));
+#ifdef HAVE_VNNI256
+        (void)pair;
+        s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s, a[i], v0), a[i + 1], v1);
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i p0 = _mm256_maddubs_epi16(a[i], v0), p1 = _mm256_maddubs_epi16(a[i + 1], v1);
+        if (pair) /* 2 * 2 * 127 * 64 = 32,512 */
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+        else
+            s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+#endif
+    }
+    return s;
 }
 
 /* Q8_0, 8 columns: signed weights as |w| times activations carrying w's sign. */
@@ -135,40 +177,23 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
                                                             const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
     __m256 acc[4];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
-        __m256i w[8], a[8];
-        for (int i = 0; i < 8; i++) {
-            w[i] = _mm256_loadu_si256((const __m256i *)(qs + gb * 256 + 32 * i));
-            a[i] = _mm256_abs_epi8(w[i]);
-        }
+        const int8_t *wb = qs + gb * 256;
+        __m256i a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(wb + 32 * i)));
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb * 8)));
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            int32_t hh[8], ll[8];
-            memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
-            if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
-            __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++) {
-                __m256i vh = _mm256_sign_epi8(_mm256_set1_epi32(hh[i]), w[i]);
-#ifdef HAVE_VNNI256
-                sh = _mm256_dpbusd_epi32(sh, a[i], vh);
-#else
-                const __m256i ones = _mm256_set1_epi16(1);
-                sh = _mm256_add_epi32(sh, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], vh), ones));
-#endif
-                if (!F) continue;
-                __m256i vl = _mm256_sign_epi8(_mm256_set1_epi32(ll[i]), w[i]);
-#ifdef HAVE_VNNI256
-                sl = _mm256_dpbusd_epi32(sl, a[i], vl);
-#else
-                sl = _mm256_add_epi32(sl, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], vl), ones));
-#endif
-            }
-            __m256 dot = _mm256_cvtepi32_ps(F ? _mm256_add_epi32(_mm256_slli_epi32(sh, 7), sl) : sh);
+            const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
+            __m256i sh = dot_s8(a, wb, h, 0);
+            __m256 dot = _mm256_cvtepi32_ps(F ? _mm256_add_epi32(_mm256_slli_epi32(sh, 7), dot_s8(a, wb, h + k, 1)) : sh);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
 
