@@ -74,9 +74,16 @@ INT4_GROUP = 32
 #: vs the packed bf16 reference, both with a bf16 head, 10.4 / 27.2 ms at 1
 #: row, 23.3 / 32.2 at 8, 37.0 / 48.2 at 16, 71.7 / 72.3 at 32; the q8_0 head
 #: beside q4_1 8.2 / 10.4 at 1 row, 10.5 / 11.9 at 2, 17.5 / 15.7 at 4.
+#: After the 256-bit tiles kept their sums in registers (2026-12-02), AVX2
+#: forced, two threads, two runs: q4_1 vs fp16 projections (fp16 head) 13.3 /
+#: 15.0 and 13.0 / 18.2 ms at 8 rows, 23.5 / 23.3 and 23.2 / 26.0 at 16, 37.3
+#: / 40.2 and 43.6 / 49.6 at 32; the q8_0 head vs fp16 beside q4_1 11.9 / 13.3
+#: and 11.8 / 13.0 at 8 rows, 21.7 / 23.5 and 22.3 / 23.2 at 16, 57.1 / 37.3
+#: and 42.3 / 43.6 at 32. (FBGEMM's fp16 GEMM still ran AVX-512 code there, so
+#: on an AVX2-only CPU these limits are, if anything, low.)
 _MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
              ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048,
-             ("q4_1", True): 16, ("q4_1", False): 8, ("q8_0", True): 2, ("q8_0", False): 2}
+             ("q4_1", True): 16, ("q4_1", False): 32, ("q8_0", True): 2, ("q8_0", False): 16}
 
 
 def max_form_rows(form: str, bf16_reference: bool) -> int:
