@@ -101,10 +101,15 @@ def avx2(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("fine", [True, False])
 def test_avx2_and_native_kernels_agree(kind, fine, avx2):
+    """Same integer sums (maddubs, int16 madd or dpbusd), so Q8_0's products are the same bits;
+    Q4_1's m term is its own FMA chain only where 512-bit tiles exist, so it may differ in the last bits."""
     w = gguf_blocks(kind, 64, 576)
     qw = quantize(w, kind, max_rows=8, fine=fine)
     x = torch.randn(6, 576, generator=torch.Generator().manual_seed(8))
-    torch.testing.assert_close(forms.matmul(kind, x, qw.data, qw.scales, fine, lib=avx2), qw(x), atol=1e-4, rtol=1e-4)
+    got = forms.matmul(kind, x, qw.data, qw.scales, fine, lib=avx2)
+    if kind == "q8_0":
+        assert torch.equal(got, qw(x))
+    torch.testing.assert_close(got, qw(x), atol=1e-4, rtol=1e-4)
 
 
 def _product(lib, kind: str, x: torch.Tensor, w) -> torch.Tensor:

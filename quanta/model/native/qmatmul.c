@@ -15,7 +15,8 @@
  * a = round(x / dx), dx = max|x| / 16256, held as two signed bytes
  * a = 128 h + l (h in [-127, 127], l in [-64, 63]); sx = dx * sum(a). The
  * integer dot of q with a is 128 (q . h) + (q . l), two byte dot products
- * (AVX-512 VNNI's dpbusd, or AVX2's maddubs + madd). 8-bit activations
+ * (AVX-512 VNNI's dpbusd, or AVX2's maddubs + madd; Q8_0 without VNNI takes a as int16,
+ * one madd, q8_wide8). 8-bit activations
  * (llama.cpp's Q8_1) were measured too coarse: they flipped greedy answers
  * that bf16 activations keep (tests/test_quant.py); 15 bits are within
  * ~1e-4 of the float product. A block adds d * dx * (q . a) + m * sx.
@@ -45,11 +46,13 @@
 #endif
 
 /* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
- * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused). */
-static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int8_t *p, float *xs) {
+ * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused); wide (with fine): p holds
+ * a itself, int16 [rows, k], in the same bytes. */
+static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int wide, int8_t *p, float *xs) {
     float buf[QK];
     for (int r = 0; r < rows; r++) {
         int8_t *h = p + (int64_t)r * 2 * k, *l = h + k;
+        int16_t *a16 = (int16_t *)p + (int64_t)r * k;
         for (int b = 0; b < k / QK; b++) {
             int64_t at = (int64_t)r * k + (int64_t)b * QK;
             load_row(x, io_bf16, at, QK, buf);
@@ -60,8 +63,12 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
             for (int j = 0; j < QK; j++) {
                 int a = (int)lrintf(buf[j] * inv);
                 int hi = fine ? (a + 64) >> 7 : a; /* arithmetic shift: floor */
-                h[b * QK + j] = (int8_t)hi;
-                if (fine) l[b * QK + j] = (int8_t)(a - 128 * hi);
+                if (wide) {
+                    a16[b * QK + j] = (int16_t)a;
+                } else {
+                    h[b * QK + j] = (int8_t)hi;
+                    if (fine) l[b * QK + j] = (int8_t)(a - 128 * hi);
+                }
                 sum += a;
             }
             xs[2 * (at / QK)] = dx;
@@ -197,6 +204,53 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
 
+/* Without VNNI, Q8_0 times 15-bit activations as int16 products (madd: 16 a call, summed in
+ * pairs to int32) instead of two byte passes (h, then l: sign, maddubs and madd each); the same
+ * integer sums, so the same bits. One 32-byte chunk of 4 k for 8 columns widens to two int16
+ * vectors (columns 0-3, 4-7); hadd of their sums gives the lanes in the order PERM_Q8 (columns
+ * 0 1 4 5 2 3 6 7), which the scales take on the way in and the sums undo on the way out. */
+#if !defined(HAVE_VNNI256)
+#define WIDE_Q8 1
+static inline __attribute__((always_inline)) void q8_wide8(int R, int64_t g, int k, const int8_t *p, const float *xs,
+                                                           const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
+    int blocks = k / QK;
+    const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    const int16_t *a16 = (const int16_t *)p;
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        int64_t gb = g * blocks + b;
+        const int8_t *wb = qs + gb * 256;
+        __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * i));
+            __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                int64_t a4;
+                memcpy(&a4, a16 + (int64_t)r * k + b * QK + 4 * i, 8);
+                __m256i a = _mm256_set1_epi64x(a4);
+                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(w0, a));
+                hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(w1, a));
+            }
+        }
+        __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb * 8))), perm);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[r], hi[r]));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm256_permutevar8x32_ps(acc[r], perm));
+}
+#else
+#define WIDE_Q8 0
+#endif
+
 /* ---- 512-bit: two adjacent groups (16 columns) a vector, half the instructions ---- */
 #ifdef HAVE_ZMM
 static inline __m512i load_pair(const void *a, const void *b) {
@@ -313,6 +367,12 @@ static inline __attribute__((always_inline)) void q8_rows(int F, int R, int64_t 
     if (R >= 3)
         for (; g + 1 < g1; g += 2) q8_group16(F, R, g, k, p, xs, qs, dd, out, ldo);
 #endif
+#if WIDE_Q8
+    if (F) {
+        for (; g < g1; g++) q8_wide8(R, g, k, p, xs, qs, dd, out, ldo);
+        return;
+    }
+#endif
     for (; g < g1; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
 }
 
@@ -371,7 +431,7 @@ static void matmul_part(void *arg, int part, int parts) {
  * over the pool's threads (pool.c). */
 void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
-    quantize_rows(rows, k, x, io_bf16, fine, p, xs);
+    quantize_rows(rows, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
     struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, qs, scales, out, acc};
     pool_run(matmul_part, &job);
 }
