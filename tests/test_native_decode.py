@@ -36,7 +36,9 @@ CONFIGS = {
     "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=False),
     "mha": LlamaConfig(**{**TINY, "num_key_value_heads": 4}),
 }
-PROMPT_LENGTHS = (9, 23, 1, 40)  # slot i holds a prompt of this many tokens
+#: slot i holds a prompt of this many tokens; 115 + 6 positions are two of attention's 64-position
+#: tiles on one thread (decode.c), 8-position blocks with tails of 1-7 everywhere
+PROMPT_LENGTHS = (9, 23, 1, 40, 115)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -58,7 +60,7 @@ def _decode(model: LlamaModel, seqs: list[torch.Tensor], dtype: torch.dtype, ord
     """Prefill each prompt on the PyTorch path, then 6 decode steps over the slots in ``order``;
     steps in ``native_steps`` run the C path. Returns per step the logits rows in ``order``."""
     cfg = model.config
-    kv = KVCache(cfg.num_hidden_layers, len(seqs), cfg.num_key_value_heads, 64, cfg.head_dim, dtype)
+    kv = KVCache(cfg.num_hidden_layers, len(seqs), cfg.num_key_value_heads, 128, cfg.head_dim, dtype)
     decoder, model.native = model.native, None
     for slot, n in enumerate(PROMPT_LENGTHS):
         model(seqs[slot][:n], AttentionBatch([SeqSlice(slot, 0, n)], kv))
@@ -82,7 +84,7 @@ def pool_threads(request):
     lib.pool_set_threads(before)
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 0, 2], [1]])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [3, 4, 0, 2], [1]])
 def test_fp32_native_decode_matches_transformers(pair, order, pool_threads):
     ref, ours = pair
     assert ours.enable_native_decode() == "native"
@@ -102,7 +104,7 @@ def test_bf16_native_decode_stays_close_to_the_pytorch_path(pair):
     model = copy.deepcopy(source).to(torch.bfloat16)
     source.native = decoder
     assert model.enable_native_decode() == "native"
-    seqs, order = _tokens(model.config.vocab_size), [2, 0, 3, 1]
+    seqs, order = _tokens(model.config.vocab_size), [2, 0, 4, 3, 1]
     torch_path = _decode(model, seqs, torch.bfloat16, order, native_steps=set())
     native_path = _decode(model, seqs, torch.bfloat16, order, native_steps=set(range(6)))
     for a, b in zip(torch_path, native_path):

@@ -53,7 +53,7 @@ def unsupported_reason(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
         return "MoE layers"
     if cfg.qk_norm or cfg.qk_norm_full or cfg.clip_qkv is not None:
         return "q/k norms"
-    if cfg.head_dim % 2 or cfg.num_attention_heads % cfg.num_key_value_heads:
+    if cfg.head_dim % 8 or cfg.num_attention_heads % cfg.num_key_value_heads:  # attention's 8-float vectors (decode.c)
         return "head layout"
     return None
 

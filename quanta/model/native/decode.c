@@ -12,11 +12,13 @@
  * [slots, kv_heads, max_len, head_dim] (element strides given); conversions in bf16.h.
  *
  * Built with -O3 -march=native -ffast-math (finite values only) by quanta/model/native/__init__.py, so the
- * loops vectorize for the CPU it runs on (AVX2 or AVX-512).
+ * loops vectorize for the CPU it runs on (AVX2 or AVX-512); attention's dot products are AVX2 + FMA
+ * intrinsics (8 positions' scores at once, head_dim a multiple of 8).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <immintrin.h>
 
 #include "bf16.h"
 #include "pool.h"
@@ -53,23 +55,86 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
     }
 }
 
-/* One KV head's group of query heads (q: float32 [group, dim], pre-scaled) over cache
- * positions t0..t1-1 at element offset `head`, each key and value row converted to float32
- * once for the whole group: out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)),
- * float32 [group][dim + 2], for the merge of attention_decode's parts (flash-decoding's split
- * over positions); top = -FLT_MAX, sum 0 for no positions. scores: [group, t1 - t0]; row: [dim]. */
+/* Cache positions a tile of attend_part reads at once (bf16 caches: converted to float32 first). */
+#define ATT_TILE 64
+
+/* Lane u: the sum of s[u]'s 8 lanes (3 levels of hadd instead of a horizontal sum per vector). */
+static inline __m256 hsum8(const __m256 *s) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20), _mm256_permute2f128_ps(a, c, 0x31));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* n cache rows of `dim` from element offset `at` as float32: the cache itself when float32,
+ * else converted into tile [n, dim]. */
+static inline const float *cache_rows(const void *cache, int bf16, int64_t at, int64_t n, int dim, float *tile) {
+    if (!bf16) return (const float *)cache + at;
+    load_row(cache, 1, at, n * dim, tile);
+    return tile;
+}
+
+/* scores[j][u] = q_j . keys[u] for u < n, 8 positions at a time (q: [group, dim]; keys: [n, dim];
+ * scores row stride `ld`). */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, int group, int dim, const float *keys, int64_t n,
+                                                              float *scores, int64_t ld) {
+    for (int j = 0; j < group; j++) {
+        const float *qj = q + j * dim;
+        int64_t u = 0;
+        for (; u + 8 <= n; u += 8) {
+            __m256 s[8];
+            for (int e = 0; e < 8; e++) s[e] = _mm256_setzero_ps();
+            for (int c = 0; c < dim; c += 8) {
+                __m256 qc = _mm256_loadu_ps(qj + c);
+                for (int e = 0; e < 8; e++) s[e] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + (u + e) * dim + c), s[e]);
+            }
+            _mm256_storeu_ps(scores + j * ld + u, hsum8(s));
+        }
+        for (; u < n; u++) {
+            __m256 s = _mm256_setzero_ps();
+            for (int c = 0; c < dim; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c), _mm256_loadu_ps(keys + u * dim + c), s);
+            scores[j * ld + u] = hsum(s);
+        }
+    }
+}
+
+/* out_j[0..dim) += sum_{u < n} p[j][u] vals[u] for each of the group's heads (p row stride `ld`;
+ * out_j = out + j (dim + 2)), 64 output elements at a time in registers. */
+static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t ld, int group, int dim, const float *vals,
+                                                              int64_t n, float *out) {
+    for (int j = 0; j < group; j++) {
+        const float *pj = p + j * ld;
+        float *oj = out + j * (dim + 2);
+        for (int c0 = 0; c0 < dim; c0 += 64) {
+            int nv = dim - c0 >= 64 ? 8 : (dim - c0) / 8;
+            __m256 acc[8];
+            for (int v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(oj + c0 + 8 * v);
+            for (int64_t u = 0; u < n; u++) {
+                __m256 pu = _mm256_set1_ps(pj[u]);
+                for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vals + u * dim + c0 + 8 * v), acc[v]);
+            }
+            for (int v = 0; v < nv; v++) _mm256_storeu_ps(oj + c0 + 8 * v, acc[v]);
+        }
+    }
+}
+
+/* One KV head's group of query heads (q: float32 [group, dim], pre-scaled; dim a multiple of 8)
+ * over cache positions t0..t1-1 at element offset `head`, in tiles of ATT_TILE positions:
+ * out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)), float32 [group][dim + 2], for
+ * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
+ * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
 static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
                                                               const void *v_cache, int bf16, int64_t head, int64_t t0,
-                                                              int64_t t1, float *scores, float *row, float *out) {
+                                                              int64_t t1, float *scores, float *tile, float *out) {
     int64_t len = t1 - t0;
-    for (int64_t t = t0; t < t1; t++) {
-        load_row(k_cache, bf16, head + t * dim, dim, row);
-        for (int j = 0; j < group; j++) {
-            const float *qj = q + j * dim;
-            float dot = 0.0f;
-            for (int i = 0; i < dim; i++) dot += qj[i] * row[i];
-            scores[j * len + t - t0] = dot;
-        }
+    for (int64_t t = t0; t < t1; t += ATT_TILE) {
+        int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
+        tile_scores(q, group, dim, cache_rows(k_cache, bf16, head + t * dim, n, dim, tile), n, scores + (t - t0), len);
     }
     for (int j = 0; j < group; j++) {
         float *sj = scores + j * len, top = -3.402823466e38f, total = 0.0f; /* finite: built with -ffast-math */
@@ -84,14 +149,14 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
         oj[dim] = top;
         oj[dim + 1] = total;
     }
-    for (int64_t t = t0; t < t1; t++) {
-        load_row(v_cache, bf16, head + t * dim, dim, row);
-        for (int j = 0; j < group; j++) {
-            float p = scores[j * len + t - t0], *oj = out + j * (dim + 2);
-            for (int i = 0; i < dim; i++) oj[i] += p * row[i];
-        }
+    for (int64_t t = t0; t < t1; t += ATT_TILE) {
+        int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
+        tile_values(scores + (t - t0), len, group, dim, cache_rows(v_cache, bf16, head + t * dim, n, dim, tile), n, out);
     }
 }
+
+/* float32 scratch of one part of attention_part: a tile of converted cache rows, then scores. */
+static inline int64_t part_scratch(int dim, int group, int64_t max_len) { return (int64_t)ATT_TILE * dim + group * max_len; }
 
 struct attention_job {
     int rows, heads, kv_heads, dim, cache_bf16;
@@ -107,7 +172,7 @@ struct attention_job {
 static void attention_part(void *arg, int part, int parts) {
     const struct attention_job *j = arg;
     int dim = j->dim, group = j->heads / j->kv_heads;
-    float *row = j->work + (int64_t)part * (dim + group * j->max_len), *scores = row + dim;
+    float *tile = j->work + (int64_t)part * part_scratch(dim, group, j->max_len), *scores = tile + ATT_TILE * dim;
     for (int r = 0; r < j->rows; r++) {
         int64_t t0, t1;
         pool_share(j->positions[r] + 1, 1, part, parts, &t0, &t1);
@@ -116,11 +181,11 @@ static void attention_part(void *arg, int part, int parts) {
             float *out = j->partials + (((int64_t)part * j->rows + r) * j->heads + g * group) * (dim + 2);
             int64_t head = j->slots[r] * j->slot_stride + g * j->head_stride;
             if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-                attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, row, out);
+                attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
             else if (dim == 128)
-                attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, row, out);
+                attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
             else
-                attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, row, out);
+                attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
         }
     }
 }
@@ -128,7 +193,7 @@ static void attention_part(void *arg, int part, int parts) {
 /* Float32 scratch attention_decode needs (elements). */
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
     int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * (dim + group * max_len) +
+    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * part_scratch(dim, group, max_len) +
            (int64_t)POOL_MAX_PARTS * rows * heads * (dim + 2);
 }
 
@@ -144,7 +209,7 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
                       int64_t head_stride, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
-    float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * (dim + group * max_len);
+    float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
