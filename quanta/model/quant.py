@@ -79,11 +79,14 @@ INT4_GROUP = 32
 #: 15.0 and 13.0 / 18.2 ms at 8 rows, 23.5 / 23.3 and 23.2 / 26.0 at 16, 37.3
 #: / 40.2 and 43.6 / 49.6 at 32; the q8_0 head vs fp16 beside q4_1 11.9 / 13.3
 #: and 11.8 / 13.0 at 8 rows, 21.7 / 23.5 and 22.3 / 23.2 at 16, 57.1 / 37.3
-#: and 42.3 / 43.6 at 32. (FBGEMM's fp16 GEMM still ran AVX-512 code there, so
-#: on an AVX2-only CPU these limits are, if anything, low.)
+#: and 42.3 / 43.6 at 32; with the int16 Q8_0 kernel (q8_wide8), one run:
+#: q8_0 vs fp16 head 11.7 / 11.4 ms at 8 rows, 26.2 / 22.0 at 16 (another, on a
+#: slower hour: 14.2 / 16.0, 24.6 / 27.9), so the head stops at 8. (FBGEMM's fp16
+#: GEMM still ran AVX-512 code there, so on an AVX2-only CPU these limits are,
+#: if anything, low.)
 _MAX_ROWS = {("int8", True): 4, ("int4", True): 4, ("fp16", True): 0,
              ("int8", False): 0, ("int4", False): 2, ("fp16", False): 2048,
-             ("q4_1", True): 16, ("q4_1", False): 32, ("q8_0", True): 2, ("q8_0", False): 16}
+             ("q4_1", True): 16, ("q4_1", False): 32, ("q8_0", True): 2, ("q8_0", False): 8}
 
 
 def max_form_rows(form: str, bf16_reference: bool) -> int:
