@@ -157,23 +157,19 @@ static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm256_add_ps(acc[r], accm[r]));
 }
 
-/* Q8_0's |w| (a) times activation bytes x carrying w's sign: int32 sums per column lane. `pair`:
- * |x| <= 64 (the low byte of a 15-bit activation), so two maddubs fit in int16 before madd. */
-static inline __attribute__((always_inline)) __m256i dot_s8(const __m256i *a, const int8_t *qs, const int8_t *x, int pair) {
+/* Q8_0's |w| (a) times activation bytes x carrying w's sign: int32 sums per column lane. (Without
+ * VNNI only the 8-bit activations come here: the 15-bit ones take q8_wide8.) */
+static inline __attribute__((always_inline)) __m256i dot_s8(const __m256i *a, const int8_t *qs, const int8_t *x) {
     __m256i s = _mm256_setzero_si256();
     for (int i = 0; i < 8; i += 2) {
         __m256i v0 = _mm256_sign_epi8(bcast4(x + 4 * i), _mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
         __m256i v1 = _mm256_sign_epi8(bcast4(x + 4 * i + 4), _mm256_loadu_si256((const __m256i *)(qs + 32 * i + 32)));
 #ifdef HAVE_VNNI256
-        (void)pair;
         s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s, a[i], v0), a[i + 1], v1);
 #else
         const __m256i ones = _mm256_set1_epi16(1);
-        __m256i p0 = _mm256_maddubs_epi16(a[i], v0), p1 = _mm256_maddubs_epi16(a[i + 1], v1);
-        if (pair) /* 2 * 2 * 127 * 64 = 32,512 */
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
-        else
-            s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], v0), ones);
+        s = _mm256_add_epi32(s, _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i + 1], v1), ones)));
 #endif
     }
     return s;
@@ -195,8 +191,8 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
-            __m256i sh = dot_s8(a, wb, h, 0);
-            __m256 dot = _mm256_cvtepi32_ps(F ? _mm256_add_epi32(_mm256_slli_epi32(sh, 7), dot_s8(a, wb, h + k, 1)) : sh);
+            __m256i sh = dot_s8(a, wb, h);
+            __m256 dot = _mm256_cvtepi32_ps(F ? _mm256_add_epi32(_mm256_slli_epi32(sh, 7), dot_s8(a, wb, h + k)) : sh);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
@@ -207,7 +203,7 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
 /* Without VNNI, Q8_0 times 15-bit activations as int16 products (madd: 16 a call, summed in
  * pairs to int32) instead of two byte passes (h, then l: sign, maddubs and madd each); the same
  * integer sums, so the same bits. One 32-byte chunk of 4 k for 8 columns widens to two int16
- * vectors (columns 0-3, 4-7); hadd of their sums gives the lanes in the order PERM_Q8 (columns
+ * vectors (columns 0-3, 4-7); hadd of their sums gives the lanes in the order `perm` (columns
  * 0 1 4 5 2 3 6 7), which the scales take on the way in and the sums undo on the way out. */
 #if !defined(HAVE_VNNI256)
 #define WIDE_Q8 1
