@@ -1,0 +1,90 @@
+"""Kernel-level timings of quanta's C code, outside Python: block_matmul and attention_decode.
+
+Compiles two small C drivers (``benchmarks/native/matmul.c``, ``attention.c``) against
+``quanta/model/native``'s sources with the library's own flags, for ``-march=native`` and
+``-march=haswell`` (the AVX2 code an AVX2-only CPU runs), and runs each ``--repeats`` times:
+
+- q4_1 with 8-bit activations (the projections) and q8_0 with 15-bit ones (the LM head) over
+  the embedded model's 30 layers of projection shapes, at 1 / 2 / 4 / 8 rows (ms per pass);
+- attention_decode for 8 rows of the embedded model's head layout over 30 layers, at 64 / 300 /
+  1,000 cached positions, float32 and bf16 caches (ms per pass).
+
+Each driver prints the best of 15-20 passes; the table gives the median (min-max) of those over
+the repeats, with the machine and CPU flags. Usage:
+``python benchmarks/native_kernels.py [--repeats 5] [--threads 1]``. To compare two versions,
+run it on each checkout in turn (not in CI: it is a benchmark).
+"""
+
+from __future__ import annotations
+
+import quanta  # noqa: F401  first, as the other benchmarks (quanta/__init__.py)
+
+# isort: split
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from quanta.bench.output import machine
+from quanta.launch import cpu_summary
+from quanta.model import native
+
+HERE = Path(__file__).parent / "native"
+MATMUL = [("q4_1, 8-bit activations", ["4", "0"]), ("q8_0, 15-bit activations", ["8", "1"])]
+CONTEXTS = (64, 300, 1000)
+
+
+def build(driver: str, march: str, out: Path) -> Path:
+    """The driver linked with the library's sources for ``-march=march``."""
+    exe = out / f"{driver}-{march}"
+    sources = [str(s) for s in native.SOURCES]
+    cmd = [native._compiler(), *native.FLAGS, f"-march={march}", f"-I{native.SOURCES[0].parent}", *sources,
+           str(HERE / f"{driver}.c"), "-o", str(exe), *native.LIBS]
+    subprocess.run(cmd, check=True)
+    return exe
+
+
+def times(cmd: list[str], repeats: int) -> list[list[float]]:
+    """Per repeat, the ms figures the driver prints (one per line: the number before ' ms')."""
+    runs = []
+    for _ in range(repeats):
+        text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        runs.append([float(line.split(": ")[1].split(" ms")[0]) for line in text.splitlines()])
+    return runs
+
+
+def cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, choices=(1, 2), help="the C pool's threads (pool.c)")
+    args = ap.parse_args()
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {cpu_summary()}; "
+          f"C pool threads {args.threads}; median (min-max) of {args.repeats} runs, each the best of 15-20 passes, ms\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        print("| kernel | -march | 1 row | 2 rows | 4 rows | 8 rows |")
+        print("|---|---|---|---|---|---|")
+        for march in ("native", "haswell"):
+            exe = build("matmul", march, Path(tmp))
+            for name, kind in MATMUL:
+                runs = times([str(exe), str(args.threads), *kind], args.repeats)
+                print(f"| {name}, 30 layers | {march} | " + " | ".join(cell([r[i] for r in runs]) for i in range(4)) + " |")
+        print("\n| attention_decode, 8 rows x 30 layers | -march | " + " | ".join(f"{c} positions" for c in CONTEXTS) + " |")
+        print("|---|---|" + "---|" * len(CONTEXTS))
+        for march in ("native", "haswell"):
+            exe = build("attention", march, Path(tmp))
+            for bf16 in (0, 1):
+                cells = [cell([r[0] for r in times([str(exe), str(args.threads), str(c), str(bf16)], args.repeats)])
+                         for c in CONTEXTS]
+                print(f"| {'bf16' if bf16 else 'float32'} cache | {march} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
