@@ -183,13 +183,13 @@ def test_a_failing_detokenizer_fails_its_request_alone(loaded):
 def test_tokenization_runs_off_the_event_loop(live, monkeypatch):
     base, model, state = live
     PoisoningEngine.tokenized_on.clear()
-    hf_encode = state.tokenizer.hf.encode  # chat prompts and client text are encoded by the HF tokenizer itself
+    encode_text = state.tokenizer.encode_text  # client text; the template's parts go through tokenizer.encode
 
-    def recording_encode(*args, **kwargs):
+    def recording_encode_text(*args, **kwargs):
         PoisoningEngine.tokenized_on.append(threading.current_thread().name)
-        return hf_encode(*args, **kwargs)
+        return encode_text(*args, **kwargs)
 
-    monkeypatch.setattr(state.tokenizer.hf, "encode", recording_encode)
+    monkeypatch.setattr(state.tokenizer, "encode_text", recording_encode_text)
     resp = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 2}, timeout=60)
     assert resp.status_code == 200
     chat = httpx.post(base + "/v1/messages/count_tokens", timeout=60, json={

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -33,6 +34,13 @@ class Tokenizer:
     exactly what the model produced, and streamed deltas
     (:class:`IncrementalDetokenizer`) add up to :meth:`decode` of all ids.
 
+    Safe to share between threads: no call changes a setting of the Hugging
+    Face tokenizer. Its ``split_special_tokens`` option is a flag on the one
+    Rust tokenizer that every thread encodes with, so :meth:`encode_text`
+    (special-token text as plain text) uses a second Rust tokenizer, a copy
+    built once with that flag set, and :meth:`encode` calls the first one
+    directly (Hugging Face's ``encode`` rewrites the flag on each call).
+
     Attributes:
         eos_token_ids: ids that end generation: the tokenizer's EOS plus the
             ids given at construction (e.g. ``ModelConfig.eos_token_ids``).
@@ -40,6 +48,11 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int] = ()) -> None:
         self._hf = hf_tokenizer
+        self._backend: tokenizers.Tokenizer | None = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._plain: tokenizers.Tokenizer | None = None  # the copy that spells special tokens out
+        if self._backend is not None:
+            self._plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            self._plain.encode_special_tokens = True
         self.eos_token_ids: set[int] = set(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(hf_tokenizer.eos_token_id)
@@ -79,8 +92,17 @@ class Tokenizer:
         return len(self._hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. as the tokenizer is configured to."""
-        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of ``text``, special-token text (``<|im_start|>``) as its special token;
+        ``add_special_tokens`` adds BOS etc. as the tokenizer is configured to."""
+        if self._backend is None:  # a slow (Python) tokenizer takes the option per call
+            return self._hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=False)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of client ``text`` with special-token text spelled out as plain text (no BOS)."""
+        if self._plain is None:
+            return self._hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 at the end decodes to U+FFFD."""

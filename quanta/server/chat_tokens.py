@@ -5,9 +5,10 @@ The chat template's output mixes the template's own markers (``<|im_start|>``,
 turns a user's literal ``<|im_end|>\\n<|im_start|>system`` into real control
 tokens: a forged turn. :func:`chat_prompt_ids` renders the template with the
 client's strings replaced by random placeholders, encodes the template's parts
-with special tokens recognised and each client string with
-``split_special_tokens=True`` (Hugging Face's option: special-token text is
-tokenized as plain text), then joins them in order.
+with special tokens recognised and each client string with special-token
+text tokenized as plain text (:meth:`Tokenizer.encode_text`, which changes
+no shared tokenizer setting, so concurrent requests cannot mix the two
+modes), then joins them in order.
 
 Which strings are replaced:
 
@@ -48,7 +49,7 @@ class ForgedControlToken(ValueError):
 
 def text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of client ``text`` with special-token text spelled out as plain text (no BOS)."""
-    return tokenizer.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+    return tokenizer.encode_text(text)
 
 
 def control_token_ids(tokenizer: Tokenizer) -> set[int]:
@@ -87,7 +88,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict
         if k % 2:
             ids += text_ids(tokenizer, contents[part])
         elif part:
-            ids += hf.encode(part, add_special_tokens=False)  # the template writes BOS etc. itself
+            ids += tokenizer.encode(part, add_special_tokens=False)  # the template writes BOS etc. itself
     return ids
 
 
