@@ -302,12 +302,18 @@ def test_responses_function_call_round_trip(server):
     assert follow.output[0].type == "message"
 
 
-def test_responses_refuses_stored_state_and_builtin_tools(server):
+def test_responses_refuses_stored_state_and_a_forced_hosted_tool(server):
+    """Stored state and a call only a hosted tool could answer are refused; offered, a hosted tool is
+    accepted and never called (tests/test_agent_fields.py)."""
     client = client_for(server)
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=server.model, input="x", previous_response_id="resp_1")
-    with pytest.raises(openai.BadRequestError, match="web_search"):
-        client.responses.create(model=server.model, input="x", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="conversation"):
+        client.responses.create(model=server.model, input="x", conversation="conv_1")
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.create(model=server.model, input="x", background=True)
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.responses.create(model=server.model, input="x", tools=[{"type": "web_search"}], tool_choice="required")
 
 
 def test_served_model_name_aliases(launch_server):

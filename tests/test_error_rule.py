@@ -82,7 +82,7 @@ CASES = [
     ("responses", "previous-response-id", {"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
     # found by the schema fuzz (tests/test_request_fuzz.py): a nameless function tool under tool_choice required was a 500
     ("responses", "tool-without-name", {"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.0.name", "Field required"),
-    ("responses", "built-in-tool", {"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
+    ("responses", "hosted-tool-forced", {"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice", "function tools"),
     ("messages", "max-tokens-missing", {"max_tokens": MISSING}, None, "max_tokens"),
     ("messages", "max-tokens-0", {"max_tokens": 0}, None, "max_tokens"),
     ("messages", "temperature-above-1", {"temperature": 1.5}, None, "temperature"),
@@ -91,17 +91,17 @@ CASES = [
     ("messages", "stop-sequence-too-long", {"stop_sequences": ["x" * (MAX_STOP_CHARS + 1)]}, None, "stop_sequences"),
     ("messages", "metadata-salt-too-long", {"metadata": {"cache_salt": "s" * (SALT_LIMIT + 1)}}, None, "metadata.cache_salt"),
     ("messages", "metadata-salt-a-number", {"metadata": {"cache_salt": 1}}, None, "metadata.cache_salt"),
-    ("messages", "role-system", {"messages": [{"role": "system", "content": "hi"}]}, None, "messages.0.role"),
     ("messages", "image-block", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, None, "messages.0.content.0"),
     *[(route, "messages-empty", {"messages": []}, None, "messages") for route in ANTHROPIC_ROUTES],
     *[(route, "messages-missing", {"messages": MISSING}, None, "messages") for route in ANTHROPIC_ROUTES],
-    # issue 13, nothing silently ignored: unknown fields (a typo of max_tokens would fill the context) and
-    # values of accepted no-op fields that would need an effect
-    *[(route, "unknown-field", {"foo": 1}, "foo" if route not in ANTHROPIC_ROUTES else None, "foo: unknown field")
-      for route in VALID],
-    *[(route, "max-token-typo", {"max_token": 5}, "max_token", "max_token: unknown field")
+    # the typo guard (quanta.server.field_rule): an unknown field one edit from a known one (a typo of
+    # max_tokens would fill the context), and values of accepted no-op fields that would need an effect
+    *[(route, "max-token-typo", {"max_token": 5}, "max_token", "max_token: unknown field (did you mean max_tokens?)")
       for route in ("chat/completions", "completions")],
-    ("messages", "max-token-typo", {"max_token": 5}, None, "max_token: unknown field"),
+    ("messages", "max-token-typo", {"max_token": 5}, None, "max_token: unknown field (did you mean max_tokens?)"),
+    ("responses", "max-output-tokens-typo", {"max_output_token": 16}, "max_output_token", "did you mean max_output_tokens?"),
+    ("messages/count_tokens", "system-typo", {"sytem": "be brief"}, None, "sytem: unknown field (did you mean system?)"),
+    ("chat/completions", "temperature-typo", {"temprature": 0}, "temprature", "did you mean temperature?"),
     *[(route, "store-true", {"store": True}, "store", "nothing is stored") for route in ("chat/completions", "completions", "responses")],
     *[(route, "stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options", "stream: true")
       for route in ("chat/completions", "completions")],
@@ -122,8 +122,8 @@ CASES = [
      "tool_choice", "not among tools"),
     ("chat/completions", "tool-choice-required-without-tools", {"tool_choice": "required"}, "tool_choice", "requires tools"),
     ("chat/completions", "top-logprobs-without-logprobs", {"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
-    ("chat/completions", "two-constraints", {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "give one constraint"),
+    ("chat/completions", "two-constraints", {"tools": [TOOL], "tool_choice": "required", "guided_regex": "a+"},
+     "guided_regex", "give one constraint"),
     ("chat/completions", "seed-5000-digits", HUGE_SEED, "seed", "4300 digits"),
     ("chat/completions", "tool-description-lone-surrogate",
      {"tools": [{"type": "function", "function": {"name": "f", "description": "a\ud800"}}]}, "tools.0.function.description", "surrogate"),
@@ -136,8 +136,9 @@ CASES = [
     ("responses", "duplicate-tool-names", {"tools": [RESPONSES_TOOL, RESPONSES_TOOL]}, "tools.1", "repeated"),
     ("responses", "bad-parameters-schema", {"tools": [{**RESPONSES_TOOL, "parameters": {"properties": 5}}]}, "tools.0.parameters",
      "properties"),
-    *[(route, "thinking-enabled", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, None, "thinking")
-      for route in ANTHROPIC_ROUTES],
+    *[(route, "thinking-a-string", {"thinking": "on"}, None, "thinking") for route in ANTHROPIC_ROUTES],
+    ("messages", "output-format-not-a-schema", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+     None, "output_config.format"),
     ("messages", "container-given", {"container": "c1"}, None, "container"),
     *[(route, "duplicate-tool-names", {"tools": [ANTHROPIC_TOOL, ANTHROPIC_TOOL]}, None, "tools.1") for route in ANTHROPIC_ROUTES],
     ("messages/count_tokens", "tool-name-with-spaces", {"tools": [{"name": "a b", "input_schema": {}}]}, None, "tools.0.name"),
@@ -183,7 +184,7 @@ NO_EFFECT = {
                   "safety_identifier": "s", "include": ["reasoning.encrypted_content"],
                   "reasoning": {"effort": "low", "summary": "auto"}, "truncation": "disabled"},
     "messages": {"metadata": {"user_id": "u"}, "service_tier": "auto", "container": None, "thinking": {"type": "disabled"}},
-    "messages/count_tokens": {"thinking": {"type": "disabled"}},
+    "messages/count_tokens": {"thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": {"effort": "low"}},
 }
 
 

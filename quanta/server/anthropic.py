@@ -15,11 +15,13 @@ stopped after complete calls: one that ended inside a call, e.g. at a stop
 sequence, keeps ``stop_sequence`` with it set, or ``max_tokens``, and its
 streamed tool_use block has incomplete ``input`` JSON). Images and documents are
 refused with a 400; ``cache_control`` markers are accepted and ignored, since
-prefix reuse is automatic. An unknown top-level field is a 400 naming it;
-``metadata`` (``user_id``; its ``cache_salt`` is honoured), ``service_tier``
-and ``container: null`` are accepted with no effect, ``thinking`` only as
-``{"type": "disabled"}`` (extended thinking is not supported), and tool names
-must be unique.
+prefix reuse is automatic. Other fields follow :mod:`quanta.server.field_rule`
+(the bodies, with what is mapped and what has no effect:
+:mod:`quanta.server.anthropic_requests`): ``output_config.format`` is a JSON
+schema constraint, a mid-conversation ``system`` message a system turn,
+``thinking``, ``output_config.effort`` and ``context_management`` have no
+effect. Tool names must be unique. A non-streamed answer lists text and
+tool_use blocks in output order, as the stream does.
 
 Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens
 computed for this request, ``cache_read_input_tokens`` those served from the
@@ -43,118 +45,24 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
-from quanta.engine.sampling import SamplingParams
-from quanta.server.anthropic_tools import AnthropicTool, ToolChoice, chat_messages, tool_use_block, tool_use_id
+from quanta.server.anthropic_requests import ContentBlock, CountTokensRequest, MessagesRequest
+from quanta.server.anthropic_tools import chat_messages, tool_use_block, tool_use_id
 from quanta.server.chat import constrain
-from quanta.server.chat_tokens import chat_prompt_ids, text_ids
+from quanta.server.chat_tokens import text_ids
 from quanta.server.errors import APIError, anthropic_error_body
+from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
-from quanta.server.openai_requests import unique_tools
-from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number, only
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
+from quanta.server.system_turns import prompt_ids
 from quanta.server.tool_templates import render_for_template, template_reads_tools
+from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
-
-
-class ContentBlock(BaseModel):
-    """A content block: ``text``, ``tool_use`` (assistant) or ``tool_result`` (user)."""
-
-    model_config = ConfigDict(extra="ignore")
-    #: the schema lists the served types; others (images, documents) get a 400 naming them
-    type: Annotated[str, Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})]
-    text: str | None = None
-    id: str | None = None
-    name: str | None = None
-    input: dict | None = None
-    tool_use_id: str | None = None
-    content: str | list | None = None
-    is_error: bool = False
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
-
-
-class CountTokensRequest(NullMeansDefault):
-    """``POST /v1/messages/count_tokens``; any field not declared is refused."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[ContentBlock] | None = None
-    tools: Annotated[list[AnthropicTool], unique_tools(lambda t: t.name)] | None = None
-    tool_choice: ToolChoice | None = None
-    #: extended thinking is not supported
-    thinking: only({"type": "disabled"}) = None
-
-    @property
-    def use_tools(self) -> bool:
-        return bool(self.tools) and (self.tool_choice is None or self.tool_choice.type != "none")
-
-    def forced_tools(self) -> list[dict] | None:
-        """Tools a call must come from (``any``: all, ``tool``: the named one), else None.
-
-        Raises:
-            APIError: 400 for a choice without tools or naming an unknown tool.
-        """
-        choice = self.tool_choice
-        if choice is None or choice.type in ("auto", "none"):
-            return None
-        if not self.tools:
-            raise APIError(400, "tool_choice: requires tools")
-        tools = [t.openai() for t in self.tools if choice.type == "any" or t.name == choice.name]
-        if not tools:
-            raise APIError(400, f"tool_choice: names {choice.name!r}, which is not among tools")
-        return tools
-
-
-class Metadata(BaseModel):
-    """``metadata``: any fields; ``cache_salt`` there is taken when the top-level one is absent."""
-
-    model_config = ConfigDict(extra="allow")
-    cache_salt: CacheSalt | None = None
-
-
-class MessagesRequest(CountTokensRequest):
-    """``POST /v1/messages`` (ranges as Anthropic documents them)."""
-
-    max_tokens: integer(ge=1)
-    stop_sequences: StopList | None = None
-    stream: StrictFlag = False
-    temperature: number(ge=0.0, le=1.0) = 1.0
-    top_p: number(gt=0.0, le=1.0) | None = None
-    top_k: integer(ge=0) | None = None
-    cache_salt: CacheSalt | None = None
-    metadata: Metadata | None = None
-    service_tier: str | None = Field(None, description="accepted; no effect")
-    container: only(None) = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _bounded_stop(cls, stop):
-        return stop if stop is None else check_stop_strings(stop, "stop_sequences")
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p or 1.0,
-            top_k=self.top_k or 0, stop=list(self.stop_sequences or []), cache_salt=self.salt(),
-        )
-
-    def salt(self) -> str | None:
-        """The top-level ``cache_salt``, else ``metadata.cache_salt`` (None: unsalted)."""
-        if self.cache_salt is not None or self.metadata is None:
-            return self.cache_salt
-        return self.metadata.cache_salt
 
 
 def _text(content: str | list[ContentBlock], where: str) -> str:
@@ -184,17 +92,17 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     if body.system:
         chat.append({"role": "system", "content": _text(body.system, "system")})
     chat += chat_messages(body.messages, APIError)
-    tools = [t.openai() for t in body.tools] if body.use_tools else None
+    tools = [t.openai() for t in body.function_tools()] if body.use_tools else None
     prefill = None
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
         prefill = chat.pop()["content"]
     chat, template_tools = render_for_template(chat, tools, template_reads_tools(state.tokenizer.chat_template))
     try:
-        state.prompts.check((m["content"] for m in chat), "messages")
+        state.prompts.check([*(m["content"] for m in chat), prefill or ""], "messages")  # the prefill is prompt text too
     except PromptError as exc:
         raise APIError(400, str(exc)) from exc
     try:
-        ids = await state.prompts.run(chat_prompt_ids, state.tokenizer, chat, template_tools)
+        ids = await state.prompts.run(prompt_ids, state.tokenizer, chat, template_tools)
     except Exception as exc:  # the model's own template may reject a conversation
         raise APIError(400, f"chat template failed: {exc}") from exc
     if prefill:
@@ -223,12 +131,10 @@ def _usage(out: RequestOutput, output_tokens: int | None = None) -> dict:
     }
 
 
-def _message(msg_id: str, model: str, text: str | None, out: RequestOutput, final: bool, calls=(), called=False) -> dict:
+def _message(msg_id: str, model: str, content: list[dict], out: RequestOutput, final: bool, called=False) -> dict:
     stop_reason, stop_sequence = _stop(out, called) if final else (None, None)
-    content = [{"type": "text", "text": text}] if text is not None and (text or not calls) else []
     return {
-        "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": content + [tool_use_block(c) for c in calls],
+        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
         "stop_reason": stop_reason, "stop_sequence": stop_sequence,
         "usage": _usage(out, None if final else 0),
     }
@@ -241,7 +147,7 @@ def _event(kind: str, payload: dict) -> str:
 async def _events(msg_id: str, model: str, stream: RequestStream):
     """Anthropic's SSE events for one request (see the module docstring)."""
     first = await anext(stream)
-    yield _event("message_start", {"message": _message(msg_id, model, None, first, final=False)})
+    yield _event("message_start", {"message": _message(msg_id, model, [], first, final=False)})
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {})
     out = first
@@ -260,7 +166,7 @@ async def _events(msg_id: str, model: str, stream: RequestStream):
 async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream):
     """The events of a request with tools: blocks in output order (text, tool_use, ...)."""
     out = await anext(stream)
-    yield _event("message_start", {"message": _message(msg_id, model, None, out, final=False)})
+    yield _event("message_start", {"message": _message(msg_id, model, [], out, final=False)})
     yield _event("ping", {})
     blocks = ToolBlocks()
     while True:
@@ -322,12 +228,12 @@ async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Re
     async for out in stream:
         texts.append(out.text)
         last = out
-    text, calls, called = "".join(texts), [], False
-    if parser is not None:
-        parsed = parser.parse(text)
-        if parsed.calls:
-            text, calls, called = parsed.content or "", parsed.calls, parsed.made_calls
-    return JSONResponse(_message(msg_id, model, text, last, final=True, calls=calls, called=called))
+    text = "".join(texts)
+    parsed = parser.parse(text) if parser is not None else None
+    if parsed is None or not parsed.calls:
+        return JSONResponse(_message(msg_id, model, [{"type": "text", "text": text}], last, final=True))
+    blocks = [tool_use_block(p) if isinstance(p, ToolCall) else {"type": "text", "text": p} for p in parsed.order]
+    return JSONResponse(_message(msg_id, model, blocks, last, final=True, called=parsed.made_calls))
 
 
 def router(state: ServerState) -> APIRouter:
@@ -338,17 +244,22 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
         check_model(state, body.model)
+        log_fields("/v1/messages/count_tokens", body)
         return {"input_tokens": len(await render_prompt(state, body))}
 
     @routes.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         check_model(state, body.model)
+        log_fields("/v1/messages", body)
         prompt = await render_prompt(state, body)
         forced = body.forced_tools() if body.use_tools else None
         parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
-        grammar = state.tool_parser.grammar(forced, parallel) if forced else None
+        if forced:  # a forced call wins over output_config.format, which governs a text answer
+            grammar, param = state.tool_parser.grammar(forced, parallel), "tool_choice"
+        else:
+            grammar, param = body.format_grammar(), "output_config.format"
         stream = await submit(state, request, prompt, body.max_tokens,
-                              lambda n: constrain(state, body.sampling_params(n), grammar, "tool_choice"))
+                              lambda n: constrain(state, body.sampling_params(n), grammar, param))
         msg_id = "msg_" + uuid.uuid4().hex
         parser = state.tool_parser if body.use_tools else None
         if body.stream:

@@ -15,17 +15,31 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from quanta.server.field_rule import field_error
 from quanta.server.tools import ToolCall
 
 
 class AnthropicTool(BaseModel):
+    """A client tool (``type`` absent or ``custom``: needs ``input_schema``), or a server tool
+    (any other ``type``, e.g. ``web_search_20250305``): accepted, never called, since quanta runs no tools."""
+
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    input_schema: dict
-    type: Literal["custom"] | None = None
+    input_schema: dict | None = None
+    type: str | None = None
+
+    @property
+    def server_tool(self) -> bool:
+        return self.type not in (None, "custom")
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if not self.server_tool and self.input_schema is None:
+            raise field_error("input_schema", "Field required (a client tool needs an input_schema)")
+        return self
 
     def openai(self) -> dict:
         fn = {"name": self.name, "parameters": self.input_schema}

@@ -33,19 +33,21 @@ from quanta.engine.async_engine import RequestStream
 from quanta.engine.grammar import Grammar, GrammarError
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams, TokenLogprob
-from quanta.server.chat_tokens import chat_prompt_ids
 from quanta.server.errors import APIError, error_body
+from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
 from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
+from quanta.server.system_turns import prompt_ids
 from quanta.server.tool_templates import render_for_template, template_reads_tools
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
 
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> list[int]:
     """Prompt ids of OpenAI-shaped ``messages`` and ``tools`` through the model's
-    template, rendered off the event loop (:class:`quanta.server.limits.PromptWork`).
+    template, rendered off the event loop (:class:`quanta.server.limits.PromptWork`);
+    a later ``system`` message is placed as :mod:`quanta.server.system_turns` says.
 
     Raises:
         APIError: 400 for lone surrogates, a prompt too long for the context,
@@ -55,7 +57,7 @@ async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> 
     msgs, template_tools = render_for_template(messages, tools, native)
     try:
         state.prompts.check((m["content"] for m in msgs), "messages")
-        return await state.prompts.run(chat_prompt_ids, state.tokenizer, msgs, template_tools)
+        return await state.prompts.run(prompt_ids, state.tokenizer, msgs, template_tools)
     except PromptError as exc:
         raise APIError(400, str(exc), exc.param) from exc
     except Exception as exc:  # the model's own template may reject a conversation
@@ -115,6 +117,7 @@ async def serve_completion(state, request: Request, body: CompletionsRequest) ->
 
 async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format) -> Response:
     check_model(state, body.model)
+    log_fields(request.url.path, body)
     grammar, param = _request_grammar(state, body)
     made: list[SamplingParams] = []
 

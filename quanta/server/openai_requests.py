@@ -6,16 +6,20 @@ bodies of :mod:`quanta.server.protocol`. Every field is either honoured or
 refused with HTTP 400 naming it: ``logit_bias``, ``echo``, ``suffix``,
 ``best_of`` > 1, ``n`` > 1, the legacy ``functions``/``function_call``,
 audio, predicted outputs, web search and non-text content parts (images,
-audio, files). Fields that change nothing about the output
-(:class:`quanta.server.protocol.NoEffect`) are accepted; any other unknown
-field is a 400 naming it. A message's ``content`` is null only on an assistant
+audio, files): answers that ignored them would not be the ones asked for.
+Fields that change nothing about the output
+(:class:`quanta.server.protocol.NoEffect`) are accepted; other fields follow
+:mod:`quanta.server.field_rule`. A forced ``tool_choice`` with
+``response_format`` is accepted: the forced call wins (a response format
+governs a text answer), as OpenAI's API does. A message's ``content`` is null only on an assistant
 turn, a ``tool`` message needs ``tool_call_id``, earlier calls' ``arguments``
 must be JSON, tool names are unique and each ``parameters`` schema must
 compile (whatever ``tool_choice`` is).
 
 Guided decoding (vLLM's extension fields, sent with ``extra_body``):
 ``guided_json`` (a JSON schema), ``guided_regex``, ``guided_choice`` (a list of
-strings); one constraint per request.
+strings); one constraint per request (a forced ``tool_choice`` with
+``response_format`` counts as one: the call).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quanta.engine.grammar import Grammar
+from quanta.engine.grammar_bounds import check_schema
 from quanta.server.limits import surrogate_problem
 from quanta.server.protocol import ChatCompletionRequest, CompletionRequest, StrictFlag, UnicodeText, field_error, integer
 
@@ -88,10 +93,7 @@ class _Guided(BaseModel):
         if not given:
             return None
         if self.guided_json is not None:
-            schema = self.guided_json
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            return Grammar.json_schema(schema), "guided_json"
+            return Grammar.json_schema(self.guided_json, "guided_json"), "guided_json"
         if self.guided_regex is not None:
             return Grammar.regex(self.guided_regex), "guided_regex"
         return Grammar.choice(self.guided_choice), "guided_choice"
@@ -108,6 +110,7 @@ def schema_problem(schema: dict) -> str | None:
     """Why ``schema`` (a JSON schema) does not compile, else None (~1 ms; no tokenizer needed)."""
     import llguidance
 
+    check_schema(schema)  # its size first (a 400 naming the bound)
     compiled = llguidance.LLMatcher.grammar_from_lark(Grammar.json_schema(schema).lark)
     problem = llguidance.LLMatcher.validate_grammar(compiled, None)
     if not problem or problem.startswith("WARNING"):
@@ -276,10 +279,10 @@ class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise field_error("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools")
         given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]
-        if self.response_format is not None and self.response_format.type != "text":
-            given.insert(0, "response_format")
         if choice == "required" or isinstance(choice, NamedToolChoice):
-            given.insert(0, "tool_choice")
+            given.insert(0, "tool_choice")  # with response_format too: the forced call wins
+        elif self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
         if len(given) > 1:
             raise field_error(given[1], "give one constraint: a forced tool_choice, response_format or a guided_* field, "
                               f"not {' and '.join(given)}")

@@ -1,11 +1,12 @@
 """OpenAI request bodies (the subset quanta serves), validated by pydantic.
 
 Ranges follow the OpenAI API reference; ``top_k``, ``min_p`` and
-``ignore_eos`` are the extensions vLLM and llama.cpp's server accept. An
-unknown field is a 400 naming it (a typo such as ``max_token`` is not
-ignored); the fields official clients send that change nothing here
-(:class:`NoEffect`: ``user``, ``metadata``, ``store`` false, ``service_tier``,
-``prompt_cache_key``, ``safety_identifier``) are accepted.
+``ignore_eos`` are the extensions vLLM and llama.cpp's server accept. Fields
+beyond the declared ones follow :mod:`quanta.server.field_rule` (a typo such
+as ``max_token`` is a 400; a documented field quanta has no use for is
+accepted and logged); the fields official clients send that change nothing
+here (:class:`NoEffect`: ``user``, ``metadata``, ``store`` false,
+``service_tier``, ``prompt_cache_key``, ``safety_identifier``) are accepted.
 
 Types are strict, as OpenAI's API is: ``"4"``, ``4.0`` or ``true`` is no
 integer, ``"0.5"`` no number, ``NaN`` and ``Infinity`` are refused; ``seed``
@@ -19,11 +20,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from quanta.engine.sampling import SEED_RANGE, SamplingParams
-from quanta.server.limits import surrogate_problem
+from quanta.server.field_rule import OPENAI_CHAT, OPENAI_COMPLETIONS, FieldRule, field_error
+from quanta.server.limits import PROMPT_TOKEN_LIMIT, surrogate_problem
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -76,13 +77,6 @@ def check_stop_strings(stop: list[str], param: str) -> list[str]:
     return stop
 
 
-def field_error(field: str, message: str) -> PydanticCustomError:
-    """A validation error naming ``field`` (dotted, relative to the model that raises it):
-    a model validator's error otherwise names no field, and the 400's ``param`` would be null
-    (:func:`quanta.server.errors.install_error_handlers` reads ``ctx["field"]``)."""
-    return PydanticCustomError("field_error", message.replace("{", "(").replace("}", ")"), {"field": field})
-
-
 def only(*allowed):
     """A field accepted only with one of the ``allowed`` JSON values, which have no effect
     (anything else is a 400 naming the field and the allowed values)."""
@@ -114,6 +108,10 @@ class NoEffect(BaseModel):
     service_tier: str | None = Field(None, description="accepted; no effect")
     prompt_cache_key: str | None = Field(None, description="accepted; no effect (use cache_salt to partition the cache)")
     safety_identifier: str | None = Field(None, description="accepted; no effect")
+
+
+#: :class:`NoEffect`'s fields that are named in the log when given (``store`` false is honoured: nothing is stored)
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort"})
 
 
 class NullMeansDefault(BaseModel):
@@ -148,10 +146,10 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class SamplingRequest(NoEffect, NullMeansDefault):
-    """Fields shared by both endpoints; any other field is refused."""
+class SamplingRequest(FieldRule, NoEffect, NullMeansDefault):
+    """Fields shared by both endpoints (other fields: :mod:`quanta.server.field_rule`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    NO_EFFECT = NO_EFFECT_FIELDS
 
     model: str
     temperature: number(ge=0.0, le=2.0) = 1.0
@@ -209,12 +207,17 @@ class CompletionRequest(SamplingRequest):
     ``max_tokens`` defaults to 16, as in OpenAI's API and vLLM.
     """
 
+    DOCUMENTED = OPENAI_COMPLETIONS
+
     prompt: Prompt
     max_tokens: integer(ge=1) = 16
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, prompt):
+        limit = PROMPT_TOKEN_LIMIT.get()
+        if isinstance(prompt, list) and limit is not None and len(prompt) > limit:  # before each id is checked
+            raise ValueError(f"the prompt has {len(prompt)} token ids; at most {limit} fit (max_model_len - 1)")
         if isinstance(prompt, list) and any(isinstance(t, bool) for t in prompt):
             raise ValueError("token ids must be integers, not booleans")
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, str) for t in prompt):
@@ -234,6 +237,8 @@ class ChatCompletionRequest(SamplingRequest):
     the rest of the context: up to ``max_model_len`` minus the prompt's
     tokens, as in vLLM.
     """
+
+    DOCUMENTED = OPENAI_CHAT
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: integer(ge=1) | None = None

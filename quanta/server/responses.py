@@ -2,18 +2,16 @@
 
 Served: ``input`` (a string, or items: messages with ``input_text``/``output_text``
 parts, ``function_call`` and ``function_call_output``), ``instructions``,
-function ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a named
-function), ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``,
-``top_p``, ``text.format`` (``text``, ``json_object``, ``json_schema``) and
-``stream``. Nothing is stored: ``previous_response_id`` is refused (send the
-whole conversation, as Codex-style clients with ``store: false`` do), and so
-are built-in tools (web search, file search, computer use) and non-text inputs.
-An unknown field is a 400 naming it; fields that change nothing here are
-accepted (``user``, ``metadata``, ``store`` false, ``service_tier``,
-``prompt_cache_key``, ``safety_identifier``, ``include`` empty or
-``reasoning.encrypted_content``, ``reasoning`` effort/summary: the model does
-not reason, ``truncation`` "disabled"). Tool names are unique and each
-``parameters`` schema must compile.
+function and ``namespace`` ``tools``, ``tool_choice`` (``auto``, ``none``,
+``required``, a named function), ``parallel_tool_calls``,
+``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (``text``,
+``json_object``, ``json_schema``), ``ignore_eos`` and ``stream``. The body,
+what is mapped, accepted with no effect (hosted tools, ``client_metadata``,
+``reasoning``) or refused (stored state), is
+:mod:`quanta.server.responses_requests`, under
+:mod:`quanta.server.field_rule`. Non-text inputs are refused. Output items
+come in output order (text, calls, text, as generated), streamed or not; a
+message item that ``max_output_tokens`` cut is ``incomplete``, as the response is.
 
 Streaming sends the API's events, each with a ``sequence_number``:
 ``response.created``, ``response.in_progress``, per output item
@@ -30,175 +28,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.engine.async_engine import RequestStream
-from quanta.engine.sampling import SamplingParams
 from quanta.server.chat import chat_prompt, constrain
-from quanta.server.errors import APIError
-from quanta.server.openai_requests import ResponseFormat, ToolSchema, unique_tools
-from quanta.server.protocol import CacheSalt, NoEffect, NonEmptyText, ReasoningEffort, StrictFlag, UnicodeText, integer, number, only
+from quanta.server.field_rule import log_fields
+from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
 
-
-def served(*kinds: str):
-    """A ``type`` string whose served values the schema lists (the route names any other in its 400)."""
-    return Annotated[str, Field(json_schema_extra={"enum": list(kinds)})]
-
-
-class InputPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: served("input_text", "output_text", "text")
-    text: str | None = None
-
-
-class InputItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: served("message", "function_call", "function_call_output") = "message"
-    role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[InputPart] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[InputPart] | None = None
-
-
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: served("function")
-    #: required (a forced call needs it), as OpenAI's chat tools spell it
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: UnicodeText | None = None
-    parameters: ToolSchema | None = None
-    strict: bool | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _function_only(cls, kind: str) -> str:
-        if kind != "function":
-            raise ValueError(f"built-in tools of type {kind!r} are not supported (function tools only)")
-        return kind
-
-
-class NamedChoice(BaseModel):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str = "response"
-    schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    format: TextFormat | None = None
-
-
-class Reasoning(BaseModel):
-    """``reasoning`` as Codex-style clients send it: accepted, no effect (the model does not reason)."""
-
-    model_config = ConfigDict(extra="forbid")
-    effort: ReasoningEffort | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-
-
-class ResponsesRequest(NoEffect):
-    """``POST /v1/responses``: an unknown field is a 400; :class:`NoEffect`'s fields,
-    ``include`` (empty, or ``reasoning.encrypted_content``), ``reasoning`` (an
-    effort and summary; no effect: the model does not reason, so no reasoning
-    items are produced or included) and ``truncation`` ("disabled") are accepted."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
-    instructions: str | None = None
-    tools: Annotated[list[FunctionTool], unique_tools(lambda t: t.name)] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
-    parallel_tool_calls: StrictFlag = True
-    #: OpenAI's minimum is 16
-    max_output_tokens: integer(ge=16) | None = None
-    temperature: number(ge=0.0, le=2.0) | None = None
-    top_p: number(gt=0.0, le=1.0) | None = None
-    stream: StrictFlag = False
-    text: TextOptions | None = None
-    #: must be null (nothing is stored)
-    previous_response_id: Any = Field(None, json_schema_extra={"type": "null"})
-    cache_salt: CacheSalt | None = None
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
-    reasoning: Reasoning | None = None
-    truncation: only(None, "disabled") = None
-
-    @field_validator("previous_response_id")
-    @classmethod
-    def _stateless(cls, value):
-        if value is not None:
-            raise ValueError("responses are not stored; send the whole conversation in input instead")
-        return value
-
-    def chat_tools(self) -> list[dict]:
-        return [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in self.tools or []]
-
-    def messages(self) -> list[dict]:
-        """The conversation as OpenAI chat messages (consecutive calls form one assistant turn)."""
-        out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [InputItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for i, item in enumerate(items):
-            if item.type == "message":
-                out.append({"role": item.role or "user", "content": _text(item.content, f"input.{i}.content")})
-            elif item.type == "function_call":
-                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
-                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                    out[-1]["tool_calls"].append(call)
-                else:
-                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif item.type == "function_call_output":
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input.{i}.output")})
-            else:
-                raise APIError(400, f"input.{i}: items of type {item.type!r} are not supported", f"input.{i}.type")
-        return out
-
-
-def _text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise APIError(400, f"{where}.{j}: content of type {part.type!r} is not supported (text only)", f"{where}.{j}.type")
-    return "".join(p.text for p in content)
-
-
-def _forced(body: ResponsesRequest, tools: list[dict]) -> list[dict] | None:
-    if body.tool_choice == "required":
-        return tools
-    if isinstance(body.tool_choice, NamedChoice):
-        named = [t for t in tools if t["function"]["name"] == body.tool_choice.name]
-        if not named:
-            raise APIError(400, f"tool_choice names {body.tool_choice.name!r}, which is not among tools", "tool_choice")
-        return named
-    return None
-
-
-def _grammar(state, body: ResponsesRequest, tools: list[dict]):
-    forced = _forced(body, tools) if tools else None
-    if forced:
-        return state.tool_parser.grammar(forced, body.parallel_tool_calls), "tool_choice"
-    fmt = body.text.format if body.text else None
-    if fmt is not None and fmt.type != "text":
-        schema = {"schema": fmt.schema_ or {"type": "object"}} if fmt.type == "json_schema" else None
-        return ResponseFormat(type=fmt.type, json_schema=schema).grammar(), "text.format"
-    if body.tool_choice not in (None, "auto", "none") and not tools:
-        raise APIError(400, "tool_choice requires tools", "tool_choice")
-    return None, None
+__all__ = ["ResponsesRequest", "router"]
 
 
 class _Builder:
@@ -210,14 +53,15 @@ class _Builder:
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def message(self, text: str, status: str = "completed") -> dict:
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+    def message(self, text: str, status: str = "completed", msg_id: str | None = None) -> dict:
+        """A message item (``in_progress``: no content yet; ``incomplete``: cut by ``max_output_tokens``)."""
+        return {"type": "message", "id": msg_id or self.msg_id, "status": status, "role": "assistant",
+                "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]}
 
-    @staticmethod
-    def call(call: ToolCall, status: str = "completed") -> dict:
+    def call(self, call: ToolCall, status: str = "completed") -> dict:
+        """A function_call item; a namespaced tool's call names its ``namespace`` apart."""
         return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-                "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
+                **self.body.call_name(call.name), "arguments": call.arguments if status == "completed" else "", "status": status}
 
     def response(self, output: list[dict], last, status: str = "completed") -> dict:
         incomplete = last is not None and last.finish_reason == "length"
@@ -242,9 +86,18 @@ class _Builder:
             }
         return out
 
-    def items(self, text: str, calls: list[ToolCall]) -> list[dict]:
-        items = [self.message(text)] if text or not calls else []
-        return items + [self.call(c) for c in calls]
+    def items(self, order: list[str | ToolCall], incomplete: bool) -> list[dict]:
+        """The output items of text pieces and calls in output order (a message cut at the end is ``incomplete``)."""
+        items, msg_id = [], self.msg_id
+        for piece in order or [""]:
+            if isinstance(piece, ToolCall):
+                items.append(self.call(piece))
+            else:
+                items.append(self.message(piece, msg_id=msg_id))
+                msg_id = "msg_" + uuid.uuid4().hex
+        if incomplete and items[-1]["type"] == "message":
+            items[-1]["status"] = "incomplete"
+        return items
 
 
 def _choice_json(choice) -> Any:
@@ -258,12 +111,10 @@ async def _collect(builder: _Builder, stream: RequestStream, parser) -> Response
     async for out in stream:
         texts.append(out.text)
         last = out
-    text, calls = "".join(texts), []
-    if parser is not None:
-        parsed = parser.parse(text)
-        if parsed.calls:
-            text, calls = parsed.content or "", parsed.calls
-    return JSONResponse(builder.response(builder.items(text, calls), last))
+    text = "".join(texts)
+    parsed = parser.parse(text) if parser is not None else None
+    order = parsed.order if parsed is not None and parsed.calls else [text]
+    return JSONResponse(builder.response(builder.items(order, last.finish_reason == "length"), last))
 
 
 class _Events:
@@ -297,7 +148,7 @@ async def _events(ev: _Events, b: _Builder, stream: RequestStream, tools: ToolSt
         for event in events:
             for sse in items.on(event):
                 yield sse
-    for sse in items.close():
+    for sse in items.close(out is not None and out.finish_reason == "length"):
         yield sse
     final = b.response(items.output, out)
     yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", {"response": final})
@@ -343,14 +194,15 @@ class _Items:
         self.output.append(item)
         return [
             self.ev("response.function_call_arguments.done",
-                    {"item_id": item["id"], "output_index": index, "name": call.name, "arguments": call.arguments}),
+                    {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": call.arguments}),
             self.ev("response.output_item.done", {"output_index": index, "item": item}),
         ]
 
-    def close(self) -> list[str]:
-        """Events that end the output: the open message done (an empty one if there was no item)."""
+    def close(self, cut: bool = False) -> list[str]:
+        """Events that end the output: the open message done (an empty one if there was no item),
+        ``incomplete`` when ``max_output_tokens`` (``cut``) ended the output inside it."""
         opening = self._open_message() if not self.output and self.text is None else []
-        return opening + self._close_message()
+        return opening + self._close_message("incomplete" if cut else "completed")
 
     def _open_message(self) -> list[str]:
         if self.output:
@@ -362,12 +214,12 @@ class _Items:
                                                     "part": {"type": "output_text", "text": "", "annotations": []}}),
         ]
 
-    def _close_message(self) -> list[str]:
+    def _close_message(self, status: str = "completed") -> list[str]:
         if self.text is None:
             return []
         text, index, self.text = self.text, len(self.output), None
         part = {"type": "output_text", "text": text, "annotations": []}
-        item = self._message(text)
+        item = self._message(text, status)
         self.output.append(item)
         return [
             self.ev("response.output_text.done", {"item_id": self.msg_id, "output_index": index, "content_index": 0,
@@ -377,7 +229,7 @@ class _Items:
         ]
 
     def _message(self, text: str, status: str = "completed") -> dict:
-        return {**self.b.message(text, status), "id": self.msg_id}
+        return self.b.message(text, status, self.msg_id)
 
 
 def router(state: ServerState) -> APIRouter:
@@ -387,18 +239,12 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         check_model(state, body.model)
+        log_fields("/v1/responses", body)
         tools = body.chat_tools() if body.tool_choice != "none" else []
         prompt = await chat_prompt(state, body.messages(), tools or None)
-        grammar, param = _grammar(state, body, tools)
-        temperature = 1.0 if body.temperature is None else body.temperature
-
-        def make_params(max_tokens: int) -> SamplingParams:
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 1.0,
-                                    cache_salt=body.cache_salt)
-            return constrain(state, params, grammar, param)
-
+        grammar, param = request_grammar(state, body, tools)
         max_tokens = body.max_output_tokens or state.max_model_len - len(prompt)
-        stream = await submit(state, request, prompt, max_tokens, make_params)
+        stream = await submit(state, request, prompt, max_tokens, lambda n: constrain(state, body.sampling_params(n), grammar, param))
         builder = _Builder(body, tools)
         parser = state.tool_parser if tools else None
         if body.stream:

@@ -57,6 +57,8 @@ class Parsed:
     content: str | None
     calls: list[ToolCall]
     broken: bool = False
+    #: the text pieces and calls in output order (:func:`in_order`); empty without calls
+    order: list[str | ToolCall] = field(default_factory=list)
 
     @property
     def made_calls(self) -> bool:
@@ -96,6 +98,23 @@ def parse_json(text: str):
         return _DECODER.decode(text)
     except ValueError:
         return None
+
+
+def in_order(pieces: list[str | ToolCall]) -> list[str | ToolCall]:
+    """Text pieces and calls in output order, as the stream sends them: a piece's trailing
+    whitespace moves to the start of the next piece (dropped when none follows); empty pieces go."""
+    out: list[str | ToolCall] = []
+    space = ""
+    for piece in pieces:
+        if isinstance(piece, ToolCall):
+            out.append(piece)
+            continue
+        text = space + piece
+        body = text.rstrip()
+        space = text[len(body):]
+        if body:
+            out.append(body)
+    return out
 
 
 def _content(parts: list[str]) -> str | None:
@@ -170,7 +189,7 @@ class HermesParser(ToolParser):
     name, start, end = "hermes", "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> Parsed:
-        calls, parts, pos, broken = [], [], 0, False
+        calls, parts, pieces, pos, broken = [], [], [], 0, False
         i = text.find(self.start)
         while i >= 0:
             body = i + len(self.start)
@@ -180,12 +199,15 @@ class HermesParser(ToolParser):
             call = hermes_call(block)
             if call is not None:
                 parts.append(text[pos:i])
+                pieces += [text[pos:i], call]
                 calls.append(call)
                 pos = stop
             broken = broken or (call is None and hermes_opens(block))
             i = text.find(self.start, stop)
         parts.append(text[pos:])
-        return Parsed(_content(parts), calls, broken) if calls else Parsed(text or None, [], broken)
+        if not calls:
+            return Parsed(text or None, [], broken)
+        return Parsed(_content(parts), calls, broken, in_order(pieces + [text[pos:]]))
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
         call = f'"<tool_call>\\n" {json_rule(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
@@ -321,7 +343,7 @@ class Llama3JsonParser(ToolParser):
             if call is None:
                 return Parsed(text or None, [])
             calls.append(call)
-        return Parsed(_content([text[:i]]), calls) if calls else Parsed(text or None, [])
+        return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
         call = json_rule(_calls_schema(tools, "parameters"))
@@ -361,7 +383,7 @@ class MistralParser(ToolParser):
             if not found or None in found:
                 return Parsed(text or None, [])
             calls += found
-        return Parsed(_content([text[:i]]), calls) if calls else Parsed(text or None, [])
+        return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
         array = {"type": "array", "items": _calls_schema(tools, "arguments"), "minItems": 1}

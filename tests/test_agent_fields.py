@@ -1,0 +1,402 @@
+"""The field rule (:mod:`quanta.server.field_rule`) through the official ``openai``
+and ``anthropic`` clients, against the session server (embedded SmolLM2).
+
+The request bodies have the shapes coding agents send (written from the
+protocols): Claude Code's streamed ``/v1/messages?beta=true`` with a
+mid-conversation system message, ``thinking``, ``output_config`` and
+``context_management``; Codex CLI's streamed ``/v1/responses`` with function,
+``namespace`` and hosted tools and ``client_metadata``. Documented fields
+quanta has no use for are accepted and named in the server log; a typo of a
+known field stays a 400 naming the field it resembles; a field no API
+documents is accepted and logged. Also: a forced ``tool_choice`` with
+``response_format`` on chat, Responses ``ignore_eos``, an ``incomplete``
+message item, and non-streamed answers in output order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Literal
+
+import anthropic
+import openai
+import pytest
+from pydantic import BaseModel
+
+from quanta.engine.output import RequestOutput
+from quanta.server.field_rule import ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, resembles
+from quanta.server.tools import HermesParser
+from quanta.server.tools_stream import tool_stream
+
+BASH = {"name": "Bash", "description": "Run a shell command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"],
+                         "additionalProperties": False}}
+SHELL = {"type": "function", "name": "shell", "description": "Run a command",
+         "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                        "required": ["command"], "additionalProperties": False}, "strict": False}
+CRM = {"type": "namespace", "name": "crm", "description": "Customer records",
+       "tools": [{"type": "function", "name": "get_customer", "description": "Look a customer up",
+                  "parameters": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"],
+                                 "additionalProperties": False}}]}
+
+
+def claude(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="x", timeout=120, max_retries=0)
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def marker() -> dict:
+    """An undocumented field with a fresh name: its log line identifies the request."""
+    return {f"x_trace_{uuid.uuid4().hex[:12]}": 1}
+
+
+def log_line(server, extra: dict) -> str:
+    """The server log's line for the request that sent the :func:`marker` ``extra``."""
+    (name,) = extra
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [line for line in server.log().splitlines() if name in line]
+        if lines:
+            assert len(lines) == 1, lines
+            return lines[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no log line names {name}\n{server.log_tail()}")
+
+
+# --------------------------------------------------------------------------- Claude Code's shapes
+
+
+def claude_code_request(server, **overrides) -> dict:
+    """A Claude Code-style first request: system blocks with cache_control, a user turn, then a system
+    message (a reminder) inside messages, tools, adaptive thinking, effort and context management."""
+    body = dict(
+        model=server.model, max_tokens=24, stream=True, betas=["context-management-2025-06-27"],
+        system=[{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "List the files."}]},
+            {"role": "system", "content": "Reminder: be brief."},
+        ],
+        tools=[BASH], thinking={"type": "adaptive"}, output_config={"effort": "high"},
+        context_management={"edits": [{"type": "clear_tool_uses_20250919"}]},
+        metadata={"user_id": "user_1"},
+    )
+    return {**body, **overrides}
+
+
+def test_claude_code_shaped_stream_is_served_and_the_ignored_fields_are_logged(server):
+    extra = marker()
+    with claude(server).beta.messages.stream(**{k: v for k, v in claude_code_request(server).items() if k != "stream"},
+                                             extra_body=extra) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert not any(block.type == "thinking" for block in final.content)
+    line = log_line(server, extra)
+    assert "POST /v1/messages: no effect here:" in line
+    for name in ("context_management", "thinking (adaptive)", "output_config.effort"):
+        assert name in line, line
+    assert "unknown, ignored: " + next(iter(extra)) in line
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}, {"type": "disabled"}])
+def test_thinking_of_every_type_is_accepted_without_thinking_blocks(server, thinking):
+    reply = claude(server).messages.create(model=server.model, max_tokens=8, extra_body={"temperature": 0}, thinking=thinking,
+                                           messages=[{"role": "user", "content": "Say hi."}])
+    assert reply.stop_reason in ("end_turn", "max_tokens") and [b.type for b in reply.content] == ["text"]
+
+
+def test_a_mid_conversation_system_message_is_a_system_turn(server):
+    """SmolLM2's template takes a system turn anywhere: the Anthropic prompt is the chat route's prompt
+    for the same turns (counted by count_tokens and chat usage), and longer than without the message."""
+    turns = [{"role": "user", "content": "List the files."}, {"role": "system", "content": "Reminder: be brief."}]
+    counted = claude(server).messages.count_tokens(model=server.model, messages=turns, thinking={"type": "adaptive"},
+                                                   output_config={"effort": "low"})
+    without = claude(server).messages.count_tokens(model=server.model, messages=turns[:1])
+    chat = openai_client(server).chat.completions.create(model=server.model, messages=turns, max_tokens=1)
+    assert counted.input_tokens == chat.usage.prompt_tokens > without.input_tokens
+
+
+class Verdict(BaseModel):
+    ok: bool
+    build: Literal["green", "red"]
+
+
+def test_messages_parse_gets_output_config_format_as_a_json_schema_constraint(server):
+    """The SDK's ``messages.parse`` sends ``output_config.format``; the answer parses into the model."""
+    parsed = claude(server).messages.parse(model=server.model, max_tokens=40, output_format=Verdict,
+                                           messages=[{"role": "user", "content": "Is the build green? Answer in JSON."}])
+    assert isinstance(parsed.parsed_output, Verdict), parsed.content
+    assert parsed.stop_reason == "end_turn"
+
+
+def test_a_forced_tool_wins_over_output_config_format(server):
+    reply = claude(server).messages.create(
+        model=server.model, max_tokens=80, extra_body={"temperature": 0}, tools=[BASH],
+        tool_choice={"type": "tool", "name": "Bash", "disable_parallel_tool_use": True},
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}},
+        messages=[{"role": "user", "content": "List the files."}])
+    assert reply.stop_reason == "tool_use" and [b.type for b in reply.content] == ["tool_use"]
+    assert set(reply.content[0].input) == {"command"}
+
+
+def test_server_tools_are_accepted_and_never_called(server):
+    extra = marker()
+    reply = claude(server).messages.create(
+        model=server.model, max_tokens=8, extra_body={**extra, "temperature": 0},
+        tools=[BASH, {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}],
+        messages=[{"role": "user", "content": "Hi."}])
+    assert all(b.type != "server_tool_use" for b in reply.content)
+    assert "tools.1 (web_search_20250305)" in log_line(server, extra)
+
+
+def test_anthropic_typo_is_a_400_naming_the_field_it_resembles(server):
+    with pytest.raises(anthropic.BadRequestError, match=r"max_token: unknown field \(did you mean max_tokens\?\)"):
+        claude(server).messages.create(model=server.model, max_tokens=8, messages=[{"role": "user", "content": "Hi."}],
+                                       extra_body={"max_token": 8})
+
+
+# --------------------------------------------------------------------------- Codex CLI's shapes
+
+
+def codex_request(server, **overrides) -> dict:
+    """A Codex CLI-style request: instructions, a developer message, function, namespace and hosted tools,
+    ``store: false``, reasoning, include, prompt_cache_key (``client_metadata`` goes in extra_body)."""
+    body = dict(
+        model=server.model, instructions="You are Codex, a coding agent.",
+        input=[{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}],
+        tools=[SHELL, CRM, {"type": "web_search"}], tool_choice="auto", parallel_tool_calls=False, store=False,
+        reasoning={"effort": "medium", "summary": "auto"}, include=["reasoning.encrypted_content"],
+        prompt_cache_key=str(uuid.uuid4()), max_output_tokens=24, temperature=0,
+    )
+    return {**body, **overrides}
+
+
+def test_codex_shaped_stream_is_served_and_the_ignored_fields_are_logged(server):
+    extra = {**marker(), "client_metadata": {"x-codex-installation-id": "abc"}}
+    events = list(openai_client(server).responses.create(stream=True, extra_body=extra, **codex_request(server)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    line = log_line(server, {k: v for k, v in extra.items() if k.startswith("x_trace")})
+    for name in ("client_metadata", "tools.2 (web_search)", "reasoning", "include"):
+        assert name in line, line
+
+
+def test_a_namespaced_call_is_answered_in_the_namespace_s_form(server):
+    """Forced, the call is of the namespace's function: ``name`` and ``namespace`` apart, streamed or not;
+    the call sent back in input (with its namespace) continues the conversation."""
+    client = openai_client(server)
+    kw = codex_request(server, tools=[CRM, {"type": "web_search"}], tool_choice="required", max_output_tokens=40)
+    full = client.responses.create(**kw)
+    (call,) = [item for item in full.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("get_customer", "crm") and set(json.loads(call.arguments)) == {"id"}
+    events = list(client.responses.create(stream=True, **kw))
+    (done,) = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert (done.name, done.namespace) == ("get_customer", "crm")
+    args_done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args_done[0].name == "get_customer"
+    history = kw["input"] + [
+        {"type": "function_call", "call_id": call.call_id, "name": "get_customer", "namespace": "crm", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Ada Lovelace"},
+    ]
+    after = client.responses.create(**{**kw, "input": history, "tool_choice": "none", "max_output_tokens": 16})
+    assert after.status in ("completed", "incomplete")
+
+
+def test_responses_ignore_eos_runs_to_max_output_tokens_and_the_cut_message_is_incomplete(server):
+    client = openai_client(server)
+    kw = dict(model=server.model, input="Say hi.", max_output_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.responses.create(**kw)
+    assert full.usage.output_tokens == 16
+    assert full.status == "incomplete" and full.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in full.output] == [("message", "incomplete")]
+    events = list(client.responses.create(stream=True, **kw))
+    final = events[-1]
+    assert final.type == "response.incomplete" and [item.status for item in final.response.output] == ["incomplete"]
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete" and done.item.content[0].text == full.output[0].content[0].text
+
+
+def test_responses_typo_is_a_400_and_an_unknown_field_is_logged(server):
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError, match="did you mean max_output_tokens") as err:
+        client.responses.create(model=server.model, input="Hi.", extra_body={"max_output_token": 16})
+    assert err.value.body["param"] == "max_output_token"
+    extra = marker()
+    assert client.responses.create(model=server.model, input="Hi.", max_output_tokens=16, extra_body=extra).status
+    assert "unknown, ignored: " + next(iter(extra)) in log_line(server, extra)
+
+
+# --------------------------------------------------------------------------- chat completions
+
+
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"],
+                                        "additionalProperties": False}}}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "read_file"}}])
+def test_chat_forced_tool_choice_with_response_format_makes_the_call(server, tool_choice):
+    reply = openai_client(server).chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Read notes.txt"}], tools=[READ_FILE], tool_choice=tool_choice,
+        response_format=ANSWER_FORMAT, parallel_tool_calls=False, max_tokens=40, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "read_file" and set(json.loads(call.function.arguments)) == {"path"}
+
+
+def test_chat_typo_is_a_400_and_documented_or_unknown_fields_are_logged(server):
+    client = openai_client(server)
+    ask = dict(model=server.model, messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"max_token: unknown field \(did you mean max_tokens\?\)") as err:
+        client.chat.completions.create(**ask, extra_body={"max_token": 5})
+    assert err.value.body["param"] == "max_token"
+    extra = marker()
+    client.chat.completions.create(**ask, extra_body={**extra, "verbosity": "low", "min_tokens": 1})
+    line = log_line(server, extra)
+    assert "POST /v1/chat/completions: no effect here: verbosity" in line and "min_tokens" in line.split("unknown, ignored:")[1]
+    completion_extra = marker()
+    client.completions.create(model=server.model, prompt="Hi", max_tokens=1, extra_body=completion_extra)
+    assert "POST /v1/completions: unknown, ignored:" in log_line(server, completion_extra)
+
+
+# --------------------------------------------------------------------------- the rule itself
+
+
+def _params(typed_dict) -> set[str]:
+    return {k for klass in typed_dict.__mro__ for k in getattr(klass, "__annotations__", {})}
+
+
+def test_every_field_the_official_clients_send_is_documented_to_the_rule():
+    """Each top-level field the installed clients' create params list is declared or documented for its
+    route, so none of them is ever a typo 400 or logged as unknown."""
+    from anthropic.types import message_count_tokens_params, message_create_params
+    from anthropic.types.beta import message_create_params as beta_create
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types.responses import response_create_params
+
+    from quanta.server.anthropic_requests import CountTokensRequest, MessagesRequest
+    from quanta.server.openai_requests import ChatRequest, CompletionsRequest
+    from quanta.server.responses_requests import ResponsesRequest
+
+    cases = [
+        (chat_create_params.CompletionCreateParamsBase, ChatRequest, OPENAI_CHAT),
+        (completion_create_params.CompletionCreateParamsBase, CompletionsRequest, OPENAI_COMPLETIONS),
+        (response_create_params.ResponseCreateParamsBase, ResponsesRequest, OPENAI_RESPONSES),
+        (message_create_params.MessageCreateParamsBase, MessagesRequest, ANTHROPIC_MESSAGES),
+        (beta_create.MessageCreateParamsBase, MessagesRequest, ANTHROPIC_MESSAGES),
+        (message_count_tokens_params.MessageCountTokensParams, CountTokensRequest, ANTHROPIC_MESSAGES),
+    ]
+    for params, model, documented in cases:
+        missing = _params(params) - set(model.model_fields) - documented
+        assert not missing, (model.__name__, missing)
+
+
+@pytest.mark.parametrize(("name", "near"), [("max_token", "max_tokens"), ("maxTokens", "max_tokens"), ("max-tokens", "max_tokens"),
+                                            ("temprature", "temperature"), ("stop_sequence", "stop_sequences"), ("topp", "top_p")])
+def test_a_typo_resembles_the_known_field(name, near):
+    assert resembles(name, {"max_tokens", "temperature", "stop_sequences", "top_p", "model"}) == near
+
+
+@pytest.mark.parametrize("name", ["min_tokens", "repetition_penalty", "x_trace", "n1", "chat_template_kwargs"])
+def test_a_vendor_extension_is_no_typo(name):
+    assert resembles(name, OPENAI_CHAT | {"top_k", "min_p", "ignore_eos", "cache_salt"}) is None
+
+
+# --------------------------------------------------------------------------- output order, non-streamed as streamed
+
+
+CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'
+ORDERS = {"call-then-text": CALL + "\nDone.", "text-then-call": "Let me look.\n" + CALL, "text-call-text": "Look.\n" + CALL + "\nDone."}
+
+
+async def _outputs(text: str):
+    yield RequestOutput(0, [1], text, True, "stop", 5, 4, 0.0, 0.0)
+
+
+def _streamed_kinds(text: str, on_event, close) -> list:
+    stream = tool_stream(HermesParser())
+    return [s for e in stream.feed(text) + stream.finish() for s in on_event(e)] + close()
+
+
+@pytest.mark.parametrize("text", list(ORDERS.values()), ids=list(ORDERS))
+def test_non_streamed_anthropic_blocks_keep_the_stream_s_order(text):
+    from quanta.server.anthropic import ToolBlocks, _collect
+
+    body = json.loads(asyncio.run(_collect("msg_1", "m", _outputs(text), HermesParser())).body)
+    blocks = ToolBlocks()
+    starts = [json.loads(s.split("data: ", 1)[1]) for s in _streamed_kinds(text, blocks.events, blocks.close_text)]
+    streamed = [e["content_block"]["type"] for e in starts if e["type"] == "content_block_start"]
+    assert [b["type"] for b in body["content"]] == streamed
+    texts = [e["delta"]["text"] for e in starts if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"]
+    assert "".join(b.get("text", "") for b in body["content"]) == "".join(texts)
+    assert body["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("text", list(ORDERS.values()), ids=list(ORDERS))
+def test_non_streamed_responses_items_keep_the_stream_s_order(text):
+    from quanta.server.responses import ResponsesRequest, _Builder, _collect, _Events, _Items
+
+    builder = _Builder(ResponsesRequest(model="m", input="x"), [])
+    body = json.loads(asyncio.run(_collect(builder, _outputs(text), HermesParser())).body)
+    items = _Items(_Events(), builder)
+    _streamed_kinds(text, items.on, items.close)
+    assert [o["type"] for o in body["output"]] == [o["type"] for o in items.output]
+    assert [o["content"][0]["text"] for o in body["output"] if o["type"] == "message"] == \
+        [o["content"][0]["text"] for o in items.output if o["type"] == "message"]
+    assert len({o["id"] for o in body["output"]}) == len(body["output"])
+
+
+# --------------------------------------------------------------------------- a later system message under other templates
+
+
+#: As Qwen 2.5's and Llama's templates do: a system message after the first turn raises.
+REFUSING_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: A template that writes a system message only first and drops later ones silently.
+DROPPING_TEMPLATE = (
+    "{% for m in messages %}{% if m.role != 'system' or loop.first %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LATER = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List the files."},
+         {"role": "system", "content": "Reminder: be brief."}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from quanta.model.loader import embedded_model_path
+    from quanta.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(embedded_model_path(), cache_dir=tmp_path_factory.mktemp("tok"))
+
+
+@pytest.mark.parametrize("template", [REFUSING_TEMPLATE, DROPPING_TEMPLATE], ids=["refusing", "dropping"])
+@pytest.mark.parametrize("lead", [True, False], ids=["with-system-prompt", "without"])
+def test_a_later_system_message_is_folded_into_the_system_prompt_where_the_template_has_no_place(tok, monkeypatch, template, lead):
+    from quanta.server.system_turns import place_system_turns, prompt_ids
+
+    monkeypatch.setattr(tok.hf, "chat_template", template)
+    messages = LATER if lead else LATER[1:]
+    placed = place_system_turns(tok, messages, None)
+    expected = "You are terse.\n\nReminder: be brief." if lead else "Reminder: be brief."
+    assert placed == [{"role": "system", "content": expected}, {"role": "user", "content": "List the files."}]
+    assert "Reminder: be brief." in tok.decode(prompt_ids(tok, messages, None), skip_special_tokens=False)
+
+
+def test_a_template_that_takes_a_later_system_turn_gets_it_in_place(tok):
+    from quanta.server.system_turns import place_system_turns
+
+    assert place_system_turns(tok, LATER, None) == LATER
