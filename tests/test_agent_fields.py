@@ -154,6 +154,24 @@ def test_server_tools_are_accepted_and_never_called(server):
     assert "tools.1 (web_search_20250305)" in log_line(server, extra)
 
 
+def test_a_reasoning_model_s_thinking_blocks_in_history_are_dropped(server):
+    """A second Claude Code turn after a reasoning model: thinking blocks, text and a call, then its result."""
+    extra = marker()
+    history = [
+        {"role": "user", "content": "List the files."},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "I should run ls.", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt"}]},
+    ]
+    reply = claude(server).messages.create(model=server.model, max_tokens=8, tools=[BASH], messages=history,
+                                           extra_body={**extra, "temperature": 0})
+    assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    line = log_line(server, extra)
+    assert "messages.1.content.0 (thinking)" in line and "messages.1.content.1 (redacted_thinking)" in line
+
+
 def test_anthropic_typo_is_a_400_naming_the_field_it_resembles(server):
     with pytest.raises(anthropic.BadRequestError, match=r"max_token: unknown field \(did you mean max_tokens\?\)"):
         claude(server).messages.create(model=server.model, max_tokens=8, messages=[{"role": "user", "content": "Hi."}],
@@ -219,6 +237,19 @@ def test_responses_ignore_eos_runs_to_max_output_tokens_and_the_cut_message_is_i
     assert final.type == "response.incomplete" and [item.status for item in final.response.output] == ["incomplete"]
     (done,) = [e for e in events if e.type == "response.output_item.done"]
     assert done.item.status == "incomplete" and done.item.content[0].text == full.output[0].content[0].text
+
+
+def test_responses_reasoning_items_in_input_are_dropped_and_top_k_is_served(server):
+    extra = marker()
+    reply = openai_client(server).responses.create(
+        model=server.model, max_output_tokens=16, temperature=0, extra_body={**extra, "top_k": 1, "min_p": 0.1},
+        input=[{"type": "message", "role": "user", "content": "Hi."},
+               {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+               {"type": "message", "role": "user", "content": "Again."}])
+    assert reply.status in ("completed", "incomplete")
+    line = log_line(server, extra)
+    assert "input.1 (reasoning)" in line and "top_k" not in line
 
 
 def test_responses_typo_is_a_400_and_an_unknown_field_is_logged(server):
@@ -309,6 +340,26 @@ def test_a_typo_resembles_the_known_field(name, near):
 @pytest.mark.parametrize("name", ["min_tokens", "repetition_penalty", "x_trace", "n1", "chat_template_kwargs"])
 def test_a_vendor_extension_is_no_typo(name):
     assert resembles(name, OPENAI_CHAT | {"top_k", "min_p", "ignore_eos", "cache_salt"}) is None
+
+
+def test_no_engine_extension_is_taken_for_a_typo_on_any_route():
+    """Each other engine's field a route does not declare is accepted as unknown on every route, even one
+    edit from a known field (``top_k`` on a body with ``top_p`` only)."""
+    from quanta.server.anthropic_requests import CountTokensRequest, MessagesRequest
+    from quanta.server.field_rule import ENGINE_EXTENSIONS, FieldRule
+    from quanta.server.openai_requests import ChatRequest, CompletionsRequest
+    from quanta.server.responses_requests import ResponsesRequest
+
+    class TopPOnly(FieldRule):
+        top_p: float = 1.0
+
+    message = [{"role": "user", "content": "hi"}]
+    bodies = {ChatRequest: {"messages": message}, CompletionsRequest: {"prompt": "hi"}, ResponsesRequest: {"input": "hi"},
+              MessagesRequest: {"messages": message, "max_tokens": 1}, CountTokensRequest: {"messages": message}, TopPOnly: {}}
+    for model, body in bodies.items():
+        extensions = {name: "x" for name in ENGINE_EXTENSIONS - set(model.model_fields)}
+        parsed = model.model_validate({"model": "m", **body, **extensions})
+        assert set(parsed.unknown_fields()) | set(parsed.ignored_fields()) >= set(extensions), model.__name__
 
 
 # --------------------------------------------------------------------------- output order, non-streamed as streamed

@@ -260,5 +260,5 @@ def test_openapi_states_the_limits_the_validators_enforce(openapi):
     assert _bound(messages["top_k"], "minimum") == 0
     assert _bound(messages["stop_sequences"], "maxItems") == MAX_STOP
     assert _bound(messages["stop_sequences"], "items")["maxLength"] == MAX_STOP_CHARS
-    assert schemas["ContentBlock"]["properties"]["type"]["enum"] == ["text", "tool_use", "tool_result"]
+    assert schemas["ContentBlock"]["properties"]["type"]["enum"] == ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     assert schemas["AnthropicTool"]["properties"]["name"]["pattern"]

@@ -12,6 +12,8 @@ Mapped or accepted with no effect, as the rule says:
   ``output_config.effort`` has no effect;
 - ``thinking`` of any type is accepted; the served model does not reason, so
   ``enabled`` / ``adaptive`` have no effect (no thinking blocks are written);
+- ``thinking`` and ``redacted_thinking`` blocks of earlier assistant turns
+  are dropped;
 - server tools (a ``type`` other than ``custom``: ``web_search_20250305``,
   ``bash_20250124``, ...) are accepted and never called: quanta runs no tools;
 - ``context_management``, ``mcp_servers``, ``cache_control``, ``speed`` and
@@ -30,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.engine.grammar import Grammar
 from quanta.engine.sampling import SamplingParams
-from quanta.server.anthropic_tools import AnthropicTool, ToolChoice
+from quanta.server.anthropic_tools import THINKING_BLOCKS, AnthropicTool, ToolChoice
 from quanta.server.errors import APIError
 from quanta.server.field_rule import ANTHROPIC_MESSAGES, FieldRule
 from quanta.server.openai_requests import unique_tools
@@ -41,8 +43,9 @@ class ContentBlock(BaseModel):
     """A content block: ``text``, ``tool_use`` (assistant) or ``tool_result`` (user)."""
 
     model_config = ConfigDict(extra="ignore")
-    #: the schema lists the served types; others (images, documents) get a 400 naming them
-    type: Annotated[str, Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})]
+    #: the schema lists the served types (thinking blocks are dropped: the model reads no reasoning);
+    #: others (images, documents) get a 400 naming them
+    type: Annotated[str, Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result", *THINKING_BLOCKS]})]
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -96,6 +99,8 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
         if self.output_config is not None:
             parts += [f"output_config.{k}" for k in ("effort", *(self.output_config.model_extra or {}))
                       if getattr(self.output_config, k, None) is not None]
+        parts += [f"messages.{i}.content.{j} ({b.type})" for i, m in enumerate(self.messages) if not isinstance(m.content, str)
+                  for j, b in enumerate(m.content) if b.type in THINKING_BLOCKS]
         return parts + [f"tools.{i} ({t.type})" for i, t in enumerate(self.tools or []) if t.server_tool]
 
     def function_tools(self) -> list[AnthropicTool]:

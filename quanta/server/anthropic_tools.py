@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from quanta.server.field_rule import field_error
 from quanta.server.tools import ToolCall
 
+#: content blocks of a reasoning model's earlier turns: accepted and dropped (this model reads none)
+THINKING_BLOCKS = ("thinking", "redacted_thinking")
+
 
 class AnthropicTool(BaseModel):
     """A client tool (``type`` absent or ``custom``: needs ``input_schema``), or a server tool
@@ -100,6 +103,8 @@ def chat_messages(messages, error) -> list[dict]:
             elif block.type == "tool_use" and m.role == "assistant":
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": json.dumps(block.input or {}, ensure_ascii=False)}})
+            elif block.type in THINKING_BLOCKS and m.role == "assistant":
+                continue
             elif block.type == "tool_result" and m.role == "user":
                 text = _result_text(block.content, f"{where}.content", error)
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id,

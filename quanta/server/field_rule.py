@@ -21,8 +21,8 @@
   ``max_tokens`` would otherwise fill the context.
 - Any other undocumented field is accepted and named in the same log line,
   as vLLM does (it ignores unknown fields with a warning): vendor extensions
-  quanta does not serve (vLLM's ``min_tokens``, ``repetition_penalty``) are
-  no errors.
+  quanta does not serve (vLLM's ``min_tokens``, ``repetition_penalty``;
+  :data:`ENGINE_EXTENSIONS` are never taken for typos) are no errors.
 
 Each route's body is a :class:`FieldRule`; the route calls :func:`log_fields`
 once the body is valid.
@@ -65,6 +65,19 @@ ANTHROPIC_MESSAGES = frozenset({
     "fallback_credit_token", "fallbacks", "inference_geo", "max_tokens", "mcp_servers", "messages", "metadata", "model",
     "output_config", "service_tier", "speed", "stop_sequences", "stream", "system", "temperature", "thinking", "thread",
     "tool_choice", "tools", "top_k", "top_p", "user_profile_id", "workspace_id",
+})
+
+#: request fields other engines' servers take (vLLM's and llama.cpp's): when quanta does not serve
+#: one on a route it is an unknown field, never a typo of a known one (``top_k`` is no ``top_p``)
+ENGINE_EXTENSIONS = frozenset({
+    "top_k", "min_p", "min_tokens", "repetition_penalty", "length_penalty", "stop_token_ids", "bad_words",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template", "chat_template_kwargs", "documents", "guided_grammar", "structural_tag", "guided_decoding_backend",
+    "guided_whitespace_pattern", "priority", "request_id", "return_tokens_as_token_ids", "use_beam_search", "ignore_eos",
+    "cache_salt", "n_predict", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "repeat_penalty",
+    "repeat_last_n", "penalize_nl", "n_probs", "dynatemp_range", "dry_multiplier", "xtc_probability", "samplers",
+    "cache_prompt", "id_slot", "grammar", "json_schema", "n_keep",
 })
 
 #: names listed in one log line, at most (the rest are counted)
@@ -123,7 +136,7 @@ class FieldRule(BaseModel):
             if name in self.DOCUMENTED:
                 self._ignored.append(name)
                 continue
-            near = resembles(name, known)
+            near = None if name in ENGINE_EXTENSIONS else resembles(name, known)
             if near is not None:
                 raise field_error(name, f"unknown field (did you mean {near}?)")
             self._unknown.append(name)

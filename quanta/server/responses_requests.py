@@ -19,7 +19,9 @@ Accepted with no effect (logged): ``client_metadata``, ``reasoning`` (the
 model does not reason), ``include`` (only ``reasoning.encrypted_content``),
 ``context_management``, ``max_tool_calls``, ``top_logprobs`` and the other
 documented fields (:data:`quanta.server.field_rule.OPENAI_RESPONSES`).
-``ignore_eos`` (vLLM's extension, as on chat and completions) is honoured.
+``ignore_eos``, ``top_k`` and ``min_p`` (vLLM's extensions, as on chat and
+completions) are honoured. ``reasoning`` items in ``input`` (a conversation
+from a reasoning model) are dropped, and logged: the model reads no reasoning.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class InputPart(BaseModel):
 
 class InputItem(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: served("message", "function_call", "function_call_output") = "message"
+    type: served("message", "function_call", "function_call_output", "reasoning") = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None
@@ -157,6 +159,8 @@ class ResponsesRequest(FieldRule, NoEffect):
     background: only(None, False) = None
     cache_salt: CacheSalt | None = None
     ignore_eos: StrictFlag = False
+    top_k: integer(ge=-1) = 0
+    min_p: number(ge=0.0, le=1.0) = 0.0
     include: list[Literal["reasoning.encrypted_content"]] | None = None
     reasoning: Reasoning | None = None
     truncation: only(None, "disabled") = None
@@ -196,7 +200,9 @@ class ResponsesRequest(FieldRule, NoEffect):
         return out
 
     def ignored_parts(self) -> list[str]:
-        hosted = [f"tools.{i} ({t.type})" for i, t in enumerate(self.tools or []) if isinstance(t, HostedTool)]
+        items = [] if isinstance(self.input, str) else self.input
+        hosted = [f"input.{i} (reasoning)" for i, item in enumerate(items) if item.type == "reasoning"]
+        hosted += [f"tools.{i} ({t.type})" for i, t in enumerate(self.tools or []) if isinstance(t, HostedTool)]
         for i, ns in enumerate(self.tools or []):
             if isinstance(ns, NamespaceTool):
                 hosted += [f"tools.{i}.tools.{j} ({t.type})" for j, t in enumerate(ns.tools) if isinstance(t, HostedTool)]
@@ -229,6 +235,8 @@ class ResponsesRequest(FieldRule, NoEffect):
                     out[-1]["tool_calls"].append(call)
                 else:
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif item.type == "reasoning":
+                continue  # named in ignored_parts
             elif item.type == "function_call_output":
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input.{i}.output")})
             else:
@@ -237,7 +245,8 @@ class ResponsesRequest(FieldRule, NoEffect):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=self.top_p or 1.0, cache_salt=self.cache_salt, ignore_eos=self.ignore_eos)
+                              top_p=self.top_p or 1.0, top_k=self.top_k, min_p=self.min_p, cache_salt=self.cache_salt,
+                              ignore_eos=self.ignore_eos)
 
 
 def _text(content, where: str) -> str:
