@@ -129,7 +129,7 @@ CASES = [
      {"tools": [{"type": "function", "function": {"name": "f", "description": "a\ud800"}}]}, "tools.0.function.description", "surrogate"),
     ("chat/completions", "reasoning-effort-unknown", {"reasoning_effort": "extreme"}, "reasoning_effort", "high"),
     ("responses", "max-output-tokens-below-16", {"max_output_tokens": 15}, "max_output_tokens", "16"),
-    ("responses", "include-unknown", {"include": ["file_search_call.results"]}, "include.0", "reasoning.encrypted_content"),
+    ("responses", "include-logprobs", {"include": ["message.output_text.logprobs"]}, "include.0", "logprobs"),
     ("responses", "reasoning-unknown-effort", {"reasoning": {"effort": "extreme"}}, "reasoning.effort", "high"),
     ("responses", "reasoning-unknown-key", {"reasoning": {"budget": 5}}, "reasoning.budget", "unknown"),
     ("responses", "truncation-auto", {"truncation": "auto"}, "truncation", "disabled"),

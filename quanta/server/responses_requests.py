@@ -16,7 +16,8 @@ the server log). A ``tool_choice`` that forces a hosted tool, or
 Refused: ``previous_response_id``, ``conversation`` and ``prompt`` (stored
 state: send the whole conversation), ``background: true`` and ``store: true``.
 Accepted with no effect (logged): ``client_metadata``, ``reasoning`` (the
-model does not reason), ``include`` (only ``reasoning.encrypted_content``),
+model does not reason), ``include`` (no item it names is produced; but
+``message.output_text.logprobs`` is refused: the answer would lack them),
 ``context_management``, ``max_tool_calls``, ``top_logprobs`` and the other
 documented fields (:data:`quanta.server.field_rule.OPENAI_RESPONSES`).
 ``ignore_eos``, ``top_k`` and ``min_p`` (vLLM's extensions, as on chat and
@@ -161,7 +162,7 @@ class ResponsesRequest(FieldRule, NoEffect):
     ignore_eos: StrictFlag = False
     top_k: integer(ge=-1) = 0
     min_p: number(ge=0.0, le=1.0) = 0.0
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    include: list[str] | None = None
     reasoning: Reasoning | None = None
     truncation: only(None, "disabled") = None
 
@@ -171,6 +172,14 @@ class ResponsesRequest(FieldRule, NoEffect):
         if value is not None:
             raise ValueError("responses are not stored; send the whole conversation in input instead")
         return value
+
+    @field_validator("include")
+    @classmethod
+    def _no_logprobs(cls, include):
+        for i, value in enumerate(include or []):
+            if value == "message.output_text.logprobs":
+                raise field_error(str(i), "output logprobs are not served on Responses; use chat completions' logprobs")
+        return include
 
     @field_validator("prompt")
     @classmethod
