@@ -1,13 +1,15 @@
-"""The thread-hosted engine: a failing step fails only its requests; closing a stream aborts."""
+"""The thread-hosted engine: a failing step fails only its requests; closing a stream aborts;
+requests being prepared hold a place in ``max_queue``."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from quanta.config import SchedulerConfig
-from quanta.engine.async_engine import AsyncEngine, RequestFailed
+from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestFailed
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
@@ -94,3 +96,40 @@ def test_the_length_check_runs_once_per_request():
         eng.stop()
     assert (first, checks_after_first, second) == ([7, 7, 7], 1, [7, 7])
     assert core.checks == 3
+
+
+class SlowExecutor(FlakyExecutor):
+    """20 ms a step, so that a long request stays in its slot while the test looks."""
+
+    def execute(self, plan):
+        time.sleep(0.02)
+        return super().execute(plan)
+
+
+def test_requests_being_prepared_count_against_max_queue_once():
+    eng = AsyncEngine(Engine(SchedulerConfig("batched", 1).build(), SlowExecutor(), max_model_len=64), max_queue=1)
+    eng.start()
+
+    async def scenario():
+        running = await eng.submit([1, 2], SamplingParams(max_tokens=60, temperature=0))
+        await running.__anext__()  # it holds the only slot
+        with eng.reserve() as preparing:  # the one place in the queue, taken while (say) a grammar compiles
+            with pytest.raises(QueueFullError):
+                eng.reserve()
+            with pytest.raises(QueueFullError):
+                await eng.submit([3], SamplingParams(max_tokens=1, temperature=0))  # no reservation: checked
+            waiting = await eng.submit([4], SamplingParams(max_tokens=1, temperature=0), reservation=preparing)
+            counts = (eng.num_preparing, eng.num_truly_waiting)  # moved from preparing to waiting, counted once
+        after = eng.num_preparing  # leaving the block releases nothing twice
+        with pytest.raises(QueueFullError):
+            eng.reserve()
+        running.abort()
+        tokens = [t async for out in waiting for t in out.token_ids]
+        with eng.reserve():
+            return counts, after, tokens, eng.num_preparing
+
+    try:
+        counts, after, tokens, preparing_again = asyncio.run(asyncio.wait_for(scenario(), 20))
+    finally:
+        eng.stop()
+    assert counts == (0, 1) and after == 0 and tokens == [7] and preparing_again == 1

@@ -5,6 +5,14 @@ command queue, and outputs return to each caller's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. A caller that stops iterating (a client that
 disconnected) aborts its request, which frees its slot.
 
+Requests still being prepared (their prompt tokenized, their grammar
+compiled) hold a :class:`Reservation` that counts against ``max_queue`` as
+a waiting request does; the engine thread takes the reservation over when it
+accepts the request, so no request is counted twice or not at all. A
+reservation is checked on the caller's thread, ahead of the commands the
+engine thread has not applied yet, so aborts still in the command queue
+count as done (a request a client just left frees its place at once).
+
 A request that fails, alone (an output with ``error``, see
 :meth:`Engine.step`) or with its whole step (the executor raised), ends its
 stream with :class:`RequestFailed`; the message names an error id under which
@@ -46,6 +54,7 @@ class _Submit:
     outputs: asyncio.Queue
     arrived: asyncio.Future
     length_checked: bool = False
+    reservation: Reservation | None = None
     seq_id: int | None = None
     error: Exception | None = None
 
@@ -70,6 +79,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="quanta-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
+        self._admission = threading.Lock()  # guards the two counts against the engine thread's queue check
+        self._preparing = 0  # reservations held
+        self._aborts_queued = 0  # abort commands not applied yet
 
     def start(self) -> None:
         self._thread.start()
@@ -109,28 +121,61 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    @property
+    def num_preparing(self) -> int:
+        """Requests holding a :class:`Reservation` (being prepared, not yet handed to the engine)."""
+        return self._preparing
+
+    def reserve(self) -> Reservation:
+        """Count one request being prepared against ``max_queue`` until it is
+        submitted (pass it to :meth:`submit`) or the reservation is released.
+
+        Raises:
+            QueueFullError: the waiting queue, preparing requests included, is full.
+        """
+        with self._admission:
+            self._check_queue()
+            self._preparing += 1
+        return Reservation(self)
+
+    def _release(self, reservation: Reservation) -> None:
+        with self._admission:
+            self._release_locked(reservation)
+
+    def _release_locked(self, reservation: Reservation) -> None:
+        if reservation.held:
+            reservation.held = False
+            self._preparing -= 1
+
+    def _abort(self, sub: _Submit) -> None:
+        with self._admission:
+            self._aborts_queued += 1
+        self._commands.put(("abort", sub))
+
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                     length_checked: bool = False) -> RequestStream:
+                     length_checked: bool = False, reservation: Reservation | None = None) -> RequestStream:
         """Hand a request to the engine; returns once the engine has accepted it.
 
         Args:
             length_checked: :meth:`check_length` already passed for this prompt
                 and ``params.max_tokens`` (see :meth:`Engine.add_request`).
+            reservation: the request's place from :meth:`reserve`: the queue is
+                not checked again, and the engine thread releases it on accepting.
 
         Raises:
-            QueueFullError: the waiting queue is full.
+            QueueFullError: the waiting queue is full (no reservation given).
             ValueError: the engine rejected the request (length limits).
             RuntimeError: the engine thread has died.
         """
         if not self.alive:
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
-        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), length_checked)
+        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), length_checked, reservation)
         self._commands.put(("add", sub))
         try:
             await sub.arrived
         except BaseException:
-            self._commands.put(("abort", sub))
+            self._abort(sub)
             raise
         if sub.error is not None:
             raise sub.error
@@ -183,26 +228,36 @@ class AsyncEngine:
     def _apply(self, verb: str, arg) -> None:
         if verb == "add":
             try:
-                self._check_queue()
-                seq = self.engine.add_request(arg.prompt_token_ids, arg.params, length_checked=arg.length_checked)
+                with self._admission:  # the request moves from preparing to waiting at once
+                    try:
+                        if arg.reservation is None or not arg.reservation.held:
+                            self._check_queue()
+                        seq = self.engine.add_request(arg.prompt_token_ids, arg.params, length_checked=arg.length_checked)
+                    finally:
+                        if arg.reservation is not None:
+                            self._release_locked(arg.reservation)
                 arg.seq_id = seq.seq_id
                 self._routes[seq.seq_id] = arg
             except Exception as exc:  # reported to the caller, engine keeps going
                 arg.error = exc
             arg.loop.call_soon_threadsafe(_resolve, arg.arrived)
-        elif verb == "abort" and arg.seq_id is not None:
+        elif verb == "abort":
+            with self._admission:
+                self._aborts_queued -= 1
+            if arg.seq_id is None:
+                return
             out = self.engine.abort(arg.seq_id)
             self._routes.pop(arg.seq_id, None)
             if out is not None and self.on_output is not None:
                 self.on_output(out)
 
     def _check_queue(self) -> None:
-        """Refuse a request that would wait beyond ``max_queue``. Checked here,
-        on the engine thread, so simultaneous submissions cannot all see room.
+        """Refuse a request that would wait beyond ``max_queue``; the caller holds
+        ``_admission``, so simultaneous submissions cannot all see room.
 
-        Only what truly waits counts: a waiting request that a free slot will
-        take at the next step is as good as running (so ``max_num_seqs +
-        max_queue`` concurrent requests fit, as in vLLM).
+        Only what truly waits counts: a waiting (or preparing) request that a
+        free slot will take at the next step is as good as running (so
+        ``max_num_seqs + max_queue`` concurrent requests fit, as in vLLM).
         """
         if self.max_queue is None:
             return
@@ -211,9 +266,10 @@ class AsyncEngine:
 
     @property
     def num_truly_waiting(self) -> int:
-        """Waiting requests beyond those the free slots take at the next step."""
+        """Waiting and preparing requests beyond those the free slots take at the next step
+        (each abort still queued frees a place: a waiting request's, or a running one's slot)."""
         sched = self.engine.scheduler
-        return max(0, len(sched.waiting) - sched.num_free_slots)
+        return max(0, len(sched.waiting) + self._preparing - self._aborts_queued - sched.num_free_slots)
 
     def _deliver(self, out: RequestOutput) -> None:
         if self.on_output is not None:
@@ -228,6 +284,24 @@ class AsyncEngine:
             del self._routes[out.seq_id]
         item = RequestFailed(out.error) if out.error is not None else out
         sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
+
+
+class Reservation:
+    """A request's place in the queue while it is prepared (:meth:`AsyncEngine.reserve`);
+    a context manager that releases it unless the engine took it over."""
+
+    def __init__(self, owner: AsyncEngine) -> None:
+        self._owner = owner
+        self.held = True
+
+    def release(self) -> None:
+        self._owner._release(self)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _resolve(future: asyncio.Future) -> None:
@@ -268,4 +342,4 @@ class RequestStream:
         """Cancel the request (frees its slot); a no-op once it finished."""
         if not self.finished:
             self.finished = True
-            self._owner._commands.put(("abort", self._sub))
+            self._owner._abort(self._sub)

@@ -37,6 +37,11 @@ before its first token) is a :class:`GrammarError` when it is compiled; a
 matcher that errs later raises from :meth:`GrammarConstraint.mask`, so its
 request alone fails (``finish_reason: error``) rather than running
 unconstrained. Unconstrained requests never touch this module.
+
+Before anything recursive or costly runs on a grammar (parsing a schema's
+text, the termination check, llguidance's compiler), its size is checked
+against the bounds of :mod:`quanta.engine.grammar_bounds`, by walks that
+never recurse; a grammar over one is a :class:`GrammarError` naming it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from quanta.engine.grammar_bounds import MAX_GRAMMAR_CHARS, GrammarTooLarge, check_choices, check_grammar, load_schema
+
 #: JSON generated under a grammar has no free whitespace: a small model would
 #: otherwise fill max_tokens with newlines (llguidance's option, see its docs/json_schema.md).
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -61,10 +68,25 @@ class Grammar:
     """A grammar in llguidance's Lark dialect (``start`` rule first)."""
 
     lark: str
+    #: options of a choice grammar (:meth:`choice`), bounded when it is compiled
+    options: int = 0
 
     @classmethod
-    def json_schema(cls, schema: dict) -> Grammar:
-        """Text matching ``schema`` (a JSON Schema object)."""
+    def json_schema(cls, schema: dict | str, field: str = "schema") -> Grammar:
+        """Text matching ``schema``: a JSON Schema object, or its JSON text
+        (parsed after a non-recursive check of its length and nesting).
+
+        Raises:
+            GrammarError: ``schema`` is not a JSON object (or its text), or its
+                text is over a bound; the message starts with ``field``.
+        """
+        if isinstance(schema, str):
+            try:
+                schema = load_schema(schema)
+            except ValueError as exc:  # GrammarTooLarge, or not JSON
+                raise GrammarError(f"{field}: not a usable JSON schema: {exc}") from exc
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{field}: a JSON schema is a JSON object, not {type(schema).__name__}")
         return cls(f"start: {json_rule(schema)}")
 
     @classmethod
@@ -79,7 +101,7 @@ class Grammar:
     @classmethod
     def choice(cls, options: list[str]) -> Grammar:
         """Exactly one of ``options``."""
-        return cls("start: " + " | ".join(json.dumps(o) for o in options))
+        return cls("start: " + " | ".join(json.dumps(o) for o in options), len(options))
 
 
 def json_rule(schema: dict) -> str:
@@ -94,6 +116,8 @@ def _embedded_schemas(lark: str):
     while at >= 0:
         try:
             schema, _ = decoder.raw_decode(lark, at + len("%json "))
+        except RecursionError as exc:
+            raise GrammarTooLarge("the schema is nested too deeply") from exc
         except ValueError:
             schema = None
         if isinstance(schema, dict):
@@ -109,7 +133,10 @@ def never_terminates(schema: dict) -> bool:
     Conservative: True only when proven, from ``$ref``, ``allOf``, ``anyOf``,
     ``oneOf``, required properties of an ``object`` and ``minItems`` of an
     ``array``; other unsatisfiable schemas are llguidance's to refuse. Cost:
-    a few passes over the schema, one per ``$ref`` at most.
+    a few passes over the schema, one per ``$ref`` at most. The walks
+    recurse as deep as the schema nests: callers check
+    :data:`quanta.engine.grammar_bounds.MAX_SCHEMA_DEPTH` first
+    (:func:`quanta.engine.grammar_bounds.check_grammar`).
     """
     targets = {}
     for ref in _local_refs(schema):
@@ -124,10 +151,7 @@ def never_terminates(schema: dict) -> bool:
             if ref not in done and _terminates(target, done):
                 done.add(ref)
                 changed = True
-    try:
-        return not _terminates(schema, done)
-    except RecursionError:
-        return False
+    return not _terminates(schema, done)
 
 
 def _local_refs(node) -> set[str]:
@@ -221,11 +245,19 @@ class GrammarCompiler:
         """A fresh matcher for one request.
 
         Raises:
-            GrammarError: the grammar does not compile, an embedded JSON
-                schema never terminates (:func:`never_terminates`), or the
-                matcher fails computing its first mask.
+            GrammarError: the grammar is over a bound of
+                :mod:`quanta.engine.grammar_bounds` (checked first), does not
+                compile, an embedded JSON schema never terminates
+                (:func:`never_terminates`), or the matcher fails computing its
+                first mask.
         """
-        for schema in _embedded_schemas(grammar.lark):
+        try:
+            check_choices(grammar.options)
+            schemas = list(_embedded_schemas(grammar.lark)) if len(grammar.lark) <= MAX_GRAMMAR_CHARS else []
+            check_grammar(grammar.lark, schemas)
+        except GrammarTooLarge as exc:
+            raise GrammarError(str(exc)) from exc
+        for schema in schemas:
             if never_terminates(schema):
                 raise GrammarError("Unsatisfiable schema: a $ref cycle has no finite value (every branch recurses)")
         tok = self._tokenizer()

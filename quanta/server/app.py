@@ -18,10 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quanta.server import anthropic, chat, responses
 from quanta.server.access import install_access
 from quanta.server.errors import install_error_handlers
-from quanta.server.limits import BodyLimit
+from quanta.server.limits import Admission, BodyLimit
 from quanta.server.serving import ServerState
 
 __all__ = ["ServerState", "build_app"]
+
+#: Routes whose requests hold a place in ``--max-queue`` while they are prepared.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                              "/v1/messages/count_tokens"})
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -29,6 +33,8 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="quanta", version="0.1.0")
     app.state.quanta = state
     install_error_handlers(app)
+    app.add_middleware(Admission, engine=state.async_engine, paths=GENERATION_PATHS,  # inside BodyLimit: after the body
+                       max_prompt_tokens=state.max_model_len - 1)
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
     install_access(app, state.access)
     app.include_router(_service_router(state))

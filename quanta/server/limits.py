@@ -3,13 +3,23 @@
 * :class:`BodyLimit`: an ASGI middleware answering HTTP 413 to a request body
   over ``--max-request-bytes`` before any of it is parsed (chunked bodies
   included: it stops reading at the limit).
+* :class:`Admission`: an ASGI middleware that makes each request to a
+  generation route hold a place in ``--max-queue`` from the moment its body
+  is read (:meth:`quanta.engine.async_engine.AsyncEngine.reserve`), so
+  templating, tokenizing and grammar compilation count as waiting; a full
+  queue is a 429 before any of that work. It also sets
+  :data:`PROMPT_TOKEN_LIMIT` for the request, so that validation refuses a
+  token-id prompt longer than the context by its length alone, before
+  checking each id.
 * :class:`PromptWork`: tokenization and chat templating on a small thread
   pool, never on the event loop (Hugging Face's fast tokenizer releases the
-  GIL, so ``/health`` and other streams keep being served), after two cheap
+  GIL, so ``/health`` and other streams keep being served), after cheap
   checks on the text: no lone UTF-16 surrogates (``"a\\ud800b"`` is valid JSON
-  but no text; the tokenizer cannot take it), and no more characters than
-  ``max_model_len`` tokens could span, so an oversized prompt is refused
-  before it is tokenized.
+  but no text; the tokenizer cannot take it), no more characters than
+  ``max_model_len`` tokens could span and no more messages than
+  ``max_model_len - 1`` (each takes a token at least), so an oversized
+  prompt is refused before it is tokenized. Sampling parameters (grammar
+  compilation) are built on a second pool, within :data:`BUILD_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -18,16 +28,29 @@ import asyncio
 import json
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import TypeVar
 
+from quanta.engine.async_engine import AsyncEngine, QueueFullError
 from quanta.model.tokenizer import Tokenizer
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.errors import RAW_BODY, route_error_body
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "BodyLimit", "PromptError", "PromptWork", "surrogate_problem"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "PROMPT_TOKEN_LIMIT", "RESERVATION", "Admission", "BodyLimit", "BuildTimeout",
+           "PromptError", "PromptWork", "surrogate_problem"]
 
-#: Threads that tokenize and render chat templates.
-PROMPT_WORKERS = 2
+#: Threads that tokenize and render chat templates; threads that build sampling parameters (compile grammars).
+PROMPT_WORKERS, BUILD_WORKERS = 2, 2
+
+#: Seconds a request's sampling parameters (its grammar) may take to build, waiting for a thread included.
+BUILD_TIMEOUT_S = 10.0
+
+#: ASGI scope key of the request's :class:`quanta.engine.async_engine.Reservation`.
+RESERVATION = "quanta.reservation"
+
+#: Token ids a prompt may have on the server handling the current request
+#: (``max_model_len - 1``; set by :class:`Admission`, None outside a request).
+PROMPT_TOKEN_LIMIT: ContextVar[int | None] = ContextVar("quanta_prompt_token_limit", default=None)
 
 #: Bytes of an oversized body read and discarded before the 413 goes out, so
 #: that the client, still sending, reads the answer instead of a connection
@@ -82,11 +105,44 @@ class BodyLimit:
     async def _refuse(self, scope, send, size: int | None) -> None:
         got = f"{size} bytes" if size is not None else "more"
         message = f"the request body has {got}; this server accepts at most {self.max_bytes} bytes (--max-request-bytes)"
-        body = json.dumps(route_error_body(scope.get("path", ""), 413, message)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(scope, send, 413, message, close=True)
+
+
+class Admission:
+    """ASGI middleware: a POST to one of ``paths`` holds a place in the engine's
+    queue (:meth:`AsyncEngine.reserve`) while the route prepares it; the place
+    is in the scope under :data:`RESERVATION` for :func:`quanta.server.serving.submit`
+    to hand to the engine. A full queue is answered 429 here. Every request
+    runs with :data:`PROMPT_TOKEN_LIMIT` set to ``max_prompt_tokens``.
+    """
+
+    def __init__(self, app, engine: AsyncEngine, paths: frozenset[str], max_prompt_tokens: int) -> None:
+        self.app, self.engine, self.paths = app, engine, paths
+        self.max_prompt_tokens = max_prompt_tokens
+
+    async def __call__(self, scope, receive, send) -> None:
+        PROMPT_TOKEN_LIMIT.set(self.max_prompt_tokens)  # this request's context only
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        try:
+            reservation = self.engine.reserve()
+        except QueueFullError as exc:
+            await _answer(scope, send, 429, str(exc))
+            return
+        with reservation:
+            scope[RESERVATION] = reservation
+            await self.app(scope, receive, send)
+
+
+async def _answer(scope, send, status: int, message: str, close: bool = False) -> None:
+    """Send an error response in the body of the route's API."""
+    body = json.dumps(route_error_body(scope.get("path", ""), status, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _drain(receive, limit: int) -> bool:
@@ -125,8 +181,12 @@ class PromptError(ValueError):
         self.param = param
 
 
+class BuildTimeout(TimeoutError):
+    """Building a request's sampling parameters (its grammar) took longer than :data:`BUILD_TIMEOUT_S`."""
+
+
 class PromptWork:
-    """Checks prompt text, then tokenizes it on a thread pool.
+    """Checks prompt text, then tokenizes it on a thread pool; builds sampling parameters on another.
 
     Args:
         tokenizer: the served model's tokenizer.
@@ -141,6 +201,7 @@ class PromptWork:
         #: no token of the vocabulary decodes to more characters than this
         self.max_token_chars = max_token_chars(tokenizer)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="quanta-prompt")
+        self._build_pool = ThreadPoolExecutor(BUILD_WORKERS, thread_name_prefix="quanta-build")
 
     @property
     def max_chars(self) -> int:
@@ -150,13 +211,19 @@ class PromptWork:
     def check(self, texts: Iterable[str], param: str) -> None:
         """Refuse lone surrogates and text longer than any fitting prompt.
 
-        ``texts`` are parts of one prompt (message contents): their total is bounded.
+        ``texts`` are parts of one prompt (message contents, one per message):
+        their total length and their number are bounded.
 
         Raises:
             PromptError: naming ``param``.
         """
-        total = 0
+        total = count = 0
         for text in texts:
+            count += 1
+            if count > self.max_prompt_tokens:
+                raise PromptError(
+                    f"{param}: more than {self.max_prompt_tokens} messages; a prompt of at most {self.max_prompt_tokens} "
+                    "tokens (max_model_len - 1) cannot hold them (each message takes a token at least)", param)
             _check_surrogates(text, param)
             total += len(text)
         if total > self.max_chars:
@@ -170,6 +237,19 @@ class PromptWork:
         """``fn(*args)`` on the pool (tokenizing, templating); its exceptions propagate."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def build(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the build pool (sampling parameters: grammar compilation).
+
+        Raises:
+            BuildTimeout: it took longer than :data:`BUILD_TIMEOUT_S` (the thread
+                finishes in the background; its result is dropped).
+        """
+        work = asyncio.get_running_loop().run_in_executor(self._build_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(work, BUILD_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise BuildTimeout(f"building the request took more than {BUILD_TIMEOUT_S:g} s") from exc
+
     async def encode(self, text: str, param: str = "prompt") -> list[int]:
         """:meth:`check` then ``tokenizer.encode`` off the event loop."""
         self.check([text], param)
@@ -177,6 +257,7 @@ class PromptWork:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._build_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def max_token_chars(tokenizer: Tokenizer) -> int:

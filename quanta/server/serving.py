@@ -22,7 +22,7 @@ from quanta.engine.grammar import GrammarCompiler
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.access import TENANT_STATE, AccessPolicy, tenant_salt
 from quanta.server.errors import APIError, internal_error_message, log_internal_error
-from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, PromptWork
+from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, RESERVATION, BuildTimeout, PromptWork
 from quanta.server.metrics import EngineMetrics
 from quanta.server.tools import ToolParser, choose_parser
 
@@ -76,6 +76,10 @@ async def submit(state: ServerState, request: Request, prompt: list[int], max_to
 
     The length check comes first, so no grammar is compiled for a request that
     cannot run, and it is the request's only one: the engine is told it passed.
+    ``make_params`` runs on a worker thread within a time bound
+    (:meth:`PromptWork.build`): compiling a grammar never stalls the event loop.
+    The request's place in the queue (:class:`quanta.server.limits.Admission`)
+    goes to the engine with it.
     With ``--api-key``, the tenant the access gate matched (``request.state``)
     is folded into ``cache_salt`` (:func:`quanta.server.access.tenant_salt`):
     prefix reuse then stays within one key, whatever salt the body sent.
@@ -83,19 +87,25 @@ async def submit(state: ServerState, request: Request, prompt: list[int], max_to
     Args:
         request: the HTTP request (its ASGI scope state names the tenant).
         max_tokens: output tokens at most.
-        make_params: ``max_tokens -> SamplingParams`` (may raise ``ValueError``).
+        make_params: ``max_tokens -> SamplingParams`` (may raise ``ValueError``
+            or :class:`APIError`); called on a worker thread.
 
     Raises:
-        APIError: 400 (lengths, parameters), 429 (queue full), 503 (engine down).
+        APIError: 400 (lengths, parameters, a grammar over its time bound),
+            429 (queue full), 503 (engine down).
     """
     try:
         state.async_engine.check_length(len(prompt), max(max_tokens, 1))
-        params = make_params(max_tokens)
+        params = await state.prompts.build(make_params, max_tokens)
         params.cache_salt = tenant_salt(request.scope.get("state", {}).get(TENANT_STATE), params.cache_salt)
+    except BuildTimeout as exc:
+        raise APIError(400, f"{exc}: the request's constraint (schema, regex, choices or tools) is too complex; "
+                            "simplify it") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), "max_tokens" if "max_model_len" in str(exc) else None) from exc
     try:
-        return await state.async_engine.submit(prompt, params, length_checked=True)
+        return await state.async_engine.submit(prompt, params, length_checked=True,
+                                               reservation=request.scope.get(RESERVATION))
     except QueueFullError as exc:
         raise APIError(429, str(exc)) from exc
     except ValueError as exc:
