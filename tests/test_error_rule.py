@@ -140,6 +140,8 @@ CASES = [
     ("messages", "output-format-not-a-schema", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
      None, "output_config.format"),
     ("messages", "container-given", {"container": "c1"}, None, "container"),
+    ("messages", "server-tool-forced", {"tools": [{"type": "web_search_20250305", "name": "web_search"}], "tool_choice": {"type": "any"}},
+     None, "tool_choice: requires tools"),
     *[(route, "duplicate-tool-names", {"tools": [ANTHROPIC_TOOL, ANTHROPIC_TOOL]}, None, "tools.1") for route in ANTHROPIC_ROUTES],
     ("messages/count_tokens", "tool-name-with-spaces", {"tools": [{"name": "a b", "input_schema": {}}]}, None, "tools.0.name"),
 ]

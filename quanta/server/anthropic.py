@@ -252,7 +252,7 @@ def router(state: ServerState) -> APIRouter:
         check_model(state, body.model)
         log_fields("/v1/messages", body)
         prompt = await render_prompt(state, body)
-        forced = body.forced_tools() if body.use_tools else None
+        forced = body.forced_tools()  # a choice that forces a server tool, or no tool at all, is a 400
         parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         if forced:  # a forced call wins over output_config.format, which governs a text answer
             grammar, param = state.tool_parser.grammar(forced, parallel), "tool_choice"

@@ -121,7 +121,7 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
         if choice is None or choice.type in ("auto", "none"):
             return None
         if not self.function_tools():
-            raise APIError(400, "tool_choice: requires tools")
+            raise APIError(400, "tool_choice: requires tools (server tools are not run here)")
         tools = [t.openai() for t in self.function_tools() if choice.type == "any" or t.name == choice.name]
         if not tools:
             raise APIError(400, f"tool_choice: names {choice.name!r}, which is not among tools")
