@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from quanta.engine.grammar import Grammar, json_rule
+from quanta.server.tool_scan import BlockScanner, ObjectScanner
 
 
 @dataclass(slots=True)
@@ -174,7 +175,7 @@ class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
 
     A block ends at the first ``</tool_call>`` outside the JSON strings of
-    its leading object (:class:`BlockScanner`: inside a string the marker is
+    its leading object (:class:`quanta.server.tool_scan.BlockScanner`: inside a string the marker is
     data), else at the end of the output. It is a call when it begins with
     one JSON object with a string ``name`` and object (or JSON-string)
     ``arguments``; a repeated key keeps its first value. Text after that
@@ -186,7 +187,7 @@ class HermesParser(ToolParser):
     otherwise they are the object re-serialized with :func:`json.dumps`.
     """
 
-    name, start, end = "hermes", "<tool_call>", "</tool_call>"
+    name, start, end = "hermes", "<tool_call>", BlockScanner.END
 
     def parse(self, text: str) -> Parsed:
         calls, parts, pieces, pos, broken = [], [], [], 0, False
@@ -247,82 +248,6 @@ def hermes_call(block: str) -> ToolCall | None:
     if raw is not None and parse_json(raw) == parse_json(call.arguments):
         call.arguments = raw
     return call
-
-
-class ObjectScanner:
-    """Finds where a JSON object ends in text fed piece by piece.
-
-    The first character fed must be its ``{``. Brackets are counted outside
-    strings (escapes honoured); the JSON is not otherwise validated.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-
-    def feed(self, text: str) -> int | None:
-        """Consume ``text``; the offset in it just past the object's closing ``}``, or None if still open."""
-        for i, ch in enumerate(text):
-            if self.step(ch):
-                return i + 1
-        return None
-
-    def step(self, ch: str) -> bool:
-        """Consume one character; whether it closed the object."""
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-        elif ch == '"':
-            self.in_string = True
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            self.depth -= 1
-            return self.depth == 0
-        return False
-
-
-class BlockScanner:
-    """Finds the ``</tool_call>`` that ends a Hermes block, in the text after
-    ``<tool_call>`` fed piece by piece (each character once).
-
-    While the block's leading JSON object (its first non-space character
-    ``{``) is open, a marker inside one of its strings is string data;
-    elsewhere the first marker ends the block. ``held`` is how many of the
-    characters fed last may be the start of the marker (the stream holds
-    them back).
-    """
-
-    END = HermesParser.end
-
-    def __init__(self) -> None:
-        self.object: ObjectScanner | None = None  # set at the leading "{"; None before it
-        self.lead = True  # only whitespace so far
-        self.held = 0
-
-    def feed(self, text: str) -> int | None:
-        """Consume ``text``; the offset in it just past the ending marker, or None if not yet seen."""
-        for i, ch in enumerate(text):
-            if self.lead and not ch.isspace():
-                self.lead = False
-                self.object = ObjectScanner() if ch == "{" else None
-            obj = self.object
-            if obj is not None and obj.depth >= 0 and (obj.in_string or ch == '"'):
-                obj.step(ch)
-                self.held = 0
-                continue
-            if obj is not None and obj.depth >= 0 and obj.step(ch):
-                obj.depth = -1  # closed: no more string tracking
-            self.held = self.held + 1 if ch == self.END[self.held] else int(ch == self.END[0])
-            if self.held == len(self.END):
-                self.held = 0
-                return i + 1
-        return None
 
 
 class Llama3JsonParser(ToolParser):

@@ -25,7 +25,7 @@ streams incrementally: once ``{"name": "...", "arguments":`` is read and the
 value starts with ``{``, the raw text of the arguments object is forwarded
 as it arrives (a tail that may begin ``</tool_call>`` is held back), ending
 at its matching ``}``; the wrapper's closing brace is never sent. A block
-ends where :class:`quanta.server.tools.BlockScanner` says, for both the
+ends where :class:`quanta.server.tool_scan.BlockScanner` says, for both the
 stream and the parser: a ``</tool_call>`` inside a JSON string of the call
 is data; a repeated key keeps its first value (``name`` included); text
 after the call object, before ``</tool_call>``, is dropped in both.
@@ -54,7 +54,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from quanta.server.tools import HERMES_HEAD, BlockScanner, HermesParser, ObjectScanner, ToolCall, ToolParser, hermes_call, partial_suffix
+from quanta.server.tool_scan import BlockScanner, ObjectScanner
+from quanta.server.tools import HERMES_HEAD, HermesParser, ToolCall, ToolParser, hermes_call, partial_suffix
 
 
 @dataclass(frozen=True, slots=True)
