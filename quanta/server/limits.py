@@ -10,7 +10,9 @@
   queue is a 429 before any of that work. It also sets
   :data:`PROMPT_TOKEN_LIMIT` for the request, so that validation refuses a
   token-id prompt longer than the context by its length alone, before
-  checking each id.
+  checking each id, and makes the tool schemas that validation compiles
+  count toward one request-wide budget
+  (:func:`quanta.engine.grammar_bounds.count_request_schemas`).
 * :class:`PromptWork`: tokenization and chat templating on a small thread
   pool, never on the event loop (Hugging Face's fast tokenizer releases the
   GIL, so ``/health`` and other streams keep being served), after cheap
@@ -32,6 +34,7 @@ from contextvars import ContextVar
 from typing import TypeVar
 
 from quanta.engine.async_engine import AsyncEngine, QueueFullError
+from quanta.engine.grammar_bounds import count_request_schemas
 from quanta.model.tokenizer import Tokenizer
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.errors import RAW_BODY, route_error_body
@@ -113,7 +116,8 @@ class Admission:
     queue (:meth:`AsyncEngine.reserve`) while the route prepares it; the place
     is in the scope under :data:`RESERVATION` for :func:`quanta.server.serving.submit`
     to hand to the engine. A full queue is answered 429 here. Every request
-    runs with :data:`PROMPT_TOKEN_LIMIT` set to ``max_prompt_tokens``.
+    runs with :data:`PROMPT_TOKEN_LIMIT` set to ``max_prompt_tokens`` and its
+    own schema budget (:func:`quanta.engine.grammar_bounds.count_request_schemas`).
     """
 
     def __init__(self, app, engine: AsyncEngine, paths: frozenset[str], max_prompt_tokens: int) -> None:
@@ -122,6 +126,7 @@ class Admission:
 
     async def __call__(self, scope, receive, send) -> None:
         PROMPT_TOKEN_LIMIT.set(self.max_prompt_tokens)  # this request's context only
+        count_request_schemas()
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.paths:
             await self.app(scope, receive, send)
             return
