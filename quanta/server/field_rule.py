@@ -22,7 +22,10 @@
 - Any other undocumented field is accepted and named in the same log line,
   as vLLM does (it ignores unknown fields with a warning): vendor extensions
   quanta does not serve (vLLM's ``min_tokens``, ``repetition_penalty``;
-  :data:`ENGINE_EXTENSIONS` are never taken for typos) are no errors.
+  :data:`ENGINE_EXTENSIONS` are never taken for typos) are no errors. Why
+  not refuse it: agents' clients add fields with each release (Codex CLI's
+  ``client_metadata``, Claude Code's betas) faster than these lists follow;
+  a refusal stops the agent at its first request, a logged field costs a line.
 
 Each route's body is a :class:`FieldRule`; the route calls :func:`log_fields`
 once the body is valid.
