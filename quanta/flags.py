@@ -24,7 +24,7 @@ from pathlib import Path
 
 from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
-from quanta.server import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
+from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
@@ -185,6 +185,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="clients must send 'Authorization: Bearer KEY' or 'x-api-key: KEY' with one of these keys "
                             "on every route but /health; each key is a tenant, and prefix-cache reuse stays within a key "
                             "(--api-key K1 K2...; default: $QUANTA_API_KEY, a comma list; unset: no key)")
+    serve.add_argument("--admin-key", nargs="+", default=None, metavar="KEY",
+                       help="keys for /metrics, /v1/trace and /v1/config, which show every tenant's traffic: with any key "
+                            "set they need one of these (a tenant's key gets 403; none given: closed) "
+                            "(default: $QUANTA_ADMIN_KEY, a comma list)")
     serve.add_argument("--allowed-hosts", action="append", metavar="H1,H2",
                        help="more Host header names to accept besides localhost, IP literals and --host ('*': any)")
     serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
@@ -243,6 +247,7 @@ def _check_command_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-bytes must be a positive integer, got {args.max_request_bytes}")
     if args.command == "serve":
         api_keys(args)
+        admin_keys(args)
     if args.command == "generate":
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
@@ -256,18 +261,29 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     Raises:
         ValueError: an empty (or all-blank) key in either, naming where it came from.
     """
-    if args.api_key is not None:
-        keys, where = tuple(args.api_key), "--api-key"
+    return _keys(args.api_key, "--api-key", API_KEY_ENV)
+
+
+def admin_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--admin-key`` as given, else ``$QUANTA_ADMIN_KEY`` split at commas (ValueError as :func:`api_keys`)."""
+    return _keys(args.admin_key, "--admin-key", ADMIN_KEY_ENV)
+
+
+def _keys(given: list[str] | None, flag: str, env_name: str) -> tuple[str, ...]:
+    if given is not None:
+        keys, where = tuple(given), flag
     else:
-        env = os.environ.get(API_KEY_ENV) or ""
-        keys, where = (tuple(part.strip() for part in env.split(",")) if env else ()), f"${API_KEY_ENV}"
+        env = os.environ.get(env_name) or ""
+        keys, where = (tuple(part.strip() for part in env.split(",")) if env else ()), f"${env_name}"
     if any(not key.strip() for key in keys):
         raise ValueError(f"{where}: every key must be non-empty, got {len(keys)} key(s) with an empty one")
     return keys
 
 
 def access_policy(args: argparse.Namespace):
-    """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts`` and ``--cors-origin`` as an AccessPolicy."""
+    """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts``, ``--cors-origin`` and
+    ``--admin-key`` (else ``$QUANTA_ADMIN_KEY``) as an AccessPolicy."""
     from quanta.server.access import AccessPolicy, split_list
 
-    return AccessPolicy(api_keys(args), args.host, split_list(args.allowed_hosts), split_list(args.cors_origin))
+    return AccessPolicy(api_keys(args), args.host, split_list(args.allowed_hosts), split_list(args.cors_origin),
+                        admin_keys(args))

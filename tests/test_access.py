@@ -4,11 +4,14 @@ and "another user's prompt leaks through the prefix cache": each key is a
 tenant, and prefix reuse stays within one key.
 
 Against live ``quanta serve`` processes: the shared session server (no key)
-and one started here with two ``--api-key`` values, ``--allowed-hosts`` and ``--cors-origin``.
+and one started here with two ``--api-key`` values, an ``--admin-key`` (the
+operator routes ``/metrics``, ``/v1/trace``, ``/v1/config``), ``--allowed-hosts``
+and ``--cors-origin``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -19,15 +22,16 @@ import pytest
 
 from quanta import cli, flags
 from quanta.bench.server import start
-from quanta.server.access import AccessPolicy, tenant_id
+from quanta.server.access import AccessPolicy, RequestGate, tenant_id
 
 KEY = "sk-test-4f2e"
 KEY_B = "sk-test-b91c"  # a second tenant
+ADMIN = "sk-admin-70d3"
 #: tenants that have sent nothing before the test that uses each (so none holds even the chat template's prefix)
 FRESH = {route: f"sk-fresh-{route}" for route in ("chat", "completions", "responses", "messages", "salted")}
 APP_ORIGIN = "http://app.test"
-FLAGS = ["--max-model-len", "256", "--api-key", KEY, KEY_B, *FRESH.values(), "--allowed-hosts", "quanta.test,other.test",
-         "--cors-origin", APP_ORIGIN]
+FLAGS = ["--max-model-len", "256", "--api-key", KEY, KEY_B, *FRESH.values(), "--admin-key", ADMIN,
+         "--allowed-hosts", "quanta.test,other.test", "--cors-origin", APP_ORIGIN]
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 
 
@@ -71,13 +75,41 @@ def test_clients_with_the_key_are_served(keyed, model):
     assert an.messages.count_tokens(model=model, messages=MESSAGES).input_tokens > 0
 
 
-@pytest.mark.parametrize("path", ["/v1/trace", "/v1/config", "/metrics", "/v1/models"])
-def test_read_routes_need_the_key(keyed, path):
-    url = keyed.base_url + path
+def test_read_routes_need_the_key(keyed):
+    url = keyed.base_url + "/v1/models"
     assert httpx.get(url, timeout=30).status_code == 401
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
     assert httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
     assert httpx.get(url, headers={"x-api-key": KEY}, timeout=30).status_code == 200  # either header, any route
+    assert httpx.get(url, headers={"x-api-key": ADMIN}, timeout=30).status_code == 200  # the admin key is a tenant too
+
+
+@pytest.mark.parametrize("path", ["/v1/trace", "/v1/config", "/metrics"])
+def test_operator_routes_need_the_admin_key(keyed, path):
+    """They show every tenant's request sizes, timings and cache hits: a tenant's key gets 403."""
+    url = keyed.base_url + path
+    assert httpx.get(url, timeout=30).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    for key in (KEY, KEY_B):
+        refused = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert refused.status_code == 403 and "--admin-key" in refused.json()["error"]["message"], refused.text
+    assert httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).status_code == 200
+    assert httpx.get(url, headers={"x-api-key": ADMIN}, timeout=30).status_code == 200
+
+
+def test_operator_routes_are_closed_with_tenant_keys_and_no_admin_key():
+    sent = []
+
+    async def app(scope, receive, send):
+        sent.append("app")
+
+    async def send(message):
+        sent.append(message.get("status"))
+
+    gate = RequestGate(app, AccessPolicy(api_keys=(KEY,)))
+    scope = {"type": "http", "path": "/metrics", "method": "GET", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    asyncio.run(gate(scope, None, send))
+    assert sent[0] == 403
 
 
 def test_health_is_open(keyed):
@@ -85,8 +117,9 @@ def test_health_is_open(keyed):
 
 
 def test_config_reports_a_key_without_revealing_it(keyed):
-    config = httpx.get(keyed.base_url + "/v1/config", headers={"x-api-key": KEY}, timeout=30).json()
-    assert config["api_key"] is True and KEY not in str(config) and KEY_B not in str(config)
+    config = httpx.get(keyed.base_url + "/v1/config", headers={"x-api-key": ADMIN}, timeout=30).json()
+    assert config["api_key"] is True and config["admin_key"] is True
+    assert KEY not in str(config) and KEY_B not in str(config) and ADMIN not in str(config)
 
 
 def test_every_key_is_accepted_and_nothing_else(keyed, model):
@@ -269,15 +302,18 @@ def test_host_names(host, ok):
 
 
 def test_quanta_bench_sends_the_key_from_the_environment(keyed, model, tmp_path, monkeypatch):
-    """``quanta bench run`` against a keyed server: $QUANTA_API_KEY goes out as a Bearer token
-    (requests, /v1/config, /v1/trace and /metrics all answer); without it every request is a 401."""
+    """``quanta bench run`` against a keyed server: $QUANTA_API_KEY goes out as a Bearer token on
+    requests, $QUANTA_ADMIN_KEY on /v1/config, /v1/trace and /metrics (all answer); without the
+    key every request is a 401."""
     argv = ["bench", "run", "--base-url", keyed.base_url, "--model", model, "--num-requests", "2", "--max-tokens", "4",
             "--prompt-words", "8", "--repeats", "1", "--warmup", "0", "--no-progress", "--no-plots"]
     monkeypatch.delenv("QUANTA_API_KEY", raising=False)
+    monkeypatch.delenv("QUANTA_ADMIN_KEY", raising=False)
     assert cli.main([*argv, "--out", str(tmp_path / "nokey")]) == 1
     doc = json.loads((tmp_path / "nokey.json").read_text())
     assert doc["conditions"][0]["runs"][0]["metrics"]["client"]["errors"] == {"http_401": 2}
     monkeypatch.setenv("QUANTA_API_KEY", KEY)
+    monkeypatch.setenv("QUANTA_ADMIN_KEY", ADMIN)
     assert cli.main([*argv, "--out", str(tmp_path / "key")]) == 0
     doc = json.loads((tmp_path / "key.json").read_text())
     run = doc["conditions"][0]["runs"][0]

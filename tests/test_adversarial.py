@@ -7,7 +7,8 @@ one-character messages pass the character bound) and the official clients.
 Where a request could stall the server (a huge schema, a 16 MiB token-id
 prompt, 100,000 messages), a canary stream runs beside it and must finish
 with all its tokens, and ``/health`` is polled throughout and must answer
-within :data:`HEALTH_BOUND_S` every time.
+within :data:`HEALTH_BOUND_S` every time. The operator routes' admin key is
+tested in ``test_access.py``; here, that a full trace is read in bounded pages.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from quanta.engine.grammar_bounds import (
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_PROPERTIES,
 )
+from quanta.engine.trace import Trace
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
+from quanta.server.app import TRACE_PAGE_BYTES, TRACE_PAGE_RECORDS, trace_page
 from quanta.server.chat_tokens import chat_prompt_ids
 
 MAX_MODEL_LEN = 2048
@@ -259,3 +262,36 @@ def test_a_lone_surrogate_in_an_anthropic_prefill_is_a_400(live, route):
                       headers={"content-type": "application/json"})  # json.dumps writes the surrogate as \ud800
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["type"] == "invalid_request_error" and "surrogate" in resp.json()["error"]["message"]
+
+
+# 6. the trace in pages ---------------------------------------------------------------------------------------
+
+def test_a_full_trace_is_served_in_bounded_pages():
+    """100,000 records (the trace's size) with MoE expert figures: one page is capped in records and bytes."""
+    trace = Trace()
+    experts = {"num_tokens": 8, "unique_experts": 40, "tokens_per_expert": 1.6, "num_layers": 16, "seconds": 0.01,
+               "per_layer": list(range(200))}
+    for i in range(100_000):
+        trace.record("decode", i, i + 0.01, list(range(8)), [1] * 8, [1] * 8, experts)
+    start = time.monotonic()
+    page = trace_page(trace, 0, 10**9)
+    elapsed = time.monotonic() - start
+    assert 0 < len(page["records"]) <= TRACE_PAGE_RECORDS and len(json.dumps(page["records"])) <= TRACE_PAGE_BYTES
+    assert page["more"] and page["next_since"] == page["records"][-1]["step"] + 1 and page["next_step"] == 100_000
+    assert elapsed < 0.5, f"one page took {elapsed:.2f} s"
+    last = trace_page(trace, 99_998, 10)
+    assert [r["step"] for r in last["records"]] == [99_998, 99_999] and not last["more"]
+
+
+def test_the_live_trace_pages_join_up(live):
+    """Pages of two records walk the trace in order, from the oldest record to the next step."""
+    _openai(live).completions.create(model=live.model, prompt="Hi", max_tokens=4, extra_body={"ignore_eos": True})
+    steps, since = [], 0
+    while True:
+        page = httpx.get(live.base_url + "/v1/trace", params={"since": since, "limit": 2}, timeout=30).json()
+        assert len(page["records"]) <= 2
+        steps += [r["step"] for r in page["records"]]
+        if not page["more"]:
+            break
+        since = page["next_since"]
+    assert steps == list(range(steps[0], page["next_step"])) and len(steps) >= 4

@@ -22,7 +22,7 @@ from quanta.analysis.scrape import STEP_SECONDS, STEPS, by_kind, parse_prometheu
 from quanta.analysis.server_trace import trace_metrics
 from quanta.bench.client import Clock, Target
 from quanta.bench.workloads import Workload, execute
-from quanta.server import API_KEY_ENV
+from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV
 
 
 class ServerError(RuntimeError):
@@ -43,13 +43,16 @@ def _get_json(client: httpx.Client, url: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def auth_headers() -> dict[str, str]:
+def auth_headers(admin: bool = False) -> dict[str, str]:
     """``Authorization: Bearer`` (OpenAI) and ``x-api-key`` (Anthropic) from ``$QUANTA_API_KEY``; {} when unset.
 
     The variable may list several keys, comma-separated, as ``quanta serve``
-    reads it (one tenant each); the bench sends the first.
+    reads it (one tenant each); the bench sends the first. ``admin``: for
+    ``/metrics``, ``/v1/trace`` and ``/v1/config``, the first of
+    ``$QUANTA_ADMIN_KEY`` where it is set.
     """
-    key = (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
+    admin_key = (os.environ.get(ADMIN_KEY_ENV) or "").split(",")[0].strip() if admin else ""
+    key = admin_key or (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
     return {"Authorization": f"Bearer {key}", "x-api-key": key} if key else {}
 
 
@@ -77,7 +80,7 @@ class ServerProbe:
 
     def __init__(self, base_url: str, timeout: float = 10.0) -> None:
         self.base = base_url.rstrip("/")
-        self.client = httpx.Client(timeout=timeout, headers=auth_headers())
+        self.client = httpx.Client(timeout=timeout, headers=auth_headers(admin=True))
 
     def close(self) -> None:
         self.client.close()
@@ -98,19 +101,27 @@ class ServerProbe:
         steps = by_kind(m, STEPS) if m else {}
         if steps:
             return int(round(sum(steps.values())))
-        data = _get_json(self.client, self.base + "/v1/trace?since=0")
-        if data is None or not isinstance(data.get("records"), list):
+        data = _get_json(self.client, self.base + "/v1/trace?since=0&limit=1")
+        if data is None or not isinstance(data.get("next_step"), int):
             return None
-        return max((r["step"] for r in data["records"]), default=-1) + 1
+        return data["next_step"]
 
     def trace(self, since: int) -> list[dict] | None:
-        data = _get_json(self.client, f"{self.base}/v1/trace?since={since}")
-        recs = data.get("records") if data else None
-        return recs if isinstance(recs, list) else None
+        """Every record from step ``since`` on, page by page (``/v1/trace`` pages by ``next_since``)."""
+        records: list[dict] = []
+        while True:
+            data = _get_json(self.client, f"{self.base}/v1/trace?since={since}")
+            recs = data.get("records") if data else None
+            if not isinstance(recs, list):
+                return records or None
+            records += recs
+            if not recs or not data.get("more") or not isinstance(data.get("next_since"), int):
+                return records
+            since = data["next_since"]
 
 
 async def _scraper(base: str, every: float, clock, out: list[dict]) -> None:
-    async with httpx.AsyncClient(timeout=max(every, 1.0), headers=auth_headers()) as c:
+    async with httpx.AsyncClient(timeout=max(every, 1.0), headers=auth_headers(admin=True)) as c:
         while True:
             try:
                 r = await c.get(base + "/metrics")

@@ -77,6 +77,21 @@ class Trace:
     def num_mixed_steps(self) -> int:
         return self.counts["mixed"]
 
+    @property
+    def next_step(self) -> int:
+        """Index of the next step to be recorded."""
+        return self._next_step
+
     def to_dicts(self, since_step: int = 0) -> list[dict]:
         """Records with ``step >= since_step`` as plain dicts (JSON-ready)."""
-        return [asdict(r) for r in list(self.records) if r.step >= since_step]
+        return [asdict(r) for r in self.page(since_step, len(self.records))]
+
+    def page(self, since_step: int, limit: int) -> list[StepRecord]:
+        """At most ``limit`` records with ``step >= since_step``, oldest first; cost ~``limit``,
+        not the trace's length (steps are consecutive, so the first one's index is computed).
+        Safe from any thread: the deque is copied in one call."""
+        records = list(self.records)
+        if not records:
+            return []
+        start = max(0, since_step - records[0].step)
+        return records[start:start + max(limit, 0)]

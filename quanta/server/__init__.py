@@ -8,3 +8,7 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 #: Environment variable with the API key: ``quanta serve`` requires it where
 #: ``--api-key`` is not given, ``quanta bench`` sends it.
 API_KEY_ENV = "QUANTA_API_KEY"
+
+#: Environment variable with the admin key (``/metrics``, ``/v1/trace``, ``/v1/config``):
+#: ``quanta serve`` reads it where ``--admin-key`` is not given, ``quanta bench`` sends it there.
+ADMIN_KEY_ENV = "QUANTA_ADMIN_KEY"

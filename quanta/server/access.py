@@ -13,6 +13,12 @@
   state (:data:`TENANT_STATE`), and :func:`quanta.server.serving.submit` salts
   prefix reuse with it (:func:`tenant_salt`), so requests of different keys
   never share cached K/V and ``cached_tokens`` reveals nothing across keys.
+  The operator routes (:data:`OPERATOR_PATHS`: ``/metrics``, ``/v1/trace``,
+  ``/v1/config``, which show every tenant's request sizes, timings and cache
+  hits) need one of the ``--admin-key`` keys whenever any key is set: a
+  tenant's key gets HTTP 403 there, and with ``--api-key`` but no
+  ``--admin-key`` they are closed to everyone. An admin key is also accepted
+  on the other routes, as a tenant of its own.
   Every POST needs a JSON ``Content-Type`` (``application/json``,
   parameters such as ``charset`` allowed), else HTTP 415: this closes the
   CORS "simple request" (``text/plain``) a page could send without a preflight.
@@ -37,6 +43,9 @@ from quanta.server.errors import route_error_body
 #: Paths any client may read without the key (load balancers' probes).
 OPEN_PATHS = frozenset({"/health"})
 
+#: Paths that need an admin key when keys are set: they show every tenant's traffic.
+OPERATOR_PATHS = frozenset({"/metrics", "/v1/trace", "/v1/config"})
+
 #: Host names always accepted besides IP literals.
 LOCAL_NAMES = frozenset({"localhost"})
 
@@ -53,12 +62,19 @@ class AccessPolicy:
         bound_host: the ``--host`` value (accepted as a ``Host`` name).
         allowed_hosts: more accepted ``Host`` names; ``"*"`` accepts any.
         cors_origins: origins given CORS access (``--cors-origin``); empty: no CORS headers.
+        admin_keys: the keys of the operator routes (:data:`OPERATOR_PATHS`; ``--admin-key``).
     """
 
     api_keys: tuple[str, ...] = ()
     bound_host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+
+    @property
+    def keyed(self) -> bool:
+        """Whether any key is set (then the operator routes need an admin key)."""
+        return bool(self.api_keys or self.admin_keys)
 
     def tenant(self, headers: dict[bytes, bytes]) -> str | None:
         """The :func:`tenant_id` of the key the request sent, None if it sent none of :attr:`api_keys`.
@@ -69,21 +85,15 @@ class AccessPolicy:
         early exit, so timing tells neither which key nor how much of it matched.
         Either header may carry the key (a client's placeholder in the other is
         ignored), but two different keys in the two headers name two tenants
-        and are refused (None), not resolved by the keys' order.
+        and are refused (None), not resolved by the keys' order. An admin key
+        is a tenant too.
         """
-        sent = [headers.get(b"x-api-key", b"")]
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer":
-            sent.append(token.strip())
-        sent = [value for value in sent if value]
-        matched: list[str | None] = [None] * len(sent)
-        for key in self.api_keys:
-            encoded = key.encode()
-            for i, value in enumerate(sent):
-                if hmac.compare_digest(value, encoded) and matched[i] is None:
-                    matched[i] = key
-        keys = {key for key in matched if key is not None}
-        return tenant_id(keys.pop()) if len(keys) == 1 else None
+        key = _matched(headers, self.api_keys + self.admin_keys)
+        return tenant_id(key) if key is not None else None
+
+    def is_admin(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether the request sent one of :attr:`admin_keys` (matched as :meth:`tenant` matches)."""
+        return _matched(headers, self.admin_keys) is not None
 
     def host_allowed(self, host_header: str | None) -> bool:
         """Whether a ``Host`` header value (``name[:port]``, ``[v6]:port``) names this server."""
@@ -101,6 +111,24 @@ class AccessPolicy:
         except ValueError:
             return False
         return True
+
+
+def _matched(headers: dict[bytes, bytes], keys: tuple[str, ...]) -> str | None:
+    """The one of ``keys`` the request sent (``x-api-key`` or ``Authorization: Bearer``), else None;
+    every sent value is compared with every key in constant time, with no early exit."""
+    sent = [headers.get(b"x-api-key", b"")]
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    if scheme.lower() == b"bearer":
+        sent.append(token.strip())
+    sent = [value for value in sent if value]
+    matched: list[str | None] = [None] * len(sent)
+    for key in keys:
+        encoded = key.encode()
+        for i, value in enumerate(sent):
+            if hmac.compare_digest(value, encoded) and matched[i] is None:
+                matched[i] = key
+    found = {key for key in matched if key is not None}
+    return found.pop() if len(found) == 1 else None
 
 
 def tenant_id(key: str) -> str:
@@ -171,7 +199,16 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
-        if self.policy.api_keys and scope.get("path") not in OPEN_PATHS:
+        if self.policy.keyed and scope.get("path") in OPERATOR_PATHS:
+            if not self.policy.is_admin(headers):
+                if self.policy.tenant(headers) is None:
+                    await refuse(scope, send, 401, "missing or wrong admin key: send 'Authorization: Bearer KEY' "
+                                 "with a key of --admin-key", [(b"www-authenticate", b"Bearer")])
+                else:
+                    await refuse(scope, send, 403, "this key is a tenant's: /metrics, /v1/trace and /v1/config need "
+                                 "a key of --admin-key (they show every tenant's traffic)")
+                return
+        elif self.policy.api_keys and scope.get("path") not in OPEN_PATHS:
             tenant = self.policy.tenant(headers)
             if tenant is None:
                 await refuse(scope, send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",

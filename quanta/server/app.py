@@ -6,15 +6,20 @@ Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
 ``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`). Served
 here: ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text),
 ``GET /v1/config`` (effective scheduling values) and ``GET /v1/trace`` (step
-records, for the bench's server-side ITL).
+records, for the bench's server-side ITL; paged: ``since``, ``limit``, at most
+:data:`TRACE_PAGE_RECORDS` records and about :data:`TRACE_PAGE_BYTES` a page).
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import asdict
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from quanta.engine.trace import Trace
 from quanta.server import anthropic, chat, responses
 from quanta.server.access import install_access
 from quanta.server.errors import install_error_handlers
@@ -22,6 +27,9 @@ from quanta.server.limits import Admission, BodyLimit
 from quanta.server.serving import ServerState
 
 __all__ = ["ServerState", "build_app"]
+
+#: ``/v1/trace``: records per page at most, and bytes of records per page at most (one record always fits).
+TRACE_PAGE_RECORDS, TRACE_PAGE_BYTES = 2000, 2**20
 
 #: Routes whose requests hold a place in ``--max-queue`` while they are prepared.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
@@ -41,6 +49,23 @@ def build_app(state: ServerState) -> FastAPI:
     for protocol in (chat, responses, anthropic):
         app.include_router(protocol.router(state))
     return app
+
+
+def trace_page(trace: Trace, since: int, limit: int) -> dict:
+    """One page of ``GET /v1/trace``: records with ``step >= since``, at most ``limit``
+    (at most :data:`TRACE_PAGE_RECORDS`) and about :data:`TRACE_PAGE_BYTES` of JSON;
+    ``next_since`` is where the next page starts, ``more`` whether it has records
+    yet, ``next_step`` the index of the engine's next step."""
+    records, size = [], 0
+    for record in trace.page(since, min(max(limit, 1), TRACE_PAGE_RECORDS)):
+        item = asdict(record)
+        size += len(json.dumps(item)) + 2  # and the list's separator
+        if records and size > TRACE_PAGE_BYTES:
+            break
+        records.append(item)
+    next_since = records[-1]["step"] + 1 if records else max(since, 0)
+    next_step = trace.next_step
+    return {"records": records, "next_since": next_since, "more": next_since < next_step, "next_step": next_step}
 
 
 def _service_router(state: ServerState) -> APIRouter:
@@ -68,7 +93,7 @@ def _service_router(state: ServerState) -> APIRouter:
         return state.config
 
     @router.get("/v1/trace")
-    async def trace(since: int = 0) -> dict:
-        return {"records": state.async_engine.trace.to_dicts(since)}
+    async def trace(since: int = 0, limit: int = TRACE_PAGE_RECORDS) -> dict:
+        return trace_page(state.async_engine.trace, since, limit)
 
     return router

@@ -41,7 +41,8 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "tool_call_parser": tool_call_parser, "quantization": engine_cfg.quantization, "kernels": loaded.kernels,
         "cpu_flags": cpu_summary(), "decode_threads": engine.executor.decode_threads,
         "prefill_threads": engine.executor.prefill_threads,
-        "api_key": bool(access and access.api_keys), "cors_origins": list(access.cors_origins) if access else [],
+        "api_key": bool(access and access.api_keys), "admin_key": bool(access and access.admin_keys),
+        "cors_origins": list(access.cors_origins) if access else [],
     }
     log.info("%s max_model_len=%d dtype=%s prefix_cache=%s quantization=%s kernels: %s; cpu: %s; torch threads: decode %d, prefill %d",
              sched_cfg.describe(), engine.max_model_len, config["dtype"], "on" if engine_cfg.prefix_cache else "off",
