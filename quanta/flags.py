@@ -179,6 +179,9 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="tool-call format to parse and enforce (default: chosen from the model's chat template)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
+    serve.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="open connections at most; past it, the one waiting longest for its request head is closed "
+                            "(default 8192, lowered to the open-file limit less 256)")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
@@ -245,6 +248,8 @@ def _check_command_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     if args.command == "serve" and args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be a positive integer, got {args.max_request_bytes}")
+    if args.command == "serve" and args.max_connections is not None and args.max_connections < 1:
+        raise ValueError(f"--max-connections must be a positive integer, got {args.max_connections}")
     if args.command == "serve":
         api_keys(args)
         admin_keys(args)

@@ -14,16 +14,20 @@ tested in ``test_access.py``; here, that a full trace is read in bounded pages.
 from __future__ import annotations
 
 import json
+import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import anthropic
 import httpx
 import openai
 import pytest
 
+from quanta.bench.server import free_port, launch
 from quanta.engine.grammar_bounds import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
@@ -195,6 +199,39 @@ def test_five_thousand_tools_are_refused_at_the_request_schema_budget(live):
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"].startswith(f"tools.{MAX_REQUEST_SCHEMAS}.") and f"more than {MAX_REQUEST_SCHEMAS}" in error["message"], error
+
+
+# 3. slow clients ------------------------------------------------------------------------------------------------
+
+def test_slow_clients_cannot_take_the_connections(tmp_path):
+    """1,500 connections that never finish their request head, against a server allowed 1,024 open files:
+    the ones waiting longest are closed to make room, so new ``/health`` connections are answered within
+    the bound, a running stream finishes, and the log has a counted line, no traceback."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = ["bash", "-c", f"ulimit -n 1024 && exec {sys.executable} -m quanta.cli serve --host 127.0.0.1 "
+               f"--port {port} --max-model-len 256"]
+    server = launch(command, base, base + "/health", tmp_path / "slow-clients.log", 120)
+    slow: list[socket.socket] = []
+    try:
+        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        with _watched(SimpleNamespace(base_url=base, model=model)):
+            for _ in range(1500):
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
+                slow.append(sock)
+            # the burst is accepted at ~1 ms a connection (each evicting an older one); then, while they stay:
+            assert httpx.get(base + "/health", timeout=30).status_code == 200
+            for _ in range(5):
+                start = time.monotonic()
+                assert httpx.get(base + "/health", timeout=10).status_code == 200
+                assert time.monotonic() - start < HEALTH_BOUND_S
+    finally:
+        for sock in slow:
+            sock.close()
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "closed connections waiting for a request head" in log, log[-3000:]
 
 
 # 4. oversized prompts ----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import uvicorn
@@ -13,6 +14,7 @@ from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
 from quanta.server.app import ServerState, build_app
+from quanta.server.connections import connection_cap, guarded_protocol, quiet_accept_errors, raise_fd_limit
 from quanta.server.metrics import EngineMetrics
 
 log = logging.getLogger("quanta")
@@ -20,14 +22,18 @@ log = logging.getLogger("quanta")
 
 def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port: int,
           max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
-          tool_call_parser: str | None = None, access: AccessPolicy | None = None) -> int:
+          tool_call_parser: str | None = None, access: AccessPolicy | None = None,
+          max_connections: int | None = None) -> int:
     """Serve until interrupted; returns the process exit code.
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
     ``aliases``: more model ids the routes accept; ``tool_call_parser``: a
     :data:`quanta.server.tools.PARSERS` name (None: chosen from the chat template);
-    ``access``: API key, allowed hosts, CORS origins (None: no key, only local names and IP literals as ``Host``).
+    ``access``: API key, allowed hosts, CORS origins (None: no key, only local names and IP literals as ``Host``);
+    ``max_connections``: open connections at most (None: the default, within the open-file limit,
+    :mod:`quanta.server.connections`).
     """
+    connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
     loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode)
     engine = build_engine(loaded, engine_cfg, sched_cfg)
@@ -41,6 +47,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "tool_call_parser": tool_call_parser, "quantization": engine_cfg.quantization, "kernels": loaded.kernels,
         "cpu_flags": cpu_summary(), "decode_threads": engine.executor.decode_threads,
         "prefill_threads": engine.executor.prefill_threads,
+        "max_connections": connections,
         "api_key": bool(access and access.api_keys), "admin_key": bool(access and access.admin_keys),
         "cors_origins": list(access.cors_origins) if access else [],
     }
@@ -54,8 +61,15 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     async_engine.start()
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
                                 aliases, tool_call_parser, access or AccessPolicy(bound_host=host)))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                                           http=guarded_protocol(connections)))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        asyncio.run(_serve(server))
     finally:
         async_engine.stop()
     return 0
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    asyncio.get_running_loop().set_exception_handler(quiet_accept_errors)
+    await server.serve()
