@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -37,7 +36,8 @@ from quanta.engine.async_engine import AsyncEngine, QueueFullError
 from quanta.engine.grammar_bounds import count_request_schemas
 from quanta.model.tokenizer import Tokenizer
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
-from quanta.server.errors import RAW_BODY, route_error_body
+from quanta.server.access import refuse
+from quanta.server.errors import RAW_BODY
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "PROMPT_TOKEN_LIMIT", "RESERVATION", "Admission", "BodyLimit", "BuildTimeout",
            "PromptError", "PromptWork", "surrogate_problem"]
@@ -108,7 +108,7 @@ class BodyLimit:
     async def _refuse(self, scope, send, size: int | None) -> None:
         got = f"{size} bytes" if size is not None else "more"
         message = f"the request body has {got}; this server accepts at most {self.max_bytes} bytes (--max-request-bytes)"
-        await _answer(scope, send, 413, message, close=True)
+        await refuse(scope, send, 413, message, [(b"connection", b"close")])
 
 
 class Admission:
@@ -133,21 +133,11 @@ class Admission:
         try:
             reservation = self.engine.reserve()
         except QueueFullError as exc:
-            await _answer(scope, send, 429, str(exc))
+            await refuse(scope, send, 429, str(exc))
             return
         with reservation:
             scope[RESERVATION] = reservation
             await self.app(scope, receive, send)
-
-
-async def _answer(scope, send, status: int, message: str, close: bool = False) -> None:
-    """Send an error response in the body of the route's API."""
-    body = json.dumps(route_error_body(scope.get("path", ""), status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _drain(receive, limit: int) -> bool:
