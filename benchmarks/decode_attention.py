@@ -46,7 +46,7 @@ def paired_steps(model, kv: KVCache, rows: int, context: int, steps: int) -> dic
         for i in range(steps + 2):
             for in_place in (False, True):
                 attention.IN_PLACE_DECODE_BMM[kv.k[0].dtype] = in_place
-                batch = AttentionBatch([SeqSlice(j, context, 1) for j in range(rows)], kv)
+                batch = AttentionBatch([SeqSlice(j, context, 1) for j in range(rows)], kv, decode=True)
                 t0 = time.perf_counter()
                 model.compute_logits(model(ids, batch))
                 if i >= 2:

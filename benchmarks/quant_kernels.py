@@ -34,7 +34,6 @@ from quanta.bench.output import machine
 from quanta.launch import cpu_summary, load_model, resolve_dtype
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.native import march as native_march
-from quanta.model.quant import FORMS as ALL_FORMS
 
 ROWS = (1, 2, 4, 8, 16, 32)
 FORMS = (("none", "none"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4"), ("fp16", "fp16"), ("int4", "fp16"),
@@ -62,7 +61,7 @@ def step_ms(model, kv: KVCache, rows: int, repeats: int) -> float:
     native = model.native
     try:
         for _ in range(repeats + 2):
-            batch = AttentionBatch([SeqSlice(i, CONTEXT, 1) for i in range(rows)], kv)
+            batch = AttentionBatch([SeqSlice(i, CONTEXT, 1) for i in range(rows)], kv, decode=True)
             t0 = time.perf_counter()
             if native is not None:
                 torch.set_num_threads(native.claim_threads(rows, True, before))
@@ -105,7 +104,7 @@ def main() -> int:
     for forms in chosen:
         loaded = load_model(None, dtype, "none", native_decode=args.native_decode == "on")
         model = loaded.model
-        model.quantize_weights(*(() if f == "none" else (f,) for f in forms), {k: max(ROWS) for k in ALL_FORMS})
+        model.quantize_weights(*(None if f == "none" else f for f in forms))
         kv = KVCache(model.config.num_hidden_layers, max(ROWS), model.config.num_key_value_heads, CONTEXT + 1,
                      model.config.head_dim, dtype)
         results["/".join(forms)] = {"ms": {r: step_ms(model, kv, r, args.repeats) for r in ROWS},

@@ -20,7 +20,7 @@ from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
 from quanta.model.native.forms import available as native_forms_available
-from quanta.model.quant import FORMS, NATIVE_FORMS, max_form_rows
+from quanta.model.quant import NATIVE_FORMS, fp16_kernel_available
 from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("quanta")
@@ -65,7 +65,7 @@ class LoadedModel:
     path: Path
     name: str
     #: the matmul kernels chosen at load, e.g.
-    #: ``projections=int4(rows<=2)+fp16(rows<=2048) lm_head=fp16(rows<=2048) reference=float32-F.linear``
+    #: ``projections=q4_1 lm_head=q8_0 reference=float32-onednn-packed``
     kernels: str = ""
 
 
@@ -77,22 +77,22 @@ _GGUF_FORMS = {"Q4_0": ("q4_1", "int4"), "Q4_1": ("q4_1", "int4"), "Q4_K": ("q4_
                **{t: ("q8_0", "int8") for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")}}
 
 
-def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(projection forms, lm_head forms)`` for ``--quantization name``.
+def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[str | None, str | None]:
+    """``(projection form, lm_head form)`` for ``--quantization name`` (None: the reference).
 
-    ``none``: the dequantized reference weights only. ``fp16``: an fp16 copy
-    of every projection and the LM head. ``int8`` / ``int4`` / ``q4_1`` /
-    ``q8_0``: that form of the projections plus the fp16 copies. ``auto``: for
-    a GGUF whose first layer's ``attn_q`` has a type in ``_GGUF_FORMS``, its
-    4- or 8-bit form — ``q4_1`` / ``q8_0`` (quanta's C kernels, integer
-    dot products) where they build, else ``int4`` / ``int8`` — else as
-    ``fp16``. Forms that never beat the reference on this kind of CPU
-    (:func:`quanta.model.quant.max_form_rows` is 0: fp16 beside a bf16
-    reference, int8 beside fp16) are dropped.
+    Forms are used by decode rows at every batch size; prompt rows always take
+    the reference (:mod:`quanta.model.linear`). ``none``: the dequantized
+    reference weights only. ``fp16`` / ``int8`` / ``int4`` / ``q4_1`` /
+    ``q8_0``: that form of the projections. ``auto``: for a GGUF whose first
+    layer's ``attn_q`` has a type in ``_GGUF_FORMS``, its 4- or 8-bit form —
+    ``q4_1`` / ``q8_0`` (quanta's C kernels, integer dot products) where they
+    build, else ``int4`` / ``int8`` — else ``fp16``. fp16 is dropped beside a
+    bf16 reference (it reads as many bytes and is slower).
 
-    The LM head takes ``q8_0`` blocks where the C kernels build (llama.cpp's
-    choice for a Q8_0 ``token_embd``), else only the fp16 copy: an int8 head
-    per channel, from the embedded model's Q8_0 embeddings, turned the
+    The LM head takes ``q8_0`` blocks where the C kernels build and the
+    projections take a C form (llama.cpp's choice for a Q8_0 ``token_embd``),
+    else an fp16 copy beside an fp32 reference, else the reference: an int8
+    head per channel, from the embedded model's Q8_0 embeddings, turned the
     README's greedy answer "The capital of France is Paris." into
     "L'Étoile, la Marseillaise, ..." on an avx512_bf16 machine (the prompt
     is a near-tie at its first token; so did Q8_0 blocks with 8-bit
@@ -106,26 +106,23 @@ def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[t
     if name not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {name!r}")
     if name == "none":
-        return (), ()
+        return None, None
     native = native_forms_available()
     if name == "auto":
         types = gguf_tensor_types(path) if path.is_file() else {}
         kinds = _GGUF_FORMS.get(types.get("blk.0.attn_q.weight", ""), ("fp16", "fp16"))
         name = kinds[0] if native else kinds[1]
-    projections = (name, "fp16") if name != "fp16" else ("fp16",)
-    head = ("q8_0", "fp16") if native and name in NATIVE_FORMS else ("fp16",)
-
-    def useful(forms: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(f for f in forms if max_form_rows(f, bf16_reference) > 0)
-    return useful(projections), useful(head)
+    fp16 = "fp16" if not bf16_reference and fp16_kernel_available() else None
+    head = "q8_0" if native and name in NATIVE_FORMS else fp16
+    return (fp16 if name == "fp16" else name), head
 
 
 def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none", native_decode: bool = True) -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
 
-    ``quantization`` (see :func:`resolve_quantization`) adds int8 / int4 /
-    fp16 forms of the projections and LM head for decode- and chunk-sized
-    calls; the reference weights in ``dtype`` stay for larger calls.
+    ``quantization`` (see :func:`resolve_quantization`) adds a decode form of
+    the projections and LM head; the reference weights in ``dtype`` compute
+    prompt rows.
     ``native_decode`` runs all-decode steps with the C glue of
     :mod:`quanta.model.native_decode` where the model and machine allow.
 
@@ -144,7 +141,7 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     model.load_hf_state_dict(state)
     model.to(dtype).eval()
     model.pack_weights()
-    model.quantize_weights(*forms, {k: max_form_rows(k, bf16) for k in FORMS})
+    model.quantize_weights(*forms)
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:

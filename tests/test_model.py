@@ -58,7 +58,7 @@ def test_tiny_logits_match_transformers(tiny_pair, chunks):
 
 
 def test_mixed_batch_matches_separate_runs(tiny_pair):
-    """Decode rows and prefill chunks of several slots in one forward equal separate runs."""
+    """Prompt chunks of one token and of several, in several slots, in one forward equal separate runs."""
     ref, ours = tiny_pair
     gen = torch.Generator().manual_seed(2)
     a, b, c = (torch.randint(0, ref.config.vocab_size, (n,), generator=gen) for n in (20, 9, 31))
@@ -69,7 +69,7 @@ def test_mixed_batch_matches_separate_runs(tiny_pair):
     ours(a[:19], AttentionBatch([SeqSlice(4, 0, 19)], kv))
     ours(c[:30], AttentionBatch([SeqSlice(1, 0, 30)], kv))
     ours(b[:4], AttentionBatch([SeqSlice(2, 0, 4)], kv))
-    # slot 4 decodes, slot 2 continues its prompt, slot 1 decodes: one fused step.
+    # slots 4 and 1 compute one more token, slot 2 five: one fused step.
     batch = AttentionBatch([SeqSlice(4, 19, 1), SeqSlice(2, 4, 5), SeqSlice(1, 30, 1)], kv)
     logits = ours.compute_logits(ours(torch.cat([a[19:], b[4:], c[30:]]), batch))
     torch.testing.assert_close(logits[0], ra[19], atol=1e-4, rtol=0)
@@ -104,7 +104,7 @@ def test_dense_equal_length_decode_matches_reference(tiny_pair):
     kv = KVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
     for slot, p in enumerate(prompts):
         ours(p[:11], AttentionBatch([SeqSlice(slot, 0, 11)], kv))
-    batch = AttentionBatch([SeqSlice(slot, 11, 1) for slot in range(3)], kv)
+    batch = AttentionBatch([SeqSlice(slot, 11, 1) for slot in range(3)], kv, decode=True)
     assert batch._decode.dense and not batch._decode.needs_mask
     logits = ours.compute_logits(ours(torch.stack([p[11] for p in prompts]), batch))
     for row, exp in zip(logits, expected):
@@ -122,7 +122,7 @@ def test_decode_attention_reads_the_cache_in_place_or_through_scratch_alike(dtyp
     for layer in range(2):
         kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=gen))
         kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=gen))
-    batch = AttentionBatch([SeqSlice(0, 30, 1), SeqSlice(2, 7, 1), SeqSlice(3, 19, 1)], kv)  # slot 1 idle: padded
+    batch = AttentionBatch([SeqSlice(0, 30, 1), SeqSlice(2, 7, 1), SeqSlice(3, 19, 1)], kv, decode=True)  # slot 1 idle: padded
     q = torch.randn(3, 4, 8, generator=gen).to(dtype)
     g = batch._decode
     for layer in range(2):

@@ -67,7 +67,7 @@ def _decode(model: LlamaModel, seqs: list[torch.Tensor], dtype: torch.dtype, ord
     steps = []
     for step in range(6):
         model.native = decoder if step in native_steps else None
-        batch = AttentionBatch([SeqSlice(slot, PROMPT_LENGTHS[slot] + step, 1) for slot in order], kv)
+        batch = AttentionBatch([SeqSlice(slot, PROMPT_LENGTHS[slot] + step, 1) for slot in order], kv, decode=True)
         ids = torch.stack([seqs[slot][PROMPT_LENGTHS[slot] + step] for slot in order])
         steps.append(list(model.compute_logits(model(ids, batch)).float()))
     model.native = decoder
@@ -166,27 +166,26 @@ def test_the_serve_flag_turns_native_decode_off_and_the_startup_line_says_so():
 
 
 def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp_path):
-    """claim_threads: an all-decode step whose projections are all C calls runs the C pool on 2
-    threads and torch on 1; prefill steps and decode steps past the q4_1 form's row limit run
-    the pool on 1 and torch on its own count, which the executor leaves as it found it.
-    head_threads: the same split for the LM head, by its own form (q8_0 up to 2 rows)."""
+    """claim_threads: a decode forward whose projections are all C calls runs the C pool on 2
+    threads and torch on 1, at every batch size; prompt forwards (even of one token, or beside
+    decode rows in a step) run the pool on 1 and torch on its own count, which the executor
+    leaves as it found it. head_threads: the q8_0 head takes the C pool's split for every head."""
     config = LlamaConfig(**{**TINY, "vocab_size": 256}, tie_word_embeddings=True)  # q8_0 packs 8 columns a group
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     embedded_tokenizer().save_pretrained(tmp_path)  # load_model wants one; the requests are token ids
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    streams = 5
     try:
         loaded = load_model(str(tmp_path), torch.float32, "q4_1")
         model, lib = loaded.model, native.load()
-        model.quantize_weights(("q4_1",), ("q8_0",), {"q4_1": 8, "q8_0": 2})
         model.native.threads = 2
-        limit = model.form_rows["q4_1"]
-        seen: list[tuple[int, bool, int, int]] = []  # (tokens, all decode, torch threads, C threads) a step
+        seen: list[tuple[int, bool, int, int]] = []  # (tokens, decode, torch threads, C threads) a forward
         heads: list[tuple[int, int, int]] = []  # (rows, torch threads, C threads) an LM head
         forward, compute_logits = model.forward, model.compute_logits
 
         def record(input_ids, batch):
-            seen.append((input_ids.shape[0], batch.all_decode, torch.get_num_threads(), lib.pool_threads()))
+            seen.append((input_ids.shape[0], batch.decode, torch.get_num_threads(), lib.pool_threads()))
             return forward(input_ids, batch)
 
         def record_head(hidden):
@@ -194,22 +193,23 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
             return compute_logits(hidden)
 
         model.forward, model.compute_logits = record, record_head
-        engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", limit + 1, {}))
-        for i in range(limit + 1):  # request 0 outlives the others: its last steps decode alone
-            engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=limit + 4 + 3 * (i == 0), temperature=0,
-                                                            ignore_eos=True))
+        engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", streams, {}))
+        for i in range(streams):  # request 0 outlives the others: its last steps decode alone
+            engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=6 + 3 * (i == 0), temperature=0, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0))  # a one-token prompt tail
         while engine.has_work():
             engine.step()
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    for tokens, all_decode, torch_threads, c_threads in seen:
-        carried = all_decode and tokens <= limit
-        assert (torch_threads, c_threads) == ((1, 2) if carried else (2, 1)), (tokens, all_decode)
-    assert {(t, d) for t, d, _, _ in seen} >= {(1, True), (limit + 1, True)} and not all(d for _, d, _, _ in seen)
-    assert {rows for rows, _, _ in heads} >= {1, limit + 1}
-    for rows, torch_threads, c_threads in heads:
-        assert (torch_threads, c_threads) == ((1, 2) if rows <= 2 else (2, 1)), rows
+    for tokens, decode, torch_threads, c_threads in seen:
+        assert (torch_threads, c_threads) == ((1, 2) if decode else (2, 1)), (tokens, decode)
+    assert {(t, d) for t, d, _, _ in seen} >= {(1, True), (streams, True), (1, False)}
+    assert any(t > 1 and not d for t, d, _, _ in seen)
+    assert {rows for rows, _, _ in heads} >= {1, streams}
+    assert all((torch_threads, c_threads) == (1, 2) for _, torch_threads, c_threads in heads)
 
 
 @pytest.mark.parametrize("given, expected", [(None, "10000"), ("5", "5")])

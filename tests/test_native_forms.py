@@ -43,7 +43,7 @@ def gguf_blocks(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_packing_gguf_blocks_recovers_them(kind):
     w = gguf_blocks(kind, 24, 96)
-    qw = quantize(w, kind, max_rows=8)
+    qw = quantize(w, kind)
     torch.testing.assert_close(qw.dequantize(), w, atol=1e-6, rtol=1e-3)
 
 
@@ -63,7 +63,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # tiles of 4 rows, and a remainder of each size
 def test_matmul_equals_the_dequantized_product(kind, dtype, rows):
     w = gguf_blocks(kind, 40, 160, seed=rows)
-    qw = quantize(w, kind, max_rows=16)
+    qw = quantize(w, kind)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(7)).to(dtype)
     got = qw(x)
     assert got.shape == (rows, 40) and got.dtype == dtype
@@ -75,7 +75,7 @@ def test_outlier_activations_are_scaled_per_block():
     w = gguf_blocks("q8_0", 16, 256)
     x = torch.randn(1, 256)
     x[0, 5] = 500.0
-    got = quantize(w, "q8_0", max_rows=4)(x)
+    got = quantize(w, "q8_0")(x)
     assert _relative_error(got, x @ w.t()) < 2e-4
 
 
@@ -85,8 +85,8 @@ def test_8_bit_activations_are_coarser_but_close(kind, rows):
     """Projections take 8-bit activations (llama.cpp's Q8_1; faster): observed ~0.55%, bound 1.5%."""
     w = gguf_blocks(kind, 48, 256, seed=rows)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(9))
-    coarse = _relative_error(quantize(w, kind, max_rows=8, fine=False)(x), x @ w.t())
-    fine = _relative_error(quantize(w, kind, max_rows=8, fine=True)(x), x @ w.t())
+    coarse = _relative_error(quantize(w, kind, fine=False)(x), x @ w.t())
+    fine = _relative_error(quantize(w, kind, fine=True)(x), x @ w.t())
     assert fine < 2e-4 < coarse < 0.015
 
 
@@ -104,7 +104,7 @@ def test_avx2_and_native_kernels_agree(kind, fine, avx2):
     """Same integer sums (maddubs, int16 madd or dpbusd), so Q8_0's products are the same bits;
     Q4_1's m term is its own FMA chain only where 512-bit tiles exist, so it may differ in the last bits."""
     w = gguf_blocks(kind, 64, 576)
-    qw = quantize(w, kind, max_rows=8, fine=fine)
+    qw = quantize(w, kind, fine=fine)
     x = torch.randn(6, 576, generator=torch.Generator().manual_seed(8))
     got = forms.matmul(kind, x, qw.data, qw.scales, fine, lib=avx2)
     if kind == "q8_0":

@@ -138,22 +138,23 @@ def drain(engine: Engine, limit: int = 10_000) -> None:
 
 def test_only_the_tail_is_prefilled_and_the_cap_split_starts_there():
     # batched, quantum 8, cap 8. Turn 1: 10-token prompt, 3 output tokens -> the slot
-    # holds 12 tokens (the last output is never computed). Turn 2 extends them by 10:
-    # the tail starts at 12, so the chunks are 4 (to the cap boundary 16), 4, 2.
+    # holds the 10 prompt tokens (outputs' K/V come from the decode kernels and are not
+    # reused). Turn 2 extends turn 1 by 12: the tail starts at 10, so the chunks are 6 (to
+    # the cap boundary 16), 2 (to the quantum's end, 10 + 8) and 4.
     engine, ex = fake_engine(SchedulerConfig("batched", 2, {"prefill_quantum": 8, "mixed_prefill_quantum": 8, "prefill_cap": 8}))
     first = engine.add_request(list(range(100, 110)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     drain(engine)
-    assert engine.scheduler.prefix_cache.held(0) == list(range(100, 110)) + [7, 7]
+    assert engine.scheduler.prefix_cache.held(0) == list(range(100, 110))
     ex.chunks.clear()
     second = engine.add_request(list(range(100, 110)) + [7, 7] + list(range(200, 210)),
                                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     outs = []
     while engine.has_work():
         outs += engine.step()
-    assert second.slot is None and second.num_cached_tokens == 12
-    assert [(start, n) for _, slot, start, n in ex.chunks][:3] == [(12, 4), (16, 4), (20, 2)]
+    assert second.slot is None and second.num_cached_tokens == 10
+    assert [(start, n) for _, slot, start, n in ex.chunks][:3] == [(10, 6), (16, 2), (18, 4)]
     assert {slot for _, slot, _, _ in ex.chunks} == {0}
-    assert all(o.num_cached_tokens == 12 for o in outs) and outs[-1].finished
+    assert all(o.num_cached_tokens == 10 for o in outs) and outs[-1].finished
     assert first.num_cached_tokens == 0
 
 
@@ -193,9 +194,9 @@ def test_every_policy_prefills_only_the_tail(name):
                                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     drain(engine)
     prompt_tokens = sum(n for s, _, start, n in ex.chunks if s == second.seq_id and start < 18)
-    assert second.num_cached_tokens == 12
-    assert prompt_tokens == 6  # the tail only
-    assert min(start for s, _, start, _ in ex.chunks if s == second.seq_id) == 12
+    assert second.num_cached_tokens == 10
+    assert prompt_tokens == 8  # the tail only: the previous answer and the new tokens
+    assert min(start for s, _, start, _ in ex.chunks if s == second.seq_id) == 10
 
 
 def test_an_aborted_prefill_leaves_only_its_computed_tokens():
@@ -222,7 +223,7 @@ def test_a_running_sequence_is_never_evicted():
         assert waiting.slot is None and busy.slot == 0 and len(busy.output_token_ids) < 5
     drain(engine)
     assert len(busy.output_token_ids) == 5
-    assert waiting.num_cached_tokens == 12  # the 10 prompt tokens + 2 computed outputs
+    assert waiting.num_cached_tokens == 10  # the 10 prompt tokens; outputs are recomputed as prompt
 
 
 # --------------------------------------------------------------------------- the real model

@@ -19,13 +19,12 @@ from quanta.launch import build_engine, load_model, resolve_quantization
 from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.loader import embedded_model_path
 from quanta.model.native.forms import available as native_forms_available
-from quanta.model.quant import FORMS, INT4_GROUP, fp16_kernel_available, max_form_rows, quantize
+from quanta.model.quant import INT4_GROUP, fp16_kernel_available, quantize
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "The three primary colors are", "import numpy as np\n"]
 NEW_TOKENS = 16
-ALL_ROWS = {"int8": 64, "int4": 64, "fp16": 64, "q4_1": 64, "q8_0": 64}  # force the form's kernel for every call of these tests
-NONE = ((), ())
+NONE = (None, None)
 needs_fp16 = pytest.mark.skipif(not fp16_kernel_available(), reason="this torch build has no FBGEMM")
 
 
@@ -43,7 +42,7 @@ def q4_1_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_kernel_multiplies_like_its_dequantized_weight(kind, rows):
     w = torch.randn(96, 128) * 0.05
-    qw = quantize(w, kind, max_rows=64)
+    qw = quantize(w, kind)
     x = torch.randn(rows, 128)
     activations = x if kind == "fp16" else x.bfloat16().float()  # fp16 keeps fp32 activations
     want = activations @ qw.dequantize().t()
@@ -54,59 +53,51 @@ def test_kernel_multiplies_like_its_dequantized_weight(kind, rows):
 
 def test_int8_error_is_bounded_by_half_a_step():
     w = torch.randn(64, 256)
-    qw = quantize(w, "int8", max_rows=4)
+    qw = quantize(w, "int8")
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert ((qw.dequantize() - w).abs() <= step / 2 * 1.01 + step * 2**-8 * 127).all()
 
 
 def test_int4_holds_q4_1_blocks():
     w = q4_1_blocks(32, 256)
-    error = (quantize(w, "int4", max_rows=4).dequantize() - w).abs().max()
+    error = (quantize(w, "int4").dequantize() - w).abs().max()
     # scales, zeros and the kernel's output are bf16: a few 2**-8 roundings of max |w|
     assert error < 2**-6 * w.abs().max()
     # a weight that is not 4-bit blocks loses ~1/30 of each block's range instead
     g = torch.randn(32, 256)
-    assert (quantize(g, "int4", max_rows=4).dequantize() - g).abs().max() > 2**-5 * g.abs().max()
+    assert (quantize(g, "int4").dequantize() - g).abs().max() > 2**-5 * g.abs().max()
 
 
 @needs_fp16
 def test_fp16_holds_the_reference_to_half_precision():
     w = q4_1_blocks(48, 256)
-    qw = quantize(w, "fp16", max_rows=4)
+    qw = quantize(w, "fp16")
     torch.testing.assert_close(qw.dequantize(), w.half().float(), atol=0, rtol=0)
     x = torch.randn(3, 256)
     torch.testing.assert_close(qw(x), x @ w.t(), atol=1e-3 * w.abs().max() * 16, rtol=1e-3)
 
 
 def test_int4_refuses_shapes_its_kernel_cannot_take():
-    assert quantize(torch.randn(64, 48), "int4", 8) is None  # K not a multiple of 32
-    assert quantize(torch.randn(64, 48), "int8", 8) is not None
+    assert quantize(torch.randn(64, 48), "int4") is None  # K not a multiple of 32
+    assert quantize(torch.randn(64, 48), "int8") is not None
 
 
 @needs_fp16
 def test_auto_follows_the_gguf_types_and_the_cpu(tmp_path):
     gguf = embedded_model_path()
     four = "q4_1" if native_forms_available() else "int4"  # quanta's C kernel where it builds
-    # fp32 reference (CPUs without native bf16): 4-bit for the Q4_1 blocks, fp16 copies above it
-    head = ("q8_0", "fp16") if four == "q4_1" else ("fp16",)
-    assert resolve_quantization("auto", gguf, False) == ((four, "fp16"), head)
-    assert resolve_quantization("auto", tmp_path, False) == (("fp16",), ("fp16",))  # an HF directory
-    assert resolve_quantization("int8", tmp_path, False) == (("fp16",), ("fp16",))  # int8 never beats fp16 there
+    # fp32 reference (CPUs without native bf16): the GGUF's 4-bit blocks, an fp16 head without the C kernels
+    head = "q8_0" if four == "q4_1" else "fp16"
+    assert resolve_quantization("auto", gguf, False) == (four, head)
+    assert resolve_quantization("auto", tmp_path, False) == ("fp16", "fp16")  # an HF directory
+    assert resolve_quantization("int8", tmp_path, False) == ("int8", "fp16")
     # bf16 reference (avx512_bf16 / AMX): fp16 copies never attached
-    assert resolve_quantization("auto", gguf, True) == ((four,), ("q8_0",) if four == "q4_1" else ())
-    assert resolve_quantization("auto", tmp_path, True) == ((), ())
-    assert resolve_quantization("int8", tmp_path, True) == (("int8",), ())
-    assert resolve_quantization("none", gguf, False) == ((), ())
+    assert resolve_quantization("auto", gguf, True) == (four, "q8_0" if four == "q4_1" else None)
+    assert resolve_quantization("auto", tmp_path, True) == (None, None)
+    assert resolve_quantization("int8", tmp_path, True) == ("int8", None)
+    assert resolve_quantization("none", gguf, False) == (None, None)
     with pytest.raises(ValueError, match="--quantization"):
         resolve_quantization("int3", tmp_path, False)
-
-
-def test_row_limits_are_ordered_so_each_form_has_a_range():
-    for bf16 in (True, False):
-        rows = {kind: max_form_rows(kind, bf16) for kind in FORMS}
-        assert all(r >= 0 for r in rows.values()) and max(rows.values()) >= 1
-        if rows["fp16"]:
-            assert rows["int4"] < rows["fp16"]  # int4 first, fp16 for the rows int4 is slower at
 
 
 @pytest.fixture(scope="module")
@@ -114,19 +105,19 @@ def loaded():
     return load_model(None, torch.float32, "none")
 
 
-def _decode_logits(model, prompt_ids: list[int], forms: tuple[tuple[str, ...], tuple[str, ...]]) -> torch.Tensor:
+def _decode_logits(model, prompt_ids: list[int], forms: tuple[str | None, str | None]) -> torch.Tensor:
     """Logits of one decode token under ``forms`` after ``prompt_ids`` prefilled on the reference path."""
     kv = KVCache(model.config.num_hidden_layers, 1, model.config.num_key_value_heads, 64,
                  model.config.head_dim, torch.float32)
-    model.quantize_weights(*NONE, ALL_ROWS)
+    model.quantize_weights(*NONE)
     model(torch.tensor(prompt_ids[:-1]), AttentionBatch([SeqSlice(0, 0, len(prompt_ids) - 1)], kv))
-    model.quantize_weights(*forms, ALL_ROWS)
-    hidden = model(torch.tensor(prompt_ids[-1:]), AttentionBatch([SeqSlice(0, len(prompt_ids) - 1, 1)], kv))
+    model.quantize_weights(*forms)
+    hidden = model(torch.tensor(prompt_ids[-1:]), AttentionBatch([SeqSlice(0, len(prompt_ids) - 1, 1)], kv, decode=True))
     return model.compute_logits(hidden)[0]
 
 
-def _greedy(loaded, forms: tuple[tuple[str, ...], tuple[str, ...]]) -> list[list[int]]:
-    loaded.model.quantize_weights(*forms, ALL_ROWS)
+def _greedy(loaded, forms: tuple[str | None, str | None]) -> list[list[int]]:
+    loaded.model.quantize_weights(*forms)
     engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", 2, {}))
     seqs = [engine.add_request(loaded.tokenizer.encode(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
             for p in PROMPTS]
@@ -136,9 +127,9 @@ def _greedy(loaded, forms: tuple[tuple[str, ...], tuple[str, ...]]) -> list[list
 
 
 needs_native = pytest.mark.skipif(not native_forms_available(), reason="quanta's C kernels do not build here")
-FORM_CASES = [(("int8",), ("int8",)), (("int4",), ("int8",)),
-              pytest.param((("fp16",), ("fp16",)), marks=needs_fp16),
-              pytest.param((("q4_1",), ("q8_0",)), marks=needs_native)]
+FORM_CASES = [("int8", "int8"), ("int4", "int8"),
+              pytest.param(("fp16", "fp16"), marks=needs_fp16),
+              pytest.param(("q4_1", "q8_0"), marks=needs_native)]
 
 
 @pytest.mark.parametrize("forms", FORM_CASES)
@@ -153,7 +144,7 @@ def test_quantized_decode_logits_stay_close(loaded, forms):
             assert (got - ref).abs().max() < ref.std()  # within one reference std everywhere
             assert ref.argmax() in got.topk(3).indices
     finally:
-        model.quantize_weights(*NONE, ALL_ROWS)
+        model.quantize_weights(*NONE)
 
 
 @pytest.mark.parametrize("forms", FORM_CASES)
@@ -167,7 +158,7 @@ def test_quantized_greedy_agrees_with_the_reference(loaded, forms):
         ref = _greedy(loaded, NONE)
         got = _greedy(loaded, forms)
     finally:
-        loaded.model.quantize_weights(*NONE, ALL_ROWS)
+        loaded.model.quantize_weights(*NONE)
     assert sum(r == g for r, g in zip(ref, got)) >= 3
     assert sum(r[:2] == g[:2] for r, g in zip(ref, got)) >= 5
 
@@ -175,15 +166,11 @@ def test_quantized_greedy_agrees_with_the_reference(loaded, forms):
 def test_describe_kernels_names_what_was_attached(loaded):
     model = loaded.model
     try:
-        model.quantize_weights(("int4",), ("int8",), {"int8": 4, "int4": 8})
-        text = model.describe_kernels()
-        assert text == "projections=int4(rows<=8) lm_head=int8(rows<=4) reference=float32-F.linear"
+        model.quantize_weights("int4", "int8")
+        assert model.describe_kernels() == "projections=int4 lm_head=int8 reference=float32-onednn-packed"
         assert model.quantized == {"int4": 4 * model.config.num_hidden_layers, "int8": 1}
-        if fp16_kernel_available():
-            model.quantize_weights(("fp16", "int4"), ("fp16",), {"int4": 2, "fp16": 100})
-            assert model.describe_kernels().startswith("projections=int4(rows<=2)+fp16(rows<=100) lm_head=fp16(rows<=100)")
     finally:
-        model.quantize_weights(*NONE, ALL_ROWS)
+        model.quantize_weights(*NONE)
     assert model.describe_kernels().startswith("projections=reference lm_head=reference")
 
 
@@ -205,19 +192,21 @@ def test_default_quantization_answers_like_the_reference(dtype):
     answers that (bf16 is a near-tie for this prompt), fp32 answers Paris on both kinds."""
     kernels, auto = _readme_answer(dtype, "auto")
     four = "q4_1" if native_forms_available() else "int4"
-    assert kernels.startswith(f"projections={four}(") and "int8" not in kernels.split("lm_head=")[1]
+    assert kernels.startswith(f"projections={four} ") and "int8" not in kernels.split("lm_head=")[1]
     assert auto == _readme_answer(dtype, "none")[1]
     if dtype == torch.float32:
         assert auto.startswith("The capital of France is Paris")
 
 
 @needs_fp16
-def test_a_call_takes_the_first_form_whose_row_limit_covers_it():
-    from quanta.model.linear import linear
+def test_a_call_takes_the_form_for_decode_rows_and_the_reference_for_prompt_rows():
+    from quanta.model.linear import linear, pack_weight
     w = q4_1_blocks(64, 128)
-    int4, fp16 = quantize(w, "int4", max_rows=2), quantize(w, "fp16", max_rows=8)
-    forms = (int4, fp16)
-    for rows, want in ((1, int4), (2, int4), (3, fp16), (8, fp16), (9, None)):
-        x = torch.randn(rows, 128)
-        expected = torch.nn.functional.linear(x, w) if want is None else want(x)
-        torch.testing.assert_close(linear(x, w, None, None, forms), expected, atol=0, rtol=0)
+    packed, int4 = pack_weight(w), quantize(w, "int4")
+    x = torch.randn(100, 128)
+    prompt = linear(x, w, None, packed, int4)
+    torch.testing.assert_close(prompt, x @ w.t(), atol=1e-4, rtol=1e-4)  # the reference, not int4's bf16 activations
+    assert (int4(x) - prompt).abs().max() > 1e-3
+    for rows in (1, 2, 3, 9, 100):
+        torch.testing.assert_close(linear(x[:rows], w, None, packed, int4, decode=True), int4(x[:rows]), atol=0, rtol=0)
+        torch.testing.assert_close(linear(x[:rows], w, None, packed, int4), prompt[:rows], atol=0, rtol=0)

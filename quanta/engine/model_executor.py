@@ -9,6 +9,7 @@ MoE models, the step's expert statistics.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -64,9 +65,31 @@ class ModelExecutor(Executor):
         self.sampler = Sampler()
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan's prompt chunks and its decode tokens as two forwards (either may be
+        empty), then one LM head over every sampled row.
+
+        A row's role, not the step's mix, picks its kernels (:mod:`quanta.model.linear`):
+        a decode token is computed the same whether or not a prefill chunk shares its step,
+        and a prompt position the same whichever chunk holds it."""
+        prompt = [c for c in plan.chunks if c.seq.is_prefilling]
+        decode = [c for c in plan.chunks if not c.seq.is_prefilling]
+        hidden, samplers = [], []
+        for chunks, is_decode in ((prompt, False), (decode, True)):
+            if chunks:
+                rows, seqs = self._forward(chunks, is_decode)
+                hidden.append(rows)
+                samplers += seqs
+        tokens = self._sample(torch.cat(hidden), samplers) if samplers else []
+        stats = self.model.expert_stats()
+        experts = stats.to_dict() if stats is not None else None
+        by_seq = dict(zip((s.seq_id for s in samplers), tokens))
+        return StepResult([by_seq.get(c.seq.seq_id) for c in plan.chunks], experts)
+
+    def _forward(self, chunks: list, decode: bool) -> tuple[torch.Tensor, list]:
+        """Hidden states of the rows to sample among ``chunks`` (all prompt or all decode) and their sequences."""
         ids: list[int] = []
         slices, sample_rows, samplers = [], [], []
-        for chunk in plan.chunks:
+        for chunk in chunks:
             seq, n = chunk.seq, chunk.num_new_tokens
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids(start, n))
@@ -74,28 +97,20 @@ class ModelExecutor(Executor):
             if start + n >= seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 samplers.append(seq)
-        batch = AttentionBatch(slices, self.kv)
+        batch = AttentionBatch(slices, self.kv, decode)
         threads = self.decode_threads if len(ids) <= DECODE_STEP_TOKENS else self.prefill_threads
         if self.model.native is not None:
-            threads = self.model.native.claim_threads(len(ids), batch.all_decode, threads)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            tokens = self._forward_and_sample(ids, batch, sample_rows, samplers)
-        finally:
-            torch.set_num_threads(before)  # the process's setting stays as found
-        stats = self.model.expert_stats()
-        experts = stats.to_dict() if stats is not None else None
-        by_seq = dict(zip((s.seq_id for s in samplers), tokens))
-        return StepResult([by_seq.get(c.seq.seq_id) for c in plan.chunks], experts)
+            threads = self.model.native.claim_threads(decode, threads)
+        with _torch_threads(threads):
+            hidden = self.model(torch.tensor(ids, dtype=torch.long), batch)
+        return hidden[sample_rows], samplers
 
-    def _forward_and_sample(self, ids: list[int], batch: AttentionBatch, sample_rows: list[int], samplers: list) -> list[int]:
-        hidden = self.model(torch.tensor(ids, dtype=torch.long), batch)
-        if not samplers:
-            return []
+    def _sample(self, hidden: torch.Tensor, samplers: list) -> list[int]:
+        threads = self.prefill_threads
         if self.model.native is not None:
-            torch.set_num_threads(self.model.native.head_threads(len(sample_rows), self.prefill_threads))
-        logits = self.model.compute_logits(hidden[sample_rows])
+            threads = self.model.native.head_threads(self.prefill_threads)
+        with _torch_threads(threads):
+            logits = self.model.compute_logits(hidden)
         return self.sampler.sample(
             logits, [s.params for s in samplers], [s.output_token_ids for s in samplers], [s.seq_id for s in samplers]
         )
@@ -103,3 +118,14 @@ class ModelExecutor(Executor):
     def release(self, seq_id: int) -> None:
         """Forget per-sequence sampler state."""
         self.sampler.forget(seq_id)
+
+
+@contextmanager
+def _torch_threads(threads: int):
+    """Run the block on ``threads`` intra-op threads; the process's setting stays as found."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

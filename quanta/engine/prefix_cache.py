@@ -28,6 +28,13 @@ client that cannot guess another's salt learns nothing about that client's
 prompts from ``cached_tokens``; requests with different salts never share a
 prefix, even a common system prompt (the price of isolation).
 
+A slot remembers only the prompt positions of its last sequence. Generated
+tokens' K/V come from the decode kernels (:mod:`quanta.model.linear`), which
+differ from the prompt kernels in the last bits; a continuation that reused
+them would see other numbers than the same prompt sent cold, and a greedy
+answer could change with a cache hit. So a continuation recomputes the
+previous answer as prompt (usually short beside the context it extends).
+
 At least one prompt token is always left to compute, because the step that
 computes a prompt's last token is the one that samples the first output
 token: the reusable length is capped at ``len(prompt) - 1``.

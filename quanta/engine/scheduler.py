@@ -94,8 +94,8 @@ class Scheduler(ABC):
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             heapq.heappush(self._free_slots, seq.slot)
-            if self.prefix_cache is not None:  # the slot keeps the K/V of every computed token
-                self.prefix_cache.release(seq.slot, seq.token_ids(0, seq.num_computed_tokens))
+            if self.prefix_cache is not None:  # the slot keeps the K/V of the prompt positions
+                self.prefix_cache.release(seq.slot, seq.token_ids(0, min(seq.num_computed_tokens, seq.num_prompt_tokens)))
             seq.slot = None
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)

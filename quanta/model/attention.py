@@ -6,11 +6,18 @@ Each resident sequence owns one *slot*: a row of the cache with room for
 turns them into the index tensors every layer shares, once per step, so the
 layers' signatures stay ``forward(x, batch)``.
 
-Sequences with one new token (decode) are attended together in one padded
-call over a contiguous range of slots (read in place, or through a reused
-scratch copy where that is faster for the dtype);
-sequences with several (prefill chunks) are attended one by one with a causal
-mask offset by their cached length.
+A batch has one role. Decode rows (one generated token per sequence) are
+attended together in one padded call over a contiguous range of slots (read
+in place, or through a reused scratch copy where that is faster for the
+dtype); the C decode glue (:mod:`quanta.model.native_decode`) replaces this
+where it runs. Prompt rows (prefill chunks, one token or many) are attended
+row by row by the C decode glue's attention (``attention_rows`` in
+``native/decode.c``: each row over its own positions, in a fixed order), so a
+prompt position's output is the same whichever chunk computes it and
+whatever shares its step; where the C library cannot run (or the head size is
+not a multiple of 8), one sequence at a time by ``scaled_dot_product_attention``
+with a causal mask offset by its cached length, which is not chunk-invariant
+to the bit.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class AttentionBatch:
     Attributes:
         seqs: sequences in token order of the flattened ``[T]`` input.
         kv: the cache new keys/values are written into.
+        decode: the rows are generated tokens (one per sequence), else prompt tokens.
         positions: ``[T]`` int64 absolute positions.
         max_position: largest entry of ``positions``.
         rope_tables: cos/sin for ``positions``, filled in by the model.
@@ -71,12 +79,14 @@ class AttentionBatch:
 
     seqs: list[SeqSlice]
     kv: KVCache
+    decode: bool = False
     positions: torch.Tensor = field(init=False)
     max_position: int = field(init=False)
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     _write_slots: torch.Tensor = field(init=False)
     _prefills: list[tuple[int, SeqSlice]] = field(init=False)
     _decode: _DecodeGroup | None = field(init=False)
+    _rows_scratch: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         positions, slots, self._prefills = [], [], []
@@ -87,17 +97,14 @@ class AttentionBatch:
                 raise ValueError(f"sequence in slot {s.slot} needs {s.start + s.num_new} positions, cache holds {self.kv.max_len}")
             positions.extend(range(s.start, s.start + s.num_new))
             slots.extend([s.slot] * s.num_new)
-            (decode_rows if s.num_new == 1 else self._prefills).append((offset, s))
+            if self.decode and s.num_new != 1:
+                raise ValueError(f"a decode batch takes one token a sequence, slot {s.slot} has {s.num_new}")
+            (decode_rows if self.decode else self._prefills).append((offset, s))
             offset += s.num_new
         self.positions = torch.tensor(positions, dtype=torch.long)
         self.max_position = max(positions)
         self._write_slots = torch.tensor(slots, dtype=torch.long)
         self._decode = _DecodeGroup(decode_rows) if decode_rows else None
-
-    @property
-    def all_decode(self) -> bool:
-        """Every sequence has exactly one new token (a pure decode step)."""
-        return not self._prefills
 
     @property
     def write_slots(self) -> torch.Tensor:
@@ -142,6 +149,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     kc, vc = batch.kv.k[layer], batch.kv.v[layer]
     kc[batch._write_slots, :, batch.positions] = k
     vc[batch._write_slots, :, batch.positions] = v
+    if batch._decode is None and (lib := _rows_kernel(q, kc)) is not None:
+        return _attend_rows(lib, q, kc, vc, batch)
     if batch._decode is None and len(batch._prefills) == 1:
         return _attend_chunk(q, kc, vc, batch._prefills[0][1])
     if not batch._prefills and batch._decode.dense:
@@ -152,6 +161,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     if batch._decode is not None:
         g = batch._decode
         out[g.token_index] = _attend_decode(q, kc, vc, g, batch.kv.scratch)
+    return out
+
+
+def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
+    """The C library when it can attend these prompt rows, else None."""
+    if q.shape[-1] % 8 or q.dtype not in (torch.float32, torch.bfloat16) or kc.dtype != q.dtype:
+        return None
+    from quanta.model import native
+
+    try:
+        return native.load()
+    except native.NativeUnavailable:
+        return None
+
+
+def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call."""
+    from quanta.model.native_decode import default_threads
+
+    rows, heads, dim = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    need = lib.attention_scratch(rows, heads, kc.shape[1], dim, batch.kv.max_len)
+    if batch._rows_scratch is None or batch._rows_scratch.numel() < need:
+        batch._rows_scratch = torch.empty(need, dtype=torch.float32)
+    before = lib.pool_threads()
+    lib.pool_set_threads(default_threads())
+    try:
+        lib.attention_rows(rows, q.data_ptr(), int(q.dtype == torch.bfloat16), heads, kc.shape[1], dim,
+                           batch._write_slots.data_ptr(), batch.positions.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                           int(kc.dtype == torch.bfloat16), kc.stride(0), kc.stride(1), batch.kv.max_len,
+                           out.data_ptr(), batch._rows_scratch.data_ptr())
+    finally:
+        lib.pool_set_threads(before)
     return out
 
 

@@ -1,16 +1,21 @@
-"""Linear layers: bf16 weights pre-packed for oneDNN, plus an optional quantized form.
+"""Linear layers: the reference weight pre-packed for oneDNN, plus an optional decode form.
 
-``F.linear`` on bf16 reorders the weight into oneDNN's blocked layout at each
+``F.linear`` reorders a bf16 weight into oneDNN's blocked layout at each
 call; packing once (``torch.ops.mkldnn._reorder_linear_weight``, the op
 PyTorch's inductor uses for CPU linears) removes that work. Measured on the
 2-core dev machine (AMD EPYC, avx512_bf16), 30 layers of SmolLM2's projections:
 24.9 -> 12.9 ms at 1 row, 40.6 -> 24.7 ms at 32 rows, 1342 -> 1030 ms at
-2000 rows. fp32 keeps ``F.linear`` (MKL, no reorder).
+2000 rows. fp32 weights are packed the same way: oneDNN's fp32 GEMM computes
+each row the same whatever the row count and thread count (MKL's, behind
+``F.linear``, does not below ~6 rows a thread), and is as fast or faster from
+8 rows on.
 
-With :class:`~quanta.model.quant.QuantizedWeight` forms attached (sorted by
-``max_rows``), a call uses the first form whose ``max_rows`` covers its row
-count (decode steps: int4 / int8; on fp32 CPUs fp16 up to prefill-sized
-chunks); larger calls use the reference weight.
+Batch invariance: a call's kernel depends on the role of its rows, not on how
+many there are. Decode rows (generated tokens) take the layer's
+:class:`~quanta.model.quant.QuantizedWeight` form when it has one; prompt rows
+take the packed reference. oneDNN takes a one-row call down another path, so
+one row is padded to two. ``tests/test_batch_invariance.py`` checks every
+kernel row by row against larger calls.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from torch import nn
 
 from quanta.model.quant import QuantizedWeight
 
+#: dtypes whose reference weight oneDNN packs
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed weight, or None where oneDNN cannot pack it or disagrees with F.linear."""
-    if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -38,17 +46,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           forms: tuple[QuantizedWeight, ...] = ()) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[T, in]``: the first of ``forms``
-    (ascending ``max_rows``) that takes ``T`` rows, else the packed weight when
-    there is one, else ``F.linear``."""
-    rows = x.shape[0]
-    for form in forms:
-        if rows <= form.max_rows:
-            out = form(x)
-            return out if bias is None else out + bias
+           form: QuantizedWeight | None = None, decode: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[T, in]``: decode rows through ``form`` when
+    there is one, prompt rows (and decode rows without a form) through the packed
+    weight when there is one, else ``F.linear``."""
+    if decode and form is not None:
+        out = form(x)
+        return out if bias is None else out + bias
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.shape[0] == 1:  # oneDNN's one-row path sums in another order
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
@@ -56,13 +64,12 @@ class PackedLinear(nn.Linear):
     """``nn.Linear`` plus :meth:`pack`; ``forward`` takes ``[T, in]`` and returns ``[T, out]``."""
 
     packed: torch.Tensor | None = None
-    forms: tuple[QuantizedWeight, ...] = ()
+    form: QuantizedWeight | None = None
 
     def pack(self) -> bool:
         """Pack the current weight (call after loading and dtype conversion); True if packed."""
         self.packed = pack_weight(self.weight.detach())
         return self.packed is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.forms)
-
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed, self.form, decode)

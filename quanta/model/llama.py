@@ -22,7 +22,7 @@ from quanta.model.attention import AttentionBatch, attend
 from quanta.model.config import ModelConfig
 from quanta.model.linear import PackedLinear, linear, pack_weight
 from quanta.model.moe import ExpertStats, MoEBlock, RoutedExperts, expert_stats
-from quanta.model.quant import QuantizedWeight, quantize
+from quanta.model.quant import NATIVE_FORMS, QuantizedWeight, quantize
 from quanta.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -67,7 +67,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, batch.decode)
         if self.full_qk_norm:
             qkv = self._olmoe_norms(qkv)
         qk = qkv[:, :self.split[0] + self.split[1]].view(t, h + self.num_kv_heads, self.head_dim)
@@ -76,7 +76,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         qk = apply_rotary(qk, *batch.rope_tables)  # q and k heads rotated together
         out = attend(qk[:, :h], qk[:, h:], v, self.layer_idx, batch)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, -1), batch.decode)
 
     def _olmoe_norms(self, qkv: torch.Tensor) -> torch.Tensor:
         """``[T, q+2kv]`` -> same with q and k RMS-normed over their full width, then clamped."""
@@ -94,9 +94,9 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, decode).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up, decode)
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +109,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, batch.decode) if isinstance(self.mlp, MLP) else self.mlp(h))
 
 
 class LlamaModel(nn.Module):
@@ -130,12 +131,11 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
         self._tied_head_packed: torch.Tensor | None = None
-        self._tied_head_forms: tuple[QuantizedWeight, ...] = ()
-        #: what :meth:`quantize_weights` did, e.g. ``{"int4": 120, "fp16": 121}`` (linears per form)
+        self._tied_head_form: QuantizedWeight | None = None
+        #: what :meth:`quantize_weights` did, e.g. ``{"q4_1": 120, "q8_0": 1}`` (linears per form)
         self.quantized: dict[str, int] = {}
-        #: the forms :meth:`quantize_weights` attached to (projections, lm_head), with their row limits
-        self.weight_forms: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-        self.form_rows: dict[str, int] = {}
+        #: the forms :meth:`quantize_weights` attached to (projections, lm_head)
+        self.weight_forms: tuple[str | None, str | None] = (None, None)
         self.moe_blocks = [m for m in self.modules() if isinstance(m, MoEBlock)]
         self._last_num_tokens = 0
         #: runs all-decode steps when set (:meth:`enable_native_decode`)
@@ -148,14 +148,16 @@ class LlamaModel(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids of every scheduled token, grouped
                 by sequence in ``batch.seqs`` order.
-            batch: per-sequence context (slot, cached length, new tokens) and the
-                KV cache the new keys/values are written to.
+            batch: per-sequence context (slot, cached length, new tokens), the
+                KV cache the new keys/values are written to, and the rows' role:
+                a decode batch (generated tokens) runs the C glue where enabled
+                and the weights' decode forms, a prompt batch the reference.
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states.
         """
         self._last_num_tokens = input_ids.shape[0]
-        if self.native is not None and batch.all_decode:
+        if self.native is not None and batch.decode:
             return self.native.forward(input_ids, batch)
         x = self.embed_tokens(input_ids)
         batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
@@ -185,22 +187,29 @@ class LlamaModel(nn.Module):
         return expert_stats(self.moe_blocks, self._last_num_tokens)
 
     @property
-    def lm_head_forms(self) -> tuple[QuantizedWeight, ...]:
-        """The LM head's weight forms (:meth:`quantize_weights`), tied or not."""
-        return self.lm_head.forms if self.lm_head is not None else self._tied_head_forms
+    def lm_head_form(self) -> QuantizedWeight | None:
+        """The LM head's weight form (:meth:`quantize_weights`), tied or not."""
+        return self.lm_head.form if self.lm_head is not None else self._tied_head_form
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits.
+
+        Every sampled row, a prompt's last or a generated token, goes through the
+        head's form when it has one (else the reference): the head's kernel does not
+        depend on the role or on the rows beside it."""
+        form = self.lm_head_form
+        if form is not None and form.kind in NATIVE_FORMS:
+            hidden = hidden.float()  # exact; the C kernel then writes float32 logits, not bf16-rounded ones
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed, self._tied_head_forms).float()
+            return self.lm_head(hidden, True).float()
+        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed, form, True).float()
 
     def pack_weights(self) -> int:
         """Pre-pack bf16 projection weights for oneDNN (see :mod:`quanta.model.linear`).
 
         Call after loading and dtype conversion. Returns how many were packed
-        (0 in fp32 or where oneDNN cannot pack).
+        (0 where oneDNN cannot pack).
         """
         count = sum(m.pack() for m in self.modules() if isinstance(m, (PackedLinear, RoutedExperts)))
         if self.lm_head is None:
@@ -208,58 +217,54 @@ class LlamaModel(nn.Module):
             count += self._tied_head_packed is not None
         return count
 
-    def quantize_weights(self, projections: tuple[str, ...], lm_head: tuple[str, ...],
-                         max_rows: dict[str, int], fine_projections: bool = False) -> dict[str, int]:
-        """Attach weight forms for small- and medium-row calls (see :mod:`quanta.model.quant`).
+    def quantize_weights(self, projection: str | None, lm_head: str | None, fine_projections: bool = False) -> dict[str, int]:
+        """Attach the decode form of the projections and of the LM head (see :mod:`quanta.model.quant`).
 
         Args:
-            projections: forms (``int8``, ``int4``, ``fp16``) for the attention
-                and dense-MLP projections, e.g. ``("int4", "fp16")``; MoE experts
-                keep the reference path. ``()``: the reference only.
+            projection: the form (``int8``, ``int4``, ``fp16``, ``q4_1``, ``q8_0``)
+                for the attention and dense-MLP projections; MoE experts keep
+                the reference path. None: the reference only.
             lm_head: the same for the LM head (tied or not).
-            max_rows: per form, the largest row count sent to its kernel; forms
-                are tried in ascending order of it.
             fine_projections: q4_1 / q8_0 projections take 15-bit activations
                 (the LM head always does); default 8-bit, as llama.cpp, ~1.4x
                 faster a decode step (``benchmarks/quant_kernels.py``).
 
         Returns:
-            linears given each form (a shape a kernel cannot take keeps the forms it can).
+            linears given each form (a shape a kernel cannot take keeps its reference only).
         """
         counts: dict[str, int] = {}
 
-        def attach(weight: torch.Tensor, kinds: tuple[str, ...], fine: bool) -> tuple[QuantizedWeight, ...]:
-            forms = [q for kind in kinds if (q := quantize(weight, kind, max_rows[kind], fine)) is not None]
-            for q in forms:
-                counts[q.kind] = counts.get(q.kind, 0) + 1
-            return tuple(sorted(forms, key=lambda q: q.max_rows))
+        def attach(weight: torch.Tensor, kind: str | None, fine: bool) -> QuantizedWeight | None:
+            form = quantize(weight, kind, fine) if kind else None
+            if form is not None:
+                counts[form.kind] = counts.get(form.kind, 0) + 1
+            return form
 
         for layer in self.layers:
             linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             if isinstance(layer.mlp, MLP):
                 linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for lin in linears:
-                lin.forms = attach(lin.weight, projections, fine_projections)
+                lin.form = attach(lin.weight, projection, fine_projections)
         if self.lm_head is not None:
-            self.lm_head.forms = attach(self.lm_head.weight, lm_head, True)
+            self.lm_head.form = attach(self.lm_head.weight, lm_head, True)
         else:
-            self._tied_head_forms = attach(self.embed_tokens.weight, lm_head, True)
-        self.quantized, self.weight_forms = counts, (tuple(projections), tuple(lm_head))
-        self.form_rows = {k: max_rows[k] for k in counts}
+            self._tied_head_form = attach(self.embed_tokens.weight, lm_head, True)
+        self.quantized, self.weight_forms = counts, (projection, lm_head)
         if self.native is not None:
             self.native.forget_plans()
         return counts
 
     def describe_kernels(self) -> str:
-        """One line naming each part's matmul kernels by row range, e.g.
-        ``projections=int4(rows<=2)+fp16(rows<=2048) lm_head=fp16(rows<=2048) reference=float32-F.linear``."""
-        def forms(kinds: tuple[str, ...]) -> str:
-            used = sorted((k for k in kinds if self.quantized.get(k)), key=lambda k: self.form_rows[k])
-            return "+".join(f"{k}(rows<={self.form_rows[k]})" for k in used) or "reference"
+        """One line naming each part's decode form and the reference, e.g.
+        ``projections=q4_1 lm_head=q8_0 reference=float32-onednn-packed``."""
+        def form(kind: str | None) -> str:
+            return kind if kind and self.quantized.get(kind) else "reference"
         packed = self._tied_head_packed is not None or any(
             isinstance(m, PackedLinear) and m.packed is not None for m in self.modules())
-        ref = "bf16-onednn-packed" if packed else f"{str(self.embed_tokens.weight.dtype).removeprefix('torch.')}-F.linear"
-        return f"projections={forms(self.weight_forms[0])} lm_head={forms(self.weight_forms[1])} reference={ref}"
+        dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        ref = f"{dtype}-onednn-packed" if packed else f"{dtype}-F.linear"
+        return f"projections={form(self.weight_forms[0])} lm_head={form(self.weight_forms[1])} reference={ref}"
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up.

@@ -100,6 +100,9 @@ class RoutedExperts(nn.Module):
 
     def pack(self) -> int:
         """Pre-pack every expert's bf16 weights for oneDNN; returns matrices packed (0 in fp32)."""
+        if self.gate_up_proj.dtype != torch.bfloat16:
+            self._packed = None
+            return 0
         pairs = [(pack_weight(self.gate_up_proj[e].detach()), pack_weight(self.down_proj[e].detach())) for e in range(self.num_experts)]
         if any(a is None or b is None for a, b in pairs):
             self._packed = None

@@ -1,8 +1,8 @@
 """Decode steps of a dense Llama-family model with the glue between matmuls in C.
 
-A step whose sequences all decode (one new token each) runs, per layer, four
-matmuls through the model's own linears (int4 / int8 / fp16 forms or the
-packed reference, chosen by row count as on the PyTorch path) and three C
+A decode batch (one generated token per sequence) runs, per layer, four
+matmuls through the model's own linears (their decode form, a q4_1 / q8_0
+one called straight into ``block_matmul``, else the linear itself) and three C
 calls from :mod:`quanta.model.native`: residual add + RMSNorm, RoPE + KV
 cache write + attention, SwiGLU. The residual stream stays float32 between
 layers; matmul inputs and outputs are in the model dtype. The KV cache is
@@ -81,7 +81,7 @@ class NativeDecoder:
         self.final_norm = f32(model.norm.weight)
         self.inv_freq = model.rope.inv_freq.float().contiguous()
         self._scratch: torch.Tensor | None = None
-        self._plans: dict[int, list[list[_Direct | None]]] = {}
+        self._plan: list[list[_Direct | None]] | None = None
         #: threads of the C kernels in a step (pool.c: 1 or 2)
         self.threads = default_threads()
 
@@ -96,24 +96,23 @@ class NativeDecoder:
 
     def forget_plans(self) -> None:
         """Drop the prepared calls (the model's weight forms changed)."""
-        self._plans.clear()
+        self._plan = None
 
-    def plan(self, rows: int) -> list[list[_Direct | None]]:
-        """Per layer, its four projections (qkv, o, gate_up, down) at ``rows`` rows: the
-        q4_1 / q8_0 form :func:`quanta.model.linear.linear` would pick, called straight, or None
-        (the linear itself)."""
-        if rows not in self._plans:
-            self._plans[rows] = [[_Direct.pick(lin, rows) for lin in _projections(layer)] for layer in self.model.layers]
-        return self._plans[rows]
+    def plan(self) -> list[list[_Direct | None]]:
+        """Per layer, its four projections (qkv, o, gate_up, down): the q4_1 / q8_0 decode
+        form, called straight, or None (the linear itself). The same at every row count."""
+        if self._plan is None:
+            self._plan = [[_Direct.pick(lin) for lin in _projections(layer)] for layer in self.model.layers]
+        return self._plan
 
-    def covers(self, rows: int) -> bool:
-        """Whether every projection of a ``rows``-row decode step is a direct C call (:meth:`plan`)."""
-        return all(d is not None for layer in self.plan(rows) for d in layer)
+    def covers(self) -> bool:
+        """Whether every projection of a decode step is a direct C call (:meth:`plan`)."""
+        return all(d is not None for layer in self.plan() for d in layer)
 
-    def claim_threads(self, tokens: int, all_decode: bool, torch_threads: int) -> int:
-        """Split the cores between the C kernels' pool and torch's for one step of ``tokens`` tokens.
+    def claim_threads(self, decode: bool, torch_threads: int) -> int:
+        """Split the cores between the C kernels' pool and torch's for one forward.
 
-        A step the C kernels carry (all decode, :meth:`covers`) runs them on
+        A decode forward the C kernels carry (:meth:`covers`) runs them on
         :attr:`threads` threads and torch (the embedding lookup) on 1; any other
         step runs the C kernels on 1 and torch on ``torch_threads``: each pool's
         idle threads spin between calls and take the core the other pool needs. Measured in-process on the 2-core dev VM
@@ -122,13 +121,13 @@ class NativeDecoder:
         torch 2, 274 with C 2 / torch 1; 8 rows 458 / 539 / 649; 32 rows (torch's
         bf16 matmuls) 732 / 850 / 578. Returns torch's thread count for the step.
         """
-        carried = all_decode and self.covers(tokens)
+        carried = decode and self.covers()
         self.lib.pool_set_threads(self.threads if carried else 1)
         return 1 if carried else torch_threads
 
-    def head_threads(self, rows: int, torch_threads: int) -> int:
-        """Split the cores for the LM head of ``rows`` sampled rows, as :meth:`claim_threads`
-        does for the forward: a C form (the q8_0 head up to its row limit) gets the C pool's
+    def head_threads(self, torch_threads: int) -> int:
+        """Split the cores for the LM head, as :meth:`claim_threads` does for the
+        forward: a C form (the q8_0 head) gets the C pool's
         :attr:`threads` and torch 1; any other form gets torch's ``torch_threads`` (one large
         GEMM, which a preempted thread delays little) and the pool 1. Measured through HTTP on
         the 2-core dev VM (``benchmarks/peer_llama_cpp.py --servers quanta --workloads 3,4
@@ -137,7 +136,7 @@ class NativeDecoder:
         AVX2 kernels forced (fp32, fp16 head), 205-221 -> 208-211 and 290-299 -> 316-318.
         Returns torch's thread count for the head.
         """
-        carried = native_form(self.model.lm_head_forms, rows) is not None
+        carried = native_form(self.model.lm_head_form) is not None
         self.lib.pool_set_threads(self.threads if carried else 1)
         return 1 if carried else torch_threads
 
@@ -151,7 +150,7 @@ class NativeDecoder:
         rows, heads, kv_heads, dim = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kv = batch.kv
         scratch = self.scratch(rows, kv.max_len).data_ptr()
-        plan = self.plan(rows)
+        plan = self.plan()
         x = self.model.embed_tokens(input_ids).float().contiguous()
         width = (heads + 2 * kv_heads) * dim
         h = torch.empty(rows, c.hidden_size, dtype=self.dtype)
@@ -167,7 +166,7 @@ class NativeDecoder:
         def project(layer, which: int, src: torch.Tensor) -> torch.Tensor:
             direct = plan[i][which]
             if direct is None:
-                return _checked(_projections(layer)[which](src), self.dtype)
+                return _checked(_projections(layer)[which](src, True), self.dtype)
             direct(lib, rows, src.data_ptr(), io, outs[which].data_ptr(), work)
             return outs[which]
 
@@ -189,10 +188,8 @@ class NativeDecoder:
         return out
 
 
-def native_form(forms: tuple[QuantizedWeight, ...], rows: int) -> QuantizedWeight | None:
-    """The form of ``forms`` a ``rows``-row call takes (the first whose limit covers it) if it is
-    one of quanta's C forms (q4_1 / q8_0), else None."""
-    form = next((f for f in forms if rows <= f.max_rows), None)
+def native_form(form: QuantizedWeight | None) -> QuantizedWeight | None:
+    """``form`` if it is one of quanta's C forms (q4_1 / q8_0), else None."""
     return form if form is not None and form.kind in NATIVE_FORMS else None
 
 
@@ -223,11 +220,11 @@ class _Direct:
         self.data, self.scales = form.data.data_ptr(), form.scales.data_ptr()
 
     @classmethod
-    def pick(cls, linear, rows: int) -> _Direct | None:
-        """The form ``linear`` takes at ``rows`` rows if it is a bias-free q4_1 / q8_0 one, else None."""
+    def pick(cls, linear) -> _Direct | None:
+        """``linear``'s decode form if it is a bias-free q4_1 / q8_0 one, else None."""
         if getattr(linear, "bias", None) is not None:
             return None
-        form = native_form(getattr(linear, "forms", ()), rows)
+        form = native_form(getattr(linear, "form", None))
         return cls(form) if form is not None else None
 
     def __call__(self, lib, rows: int, x: int, io_bf16: int, out: int, work: _MatmulScratch) -> None:

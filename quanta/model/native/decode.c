@@ -158,48 +158,86 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
 /* float32 scratch of one part of attention_part: a tile of converted cache rows, then scores. */
 static inline int64_t part_scratch(int dim, int group, int64_t max_len) { return (int64_t)ATT_TILE * dim + group * max_len; }
 
+/* Attention splits every row's cache positions into ATT_PARTS parts, whatever the threads:
+ * each part's (sum, top, total) is merged in part order, so a row's output depends on its
+ * query, its position and the cache alone, never on the rows beside it or on how many threads
+ * ran (one thread runs both parts). */
+#define ATT_PARTS POOL_MAX_PARTS
+
 struct attention_job {
     int rows, heads, kv_heads, dim, cache_bf16;
     const float *q; /* [rows, heads * dim], rotated and scaled */
     const int64_t *slots, *positions;
     const void *k_cache, *v_cache;
     int64_t slot_stride, head_stride, max_len;
-    float *work;     /* per part: [dim + group * max_len] */
-    float *partials; /* [POOL_MAX_PARTS, rows, heads, dim + 2] */
+    float *work;     /* per thread: [part_scratch] */
+    float *partials; /* [ATT_PARTS, rows, heads, dim + 2] */
 };
 
-/* Share `part` of every (row, KV head)'s cache positions. */
-static void attention_part(void *arg, int part, int parts) {
-    const struct attention_job *j = arg;
+/* One (row, KV head)'s share `part` of its cache positions, with `work` as scratch. */
+static void attend_share(const struct attention_job *j, int r, int g, int part, float *work) {
     int dim = j->dim, group = j->heads / j->kv_heads;
-    float *tile = j->work + (int64_t)part * part_scratch(dim, group, j->max_len), *scores = tile + ATT_TILE * dim;
-    for (int r = 0; r < j->rows; r++) {
-        int64_t t0, t1;
-        pool_share(j->positions[r] + 1, 1, part, parts, &t0, &t1);
-        for (int g = 0; g < j->kv_heads; g++) {
-            const float *q = j->q + ((int64_t)r * j->heads + g * group) * dim;
-            float *out = j->partials + (((int64_t)part * j->rows + r) * j->heads + g * group) * (dim + 2);
-            int64_t head = j->slots[r] * j->slot_stride + g * j->head_stride;
-            if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-                attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
-            else if (dim == 128)
-                attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
-            else
-                attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
-        }
-    }
+    float *tile = work, *scores = tile + ATT_TILE * dim;
+    int64_t t0, t1;
+    pool_share(j->positions[r] + 1, 1, part, ATT_PARTS, &t0, &t1);
+    const float *q = j->q + ((int64_t)r * j->heads + g * group) * dim;
+    float *out = j->partials + (((int64_t)part * j->rows + r) * j->heads + g * group) * (dim + 2);
+    int64_t head = j->slots[r] * j->slot_stride + g * j->head_stride;
+    if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
+        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
+    else if (dim == 128)
+        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
+    else
+        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
 }
 
-/* Float32 scratch attention_decode needs (elements). */
+/* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV head. */
+static void attention_part(void *arg, int thread, int threads) {
+    const struct attention_job *j = arg;
+    float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads / j->kv_heads, j->max_len);
+    for (int part = thread; part < ATT_PARTS; part += threads)
+        for (int r = 0; r < j->rows; r++)
+            for (int g = 0; g < j->kv_heads; g++) attend_share(j, r, g, part, work);
+}
+
+/* Float32 scratch attention_decode and attention_rows need (elements). */
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
     int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
     return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * part_scratch(dim, group, max_len) +
-           (int64_t)POOL_MAX_PARTS * rows * heads * (dim + 2);
+           (int64_t)ATT_PARTS * rows * heads * (dim + 2);
+}
+
+/* Attend rows whose queries qs (float32 [rows, heads * dim], rotated and scaled) are in place
+ * and whose keys/values are in the cache, over positions 0..positions[r]; out: io [rows, heads * dim].
+ * acc: float32 [dim]; work: [POOL_MAX_PARTS * part_scratch]; partials: [ATT_PARTS, rows, heads, dim + 2]. */
+static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int dim, const int64_t *slots,
+                        const int64_t *positions, const void *k_cache, const void *v_cache, int cache_bf16,
+                        int64_t slot_stride, int64_t head_stride, int64_t max_len, void *out, int io_bf16,
+                        float *acc, float *work, float *partials) {
+    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, slots, positions, k_cache, v_cache,
+                                slot_stride, head_stride, max_len, work, partials};
+    pool_run(attention_part, &job);
+    for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
+        float top = -3.402823466e38f, total = 0.0f;
+        for (int p = 0; p < ATT_PARTS; p++) {
+            const float *o = partials + ((int64_t)p * rows * heads + rh) * (dim + 2);
+            top = o[dim + 1] > 0.0f && o[dim] > top ? o[dim] : top;
+        }
+        memset(acc, 0, (size_t)dim * sizeof(float));
+        for (int p = 0; p < ATT_PARTS; p++) {
+            const float *o = partials + ((int64_t)p * rows * heads + rh) * (dim + 2);
+            float w = o[dim + 1] > 0.0f ? expf(o[dim] - top) : 0.0f;
+            total += w * o[dim + 1];
+            for (int i = 0; i < dim; i++) acc[i] += w * o[i];
+        }
+        float inv = 1.0f / total;
+        for (int i = 0; i < dim; i++) acc[i] *= inv;
+        store_row(out, io_bf16, rh * dim, dim, acc);
+    }
 }
 
 /* One decode token per row: RoPE on q and k, write k and v into the cache at
- * (slots[r], :, positions[r]), then attend over positions 0..positions[r], the positions
- * split over pool.c's threads and the parts merged here.
+ * (slots[r], :, positions[r]), then attend over positions 0..positions[r] (attend_rows).
  * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
  * inv_freq: float32 [dim / 2]; out: io [rows, heads * dim];
  * scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
@@ -230,29 +268,25 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
         float *qr = qs + (int64_t)r * heads * dim;
         for (int i = 0; i < heads * dim; i++) qr[i] = q[i] * scale;
     }
-    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, slots, positions, k_cache, v_cache,
-                                slot_stride, head_stride, max_len, work, partials};
-    int parts = pool_run(attention_part, &job);
-    for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
-        float *acc = row; /* free now: [dim] */
-        const float *first = partials + rh * (dim + 2);
-        float top = first[dim];
-        for (int p = 1; p < parts; p++) {
-            float t = partials[((int64_t)p * rows * heads + rh) * (dim + 2) + dim];
-            top = t > top ? t : top;
-        }
-        float total = 0.0f;
-        memset(acc, 0, (size_t)dim * sizeof(float));
-        for (int p = 0; p < parts; p++) {
-            const float *o = partials + ((int64_t)p * rows * heads + rh) * (dim + 2);
-            float w = o[dim + 1] > 0.0f ? expf(o[dim] - top) : 0.0f;
-            total += w * o[dim + 1];
-            for (int i = 0; i < dim; i++) acc[i] += w * o[i];
-        }
-        float inv = 1.0f / total;
-        for (int i = 0; i < dim; i++) acc[i] *= inv;
-        store_row(out, io_bf16, rh * dim, dim, acc);
-    }
+    attend_rows(rows, qs, heads, kv_heads, dim, slots, positions, k_cache, v_cache, cache_bf16, slot_stride,
+                head_stride, max_len, out, io_bf16, row, work, partials);
+}
+
+/* Prompt rows: attend rows whose rotated queries q (io [rows, heads * dim]) and keys/values
+ * (already in the cache) are given, over positions 0..positions[r]: the attention of
+ * attention_decode, row for row, so a prompt position's output does not depend on the chunk
+ * that holds it. scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
+void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_heads, int dim, const int64_t *slots,
+                    const int64_t *positions, const void *k_cache, const void *v_cache, int cache_bf16,
+                    int64_t slot_stride, int64_t head_stride, int64_t max_len, void *out, float *scratch) {
+    int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
+    float *work = acc + width + dim, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
+    float scale = 1.0f / sqrtf((float)dim);
+    load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
+    for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
+    attend_rows(rows, qs, heads, kv_heads, dim, slots, positions, k_cache, v_cache, cache_bf16, slot_stride,
+                head_stride, max_len, out, io_bf16, acc, work, partials);
 }
 
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; io [rows, 2 inter] -> io [rows, inter].
