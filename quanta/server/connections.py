@@ -63,16 +63,16 @@ def connection_cap(requested: int | None, fd_limit: int) -> int:
 
 
 class _RateLimitedLog:
-    """Counts events and logs one warning line per :data:`LOG_EVERY_S` with the count."""
+    """Counts events and logs one warning line per :data:`LOG_EVERY_S` at most, with the count."""
 
     def __init__(self, what: str) -> None:
-        self.what, self.count, self.last = what, 0, 0.0
+        self.what, self.count, self.last = what, 0, -LOG_EVERY_S
 
     def event(self) -> None:
         self.count += 1
         now = time.monotonic()
         if now - self.last >= LOG_EVERY_S:
-            log.warning("%s: %d in the last %.0f s", self.what, self.count, now - self.last if self.last else 0)
+            log.warning("%s: %d since the last such line", self.what, self.count)
             self.count, self.last = 0, now
 
 
