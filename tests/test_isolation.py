@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
+import time
 
 import anthropic
 import httpx
@@ -25,6 +27,7 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.stop_strings import TextState
 from quanta.launch import build_engine, load_model
+from quanta.server import limits
 
 MAX_MODEL_LEN = 256
 MAX_REQUEST_BYTES = 2 * 2**20
@@ -226,6 +229,24 @@ def test_a_chunked_body_over_the_limit_gets_413(live):
 
     resp = httpx.post(base + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
     assert resp.status_code == 413
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_a_body_that_trickles_past_the_deadline_gets_408(live, monkeypatch):
+    """The head arrived, the body does not: the connection is answered and closed, not held."""
+    base, model, _ = live
+    monkeypatch.setattr(limits, "BODY_TIMEOUT_S", 1.0)
+    host, port = base.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n").encode()
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + b'{"model": "' + model.encode() + b'"')  # and no more
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply, reply[:300]
+    assert time.monotonic() - start < 10
     assert httpx.get(base + "/health", timeout=10).status_code == 200
 
 

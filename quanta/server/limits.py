@@ -2,7 +2,9 @@
 
 * :class:`BodyLimit`: an ASGI middleware answering HTTP 413 to a request body
   over ``--max-request-bytes`` before any of it is parsed (chunked bodies
-  included: it stops reading at the limit).
+  included: it stops reading at the limit), and HTTP 408 to one that has not
+  all arrived :data:`BODY_TIMEOUT_S` seconds after its head (a client
+  trickling its body would otherwise hold its connection for ever).
 * :class:`Admission`: an ASGI middleware that makes each request to a
   generation route hold a place in ``--max-queue`` from the moment its body
   is read (:meth:`quanta.engine.async_engine.AsyncEngine.reserve`), so
@@ -48,6 +50,9 @@ PROMPT_WORKERS, BUILD_WORKERS = 2, 2
 #: Seconds a request's sampling parameters (its grammar) may take to build, waiting for a thread included.
 BUILD_TIMEOUT_S = 10.0
 
+#: Seconds a request body may take to arrive (measured from the route's first read).
+BODY_TIMEOUT_S = 60.0
+
 #: ASGI scope key of the request's :class:`quanta.engine.async_engine.Reservation`.
 RESERVATION = "quanta.reservation"
 
@@ -83,27 +88,38 @@ class BodyLimit:
         if scope["type"] != "http" or self.max_bytes is None:
             await self.app(scope, receive, send)
             return
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                body = await self._read(scope, receive, send)
+        except TimeoutError:
+            await refuse(scope, send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                         [(b"connection", b"close")])
+            return
+        if body is not None:
+            scope[RAW_BODY] = body  # for the error handlers (quanta.server.errors)
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, scope, receive, send) -> bytes | None:
+        """The whole body, or None once answered (413) or the client left."""
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             if await _drain(receive, DRAIN_BYTES):
                 await self._refuse(scope, send, int(declared))
-            return
+            return None
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left before sending it all
-                return
+                return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
                 chunks.clear()
                 if not message.get("more_body", False) or await _drain(receive, DRAIN_BYTES):
                     await self._refuse(scope, send, None)
-                return
+                return None
             if not message.get("more_body", False):
-                break
-        body = scope[RAW_BODY] = b"".join(chunks)  # for the error handlers (quanta.server.errors)
-        await self.app(scope, _replay(body, receive), send)
+                return b"".join(chunks)
 
     async def _refuse(self, scope, send, size: int | None) -> None:
         got = f"{size} bytes" if size is not None else "more"
