@@ -95,6 +95,7 @@ class _HealthProbe(threading.Thread):
         super().__init__(daemon=True)
         self.base = base
         self.stop = threading.Event()
+        self.answered = threading.Event()  # its connection is open: the block starts after it
         self.latencies: list[float] = []
         self.failures: list[str] = []
 
@@ -109,6 +110,7 @@ class _HealthProbe(threading.Thread):
                 except httpx.HTTPError as exc:
                     self.failures.append(repr(exc))
                 self.latencies.append(time.monotonic() - start)
+                self.answered.set()
                 time.sleep(0.05)
 
 
@@ -119,6 +121,7 @@ def _watched(live, health_bound: float = HEALTH_BOUND_S):
     canary.start()
     assert canary.started.wait(60) and canary.error is None, repr(canary.error)
     probe.start()
+    assert probe.answered.wait(30), "/health did not answer before the test began"
     try:
         yield
     finally:

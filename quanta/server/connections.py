@@ -38,6 +38,8 @@ log = logging.getLogger("quanta.server")
 #: Seconds a connection may take to send a complete request head.
 HEAD_TIMEOUT_S = 10.0
 #: Descriptors left for the process's own files and sockets when the cap is derived from the limit.
+#: (A burst accepted in one loop turn can still run out of descriptors before the cap evicts
+#: anyone; asyncio then pauses accepting for a second, and :func:`quiet_accept_errors` counts it.)
 RESERVED_FDS = 256
 #: ``--max-connections`` when not given (lowered to what the descriptor limit allows).
 DEFAULT_MAX_CONNECTIONS = 8192
@@ -133,8 +135,14 @@ def guarded_protocol(max_connections: int, head_timeout: float = HEAD_TIMEOUT_S)
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """An event-loop exception handler: a failed ``accept`` (out of descriptors) is a
-    rate-limited line without a traceback; anything else goes to asyncio's default handler."""
-    if isinstance(context.get("exception"), OSError) and "accept" in str(context.get("message", "")):
+    rate-limited line without a traceback; anything else goes to asyncio's default handler.
+
+    asyncio (3.11) schedules a retry of the listening socket for each accept
+    of a turn that failed; those still pending at shutdown fail on the closed
+    socket, and are counted the same way.
+    """
+    failed_accept = isinstance(context.get("exception"), OSError) and "accept" in str(context.get("message", ""))
+    if failed_accept or "_start_serving" in repr(context.get("handle")):
         _ACCEPT_FAILED.event()
         return
     loop.default_exception_handler(context)
