@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("loading %s ...", engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
         return serve(engine_cfg, sched_cfg, args.host, args.port, args.max_request_bytes,
                      aliases=tuple(args.served_model_name[1:]), tool_call_parser=args.tool_call_parser,
-                     access=flags.access_policy(args), max_connections=args.max_connections)
+                     access=flags.access_policy(args), max_connections=args.max_connections,
+                     max_tokens_default=args.max_tokens_default,
+                     sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

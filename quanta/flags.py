@@ -25,6 +25,7 @@ from pathlib import Path
 from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
+from quanta.server.defaults import DEFAULT_MAX_TOKENS
 
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
@@ -182,6 +183,15 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-connections", type=int, default=None, metavar="N",
                        help="open connections at most; past it, the one waiting longest for its request head is closed "
                             "(default 8192, lowered to the open-file limit less 256)")
+    serve.add_argument("--max-tokens-default", type=nonneg_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                       help="output tokens for a request that sets no max_tokens / max_completion_tokens / "
+                            f"max_output_tokens, within the room its prompt leaves; 0: the room left (default {DEFAULT_MAX_TOKENS})")
+    serve.add_argument("--temperature", type=number_type(float, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
+                       help="temperature for requests that send none (default: the model's generation_config.json, else 1.0)")
+    serve.add_argument("--top-p", type=number_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                       help="top_p for requests that send none (default: the model's generation_config.json, else 1.0)")
+    serve.add_argument("--top-k", type=number_type(int, lambda v: v >= -1, "an integer >= -1"),
+                       help="top_k for requests that send none; 0 or -1: off (default: the model's generation_config.json, else off)")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",

@@ -55,6 +55,7 @@ from quanta.server.anthropic_requests import ContentBlock, CountTokensRequest, M
 from quanta.server.anthropic_tools import chat_messages, tool_use_block, tool_use_id
 from quanta.server.chat import constrain
 from quanta.server.chat_tokens import text_ids
+from quanta.server.defaults import with_defaults
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
@@ -259,7 +260,7 @@ def router(state: ServerState) -> APIRouter:
         else:
             grammar, param = body.format_grammar(), "output_config.format"
         stream = await submit(state, request, prompt, body.max_tokens,
-                              lambda n: constrain(state, body.sampling_params(n), grammar, param))
+                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param))
         msg_id = "msg_" + uuid.uuid4().hex
         parser = state.tool_parser if body.use_tools else None
         if body.stream:

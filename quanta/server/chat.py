@@ -33,6 +33,7 @@ from quanta.engine.async_engine import RequestStream
 from quanta.engine.grammar import Grammar, GrammarError
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams, TokenLogprob
+from quanta.server.defaults import output_cap, with_defaults
 from quanta.server.errors import APIError, error_body
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
@@ -122,11 +123,11 @@ async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format)
     made: list[SamplingParams] = []
 
     def make_params(max_tokens: int) -> SamplingParams:
-        params = replace(body.sampling_params(max_tokens), logprobs=body.num_logprobs)
+        params = replace(with_defaults(state.config, body, body.sampling_params(max_tokens)), logprobs=body.num_logprobs)
         made.append(constrain(state, params, grammar, param))
         return made[-1]
 
-    max_tokens = body.max_tokens if body.max_tokens is not None else state.max_model_len - len(prompt)
+    max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_tokens)
     stream = await submit(state, request, prompt, max_tokens, make_params)
     fmt.meta = _Meta(fmt.prefix + uuid.uuid4().hex, int(time.time()), body.model)
     records = made[0].logprob_records if body.num_logprobs is not None else None

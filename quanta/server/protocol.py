@@ -233,9 +233,9 @@ class CompletionRequest(SamplingRequest):
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``.
 
-    Without ``max_tokens`` (or ``max_completion_tokens``) the answer may fill
-    the rest of the context: up to ``max_model_len`` minus the prompt's
-    tokens, as in vLLM.
+    Without ``max_tokens`` (or ``max_completion_tokens``) the server's
+    ``--max-tokens-default`` applies (:mod:`quanta.server.defaults`), at most
+    ``max_model_len`` minus the prompt's tokens.
     """
 
     DOCUMENTED = OPENAI_CHAT

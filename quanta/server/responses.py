@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quanta.engine.async_engine import RequestStream
 from quanta.server.chat import chat_prompt, constrain
+from quanta.server.defaults import output_cap, with_defaults
 from quanta.server.field_rule import log_fields
 from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
@@ -243,8 +244,9 @@ def router(state: ServerState) -> APIRouter:
         tools = body.chat_tools() if body.tool_choice != "none" else []
         prompt = await chat_prompt(state, body.messages(), tools or None)
         grammar, param = request_grammar(state, body, tools)
-        max_tokens = body.max_output_tokens or state.max_model_len - len(prompt)
-        stream = await submit(state, request, prompt, max_tokens, lambda n: constrain(state, body.sampling_params(n), grammar, param))
+        max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_output_tokens)
+        stream = await submit(state, request, prompt, max_tokens,
+                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param))
         builder = _Builder(body, tools)
         parser = state.tool_parser if tools else None
         if body.stream:

@@ -15,6 +15,7 @@ from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
 from quanta.server.app import ServerState, build_app
 from quanta.server.connections import connection_cap, guarded_protocol, quiet_accept_errors, raise_fd_limit
+from quanta.server.defaults import DEFAULT_MAX_TOKENS, sampling_defaults
 from quanta.server.metrics import EngineMetrics
 
 log = logging.getLogger("quanta")
@@ -23,7 +24,8 @@ log = logging.getLogger("quanta")
 def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port: int,
           max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
           tool_call_parser: str | None = None, access: AccessPolicy | None = None,
-          max_connections: int | None = None) -> int:
+          max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
+          sampling: dict | None = None) -> int:
     """Serve until interrupted; returns the process exit code.
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
@@ -31,7 +33,9 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     :data:`quanta.server.tools.PARSERS` name (None: chosen from the chat template);
     ``access``: API key, allowed hosts, CORS origins (None: no key, only local names and IP literals as ``Host``);
     ``max_connections``: open connections at most (None: the default, within the open-file limit,
-    :mod:`quanta.server.connections`).
+    :mod:`quanta.server.connections`); ``max_tokens_default``: the output cap of a request that names none
+    (0: the room left); ``sampling``: ``--temperature`` / ``--top-p`` / ``--top-k`` (None: not given), over the
+    checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`).
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
@@ -50,7 +54,12 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "max_connections": connections,
         "api_key": bool(access and access.api_keys), "admin_key": bool(access and access.admin_keys),
         "cors_origins": list(access.cors_origins) if access else [],
+        "max_tokens_default": max_tokens_default,
+        "sampling_defaults": sampling_defaults(engine_cfg.model, sampling or {}),
     }
+    log.info("requests without an output cap get %s; sampling defaults: %s",
+             f"max_tokens {max_tokens_default}" if max_tokens_default else "the room left",
+             config["sampling_defaults"] or "the protocols' own")
     log.info("%s max_model_len=%d dtype=%s prefix_cache=%s quantization=%s kernels: %s; cpu: %s; torch threads: decode %d, prefill %d",
              sched_cfg.describe(), engine.max_model_len, config["dtype"], "on" if engine_cfg.prefix_cache else "off",
              engine_cfg.quantization, loaded.kernels, config["cpu_flags"], config["decode_threads"], config["prefill_threads"])
