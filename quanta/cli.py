@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return sim_commands.main(args, parser, argv)
     try:
         engine_cfg, sched_cfg = flags.configs_from_args(args)
+        if args.command == "serve":  # a busy port is found now, not after the model loads
+            from quanta.preflight import check_listen
+
+            check_listen(args.host, args.port)
     except ValueError as exc:  # a value, not the command's shape: the one line, without the usage text
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

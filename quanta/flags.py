@@ -24,6 +24,7 @@ from pathlib import Path
 
 from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
+from quanta.preflight import check_model_path
 from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.defaults import DEFAULT_MAX_TOKENS
 
@@ -252,8 +253,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
 
 def _check_command_args(args: argparse.Namespace) -> None:
     """The command's own flags that need no model to validate (else they fail after the load)."""
-    if getattr(args, "model", None) and not Path(args.model).exists():
-        raise ValueError(f"--model {args.model}: no such file or directory")
+    if getattr(args, "model", None):
+        check_model_path(args.model)
     if args.command == "serve" and not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     if args.command == "serve" and args.max_request_bytes < 1:

@@ -234,3 +234,58 @@ def test_make_serve_passes_host_and_port_once(make_args, host, port):
     line = [ln for ln in out.stdout.splitlines() if "quanta serve" in ln][-1].split()
     assert line.count("--host") == 1 and line.count("--port") == 1, line
     assert line[line.index("--host") + 1] == host and line[line.index("--port") + 1] == port
+
+
+# --------------------------------------------------------------------------- what cannot load, found first
+
+
+def _not_a_model(tmp_path):
+    text = tmp_path / "notes.md"
+    text.write_text("# not a model\n")
+    empty = tmp_path / "empty-dir"
+    empty.mkdir()
+    return [
+        (str(text), "not a GGUF file"),
+        (str(empty), "without config.json"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "local paths only (no hub downloads)"),
+    ]
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"]])
+def test_what_is_no_model_is_one_line_before_loading(command, capsys, tmp_path, no_model_load):
+    for model, fragment in _not_a_model(tmp_path):
+        code, err = main_exit([*command, "--model", model], capsys)
+        assert code == 2, err
+        assert err.startswith(f"quanta {command[0]}: error: --model {model}: ") and err.count("\n") == 1, err
+        assert fragment in err, err
+
+
+def test_readme_as_model_and_busy_port_subprocess(tmp_path):
+    """As a user meets them: exit 2, one line, no traceback, nothing loaded."""
+    import socket
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    proc = run_cli("serve", "--model", str(readme))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "not a GGUF file" in proc.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = run_cli("serve", "--port", str(port))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"quanta serve: error: --port {port}: 127.0.0.1:{port} is already in use (another server?); "
+                           "stop it or choose another --port\n")
+
+
+def test_a_free_port_and_real_models_pass_the_checks(tmp_path):
+    from quanta.preflight import GGUF_MAGIC, check_listen, check_model_path
+
+    (tmp_path / "m.gguf").write_bytes(GGUF_MAGIC + b"\0" * 8)
+    check_model_path(str(tmp_path / "m.gguf"))
+    (tmp_path / "config.json").write_text("{}")
+    check_model_path(str(tmp_path))
+    check_listen("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="cannot resolve"):
+        check_listen("no-such-host.invalid", 8000)
