@@ -289,3 +289,18 @@ def test_a_free_port_and_real_models_pass_the_checks(tmp_path):
     check_listen("127.0.0.1", 0)
     with pytest.raises(ValueError, match="cannot resolve"):
         check_listen("no-such-host.invalid", 8000)
+
+
+# --------------------------------------------------------------------------- commands that load no model import no torch
+
+HEAVY = ("torch", "transformers", "fastapi", "httpx", "numpy")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["advise"], ["serve", "--help"], ["bench", "--help"]])
+def test_commands_without_a_model_import_no_torch(argv):
+    """Behaviour, not timing (benchmarks/cli_startup.py times them): a lazy import turned eager shows here."""
+    code = ("import sys, quanta.cli\n"
+            f"try:\n    quanta.cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr

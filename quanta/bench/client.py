@@ -11,10 +11,12 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-
-import httpx
+from typing import TYPE_CHECKING
 
 from quanta.analysis.requests import RequestSample
+
+if TYPE_CHECKING:  # httpx loads when a request is sent: ``quanta --help`` and ``--version`` need none of it
+    import httpx
 
 #: failure conditions a sample's ``error`` may name (plus ``http_<status>``).
 ERRORS = {
@@ -107,6 +109,8 @@ async def send(client: httpx.AsyncClient, target: Target, sample: RequestSample,
     when the target sends ``ignore_eos``. Cancellation marks the sample
     ``deadline`` unless it already finished, then re-raises.
     """
+    import httpx
+
     sample.max_tokens = max_tokens
     sample.ignore_eos = target.ignore_eos and ignore_eos
     sample.sent = clock.now()

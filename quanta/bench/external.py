@@ -23,10 +23,12 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from quanta.bench import server as srvmod
+
+if TYPE_CHECKING:  # httpx loads when a request is sent: ``quanta --help`` and ``--version`` need none of it
+    import httpx
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -62,6 +64,8 @@ class Rule:
             if not matches:
                 return None, f"no match of /{self.pattern.pattern}/ in the startup log"
             return matches[-1].group(1), None
+        import httpx
+
         try:
             r = client.get(base_url + self.path)
             data = r.json()
@@ -195,6 +199,8 @@ class ExternalServer:
         applied: dict[str, str | None] = {}
         bad = []
         log_text = srv.log_tail(4_000_000)
+        import httpx
+
         with httpx.Client(timeout=10.0) as client:
             for knob, rule in self.rules.items():
                 value, problem = rule.applied(log_text, srv.base_url, client)

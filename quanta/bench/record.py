@@ -24,13 +24,14 @@ import time
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from typing import TYPE_CHECKING
 
 from quanta.bench import relation
 from quanta.bench.sessions import FORMAT
+
+if TYPE_CHECKING:  # the proxy's web stack is imported when it runs: ``quanta --help`` needs none of it
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
 #: recorded routes -> API name
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
@@ -199,6 +200,8 @@ class Recorder:
 
 
 def _error(api: str | None, status: int, message: str) -> JSONResponse:
+    from fastapi.responses import JSONResponse
+
     if api == "messages":
         return JSONResponse({"type": "error", "error": {"type": "api_error", "message": message}}, status_code=status)
     return JSONResponse({"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}, status_code=status)
@@ -206,6 +209,10 @@ def _error(api: str | None, status: int, message: str) -> JSONResponse:
 
 def build_app(upstream: str, recorder: Recorder) -> FastAPI:
     """The proxy app: every route passed through to ``upstream``; :data:`ROUTES` recorded."""
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
     client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=10.0))
 
     @asynccontextmanager
@@ -216,10 +223,9 @@ def build_app(upstream: str, recorder: Recorder) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
-    async def proxy(path: str, request: Request):
+    async def proxy(request):  # a plain Starlette endpoint: no annotations for FastAPI to resolve
         raw = await request.body()
-        route = "/" + path
+        route = "/" + request.path_params["path"]
         api = ROUTES.get(route) if request.method == "POST" else None
         body = None
         if api:
@@ -266,6 +272,7 @@ def build_app(upstream: str, recorder: Recorder) -> FastAPI:
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP and k.lower() != "content-encoding"}
         return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
 
+    app.add_route("/{path:path}", proxy, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     return app
 
 
@@ -283,6 +290,7 @@ def add_parser(sub, register_once) -> None:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``quanta record``: exit 2 on bad flags, 1 if the upstream is unreachable; else serve until SIGINT/SIGTERM."""
+    import httpx
     import uvicorn
 
     from quanta.flags import base_url

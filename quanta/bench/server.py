@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
 _STARTUP_LINE = re.compile(r"scheduler=(\S+) max_num_seqs=\d+.*")
@@ -109,6 +107,8 @@ def launch(command: list[str], base_url: str, health_url: str, log_path: Path, t
             raise RuntimeError(f"cannot run {name}: {exc}") from exc
     server = ServerProcess(base_url, list(command), log_path, proc, group)
     deadline = time.monotonic() + timeout
+    import httpx  # here, not at the top: ``quanta --help`` and ``--version`` import this module
+
     try:
         with httpx.Client(timeout=5.0) as client:
             while True:

@@ -38,12 +38,14 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import asdict, dataclass
-
-import httpx
+from typing import TYPE_CHECKING
 
 from quanta.analysis.requests import RequestSample
 from quanta.bench import lengths, mooncake, probe, prompts, sessions
 from quanta.bench.client import Clock, Target, send
+
+if TYPE_CHECKING:  # httpx loads when a request is sent: ``quanta --help`` and ``--version`` need none of it
+    import httpx
 
 KINDS = ("burst", "poisson", "gamma", "concurrency", "trace", "probe", "replay", "sessions")
 #: kinds whose requests :func:`plan` lays out (the others react to responses)

@@ -31,15 +31,31 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
 
 
+class _PresetNames:
+    """``--preset``'s argparse choices, read when used: the presets module imports torch,
+    which ``quanta --help`` and ``quanta --version`` must not wait for."""
+
+    @staticmethod
+    def _names() -> list[str]:
+        from quanta.model.presets import PRESETS
+
+        return sorted(PRESETS)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+
 def add_commands(sub, register_once) -> None:
     """Add the three subparsers to ``sub`` (``register_once`` makes their flags refuse repeats)."""
     from quanta.engine.policies.knobs import PREFILL_CAP
     from quanta.flags import add_dtype_flag
-    from quanta.model.presets import PRESETS
 
     make = sub.add_parser("make-model", help="write a synthetic random-weight model for cost experiments")
     register_once(make)
-    make.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model shape")
+    make.add_argument("--preset", required=True, choices=_PresetNames(), metavar="PRESET", help="model shape: %(choices)s")
     make.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
     make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
 

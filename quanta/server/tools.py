@@ -26,9 +26,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from quanta.engine.grammar import Grammar, json_rule
 from quanta.server.tool_scan import BlockScanner, ObjectScanner
+
+if TYPE_CHECKING:  # grammars load torch and transformers: imported when one is written (``quanta --help`` needs none)
+    from quanta.engine.grammar import Grammar
 
 
 @dataclass(slots=True)
@@ -211,6 +214,8 @@ class HermesParser(ToolParser):
         return Parsed(_content(parts), calls, broken, in_order(pieces + [text[pos:]]))
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        from quanta.engine.grammar import Grammar, json_rule
+
         call = f'"<tool_call>\\n" {json_rule(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
         more = ' ("\\n" call)*' if parallel else ""
         return Grammar(f"start: call{more}\ncall: {call}")
@@ -271,6 +276,8 @@ class Llama3JsonParser(ToolParser):
         return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        from quanta.engine.grammar import Grammar, json_rule
+
         call = json_rule(_calls_schema(tools, "parameters"))
         more = ' ("; " call)*' if parallel else ""
         return Grammar(f"start: call{more}\ncall: {call}")
@@ -311,6 +318,8 @@ class MistralParser(ToolParser):
         return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
 
     def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
+        from quanta.engine.grammar import Grammar, json_rule
+
         array = {"type": "array", "items": _calls_schema(tools, "arguments"), "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
