@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             check_listen(args.host, args.port)
     except ValueError as exc:  # a value, not the command's shape: the one line, without the usage text
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from quanta.logs import configure_logging
+
+    configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     if args.mixed_prefill_quantum == "auto":  # needs the model's config (not its weights)
         from quanta.moe.auto import resolve_auto_from_model
 
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                      aliases=tuple(args.served_model_name[1:]), tool_call_parser=args.tool_call_parser,
                      access=flags.access_policy(args), max_connections=args.max_connections,
                      max_tokens_default=args.max_tokens_default,
-                     sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})
+                     sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
+                     log_level=args.log_level, log_format=args.log_format, stats_interval=args.stats_interval)
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

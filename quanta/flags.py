@@ -24,9 +24,11 @@ from pathlib import Path
 
 from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
+from quanta.logs import LOG_FORMATS, LOG_LEVELS
 from quanta.preflight import check_model_path
 from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.defaults import DEFAULT_MAX_TOKENS
+from quanta.server.live_log import DEFAULT_STATS_INTERVAL_S
 
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
@@ -193,6 +195,13 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="top_p for requests that send none (default: the model's generation_config.json, else 1.0)")
     serve.add_argument("--top-k", type=number_type(int, lambda v: v >= -1, "an integer >= -1"),
                        help="top_k for requests that send none; 0 or -1: off (default: the model's generation_config.json, else off)")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+    serve.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                       help="text, or json: one JSON object per line, stats and request lines with their values as fields "
+                            "(default text)")
+    serve.add_argument("--stats-interval", type=nonneg_float, default=DEFAULT_STATS_INTERVAL_S, metavar="SECONDS",
+                       help="seconds between stats lines (throughput, running, waiting, KV slots, prefix-cache hits) while "
+                            f"requests run or wait; 0: none (default {DEFAULT_STATS_INTERVAL_S:g})")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",

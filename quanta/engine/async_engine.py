@@ -319,6 +319,11 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    @property
+    def seq_id(self) -> int | None:
+        """The engine's id of the request (set once the engine accepted it)."""
+        return self._sub.seq_id
+
     async def __anext__(self) -> RequestOutput:
         """The next output.
 

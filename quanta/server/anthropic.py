@@ -59,6 +59,7 @@ from quanta.server.defaults import with_defaults
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
+from quanta.server.live_log import label_request
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
 from quanta.server.tool_templates import render_for_template, template_reads_tools
@@ -262,6 +263,7 @@ def router(state: ServerState) -> APIRouter:
         stream = await submit(state, request, prompt, body.max_tokens,
                               lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param))
         msg_id = "msg_" + uuid.uuid4().hex
+        label_request(state.metrics.live, stream, msg_id, "/v1/messages")
         parser = state.tool_parser if body.use_tools else None
         if body.stream:
             events = _tool_events(msg_id, body.model, stream, tool_stream(parser)) if parser else _events(msg_id, body.model, stream)

@@ -37,6 +37,7 @@ from quanta.server.defaults import output_cap, with_defaults
 from quanta.server.errors import APIError, error_body
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
+from quanta.server.live_log import label_request
 from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
@@ -130,6 +131,7 @@ async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format)
     max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_tokens)
     stream = await submit(state, request, prompt, max_tokens, make_params)
     fmt.meta = _Meta(fmt.prefix + uuid.uuid4().hex, int(time.time()), body.model)
+    label_request(state.metrics.live, stream, fmt.meta.id, request.url.path)
     records = made[0].logprob_records if body.num_logprobs is not None else None
     if body.stream:
         return StreamingResponse(_sse(fmt, stream, body.include_usage, records), media_type="text/event-stream")

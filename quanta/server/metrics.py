@@ -70,6 +70,8 @@ class EngineMetrics:
                                                 registry=r)
         self.step_seconds = Counter("quanta:engine_step_seconds", "Busy time of executed steps by kind.", ["kind"], registry=r)
         self._last_token_time: dict[int, float] = {}
+        #: the stats and per-request log lines (:class:`quanta.server.live_log.LiveLog`), set by ``quanta serve``
+        self.live = None
 
     def observe_output(self, out: RequestOutput) -> None:
         """Record one request output (called on the engine thread)."""

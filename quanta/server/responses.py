@@ -37,6 +37,7 @@ from quanta.engine.async_engine import RequestStream
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.defaults import output_cap, with_defaults
 from quanta.server.field_rule import log_fields
+from quanta.server.live_log import label_request
 from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.tools import ToolCall
@@ -248,6 +249,7 @@ def router(state: ServerState) -> APIRouter:
         stream = await submit(state, request, prompt, max_tokens,
                               lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param))
         builder = _Builder(body, tools)
+        label_request(state.metrics.live, stream, builder.id, "/v1/responses")
         parser = state.tool_parser if tools else None
         if body.stream:
             return StreamingResponse(_stream(builder, stream, tool_stream(parser) if parser else None), media_type="text/event-stream")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import uvicorn
 
@@ -11,11 +12,13 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.model_executor import default_decode_threads
 from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
+from quanta.logs import uvicorn_log_config
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
 from quanta.server.app import ServerState, build_app
 from quanta.server.connections import connection_cap, guarded_protocol, quiet_accept_errors, raise_fd_limit
 from quanta.server.defaults import DEFAULT_MAX_TOKENS, sampling_defaults
+from quanta.server.live_log import DEFAULT_STATS_INTERVAL_S, LiveLog
 from quanta.server.metrics import EngineMetrics
 
 log = logging.getLogger("quanta")
@@ -25,7 +28,8 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
           max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
           tool_call_parser: str | None = None, access: AccessPolicy | None = None,
           max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-          sampling: dict | None = None) -> int:
+          sampling: dict | None = None, log_level: str = "info", log_format: str = "text",
+          stats_interval: float = DEFAULT_STATS_INTERVAL_S) -> int:
     """Serve until interrupted; returns the process exit code.
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
@@ -35,7 +39,9 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     ``max_connections``: open connections at most (None: the default, within the open-file limit,
     :mod:`quanta.server.connections`); ``max_tokens_default``: the output cap of a request that names none
     (0: the room left); ``sampling``: ``--temperature`` / ``--top-p`` / ``--top-k`` (None: not given), over the
-    checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`).
+    checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`); ``log_level`` and ``log_format``
+    (``text``/``json``) as :mod:`quanta.logs` set them up, for uvicorn's loggers too; ``stats_interval``: seconds
+    between stats lines (0: none; :mod:`quanta.server.live_log`, which also writes a line per finished request).
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
@@ -65,20 +71,32 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
              engine_cfg.quantization, loaded.kernels, config["cpu_flags"], config["decode_threads"], config["prefill_threads"])
     async_engine = AsyncEngine(engine, engine_cfg.max_queue)
     metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting, engine_cfg.prefix_cache)
-    async_engine.on_output = metrics.observe_output
-    engine.step_listeners.append(metrics.observe_step)
+    metrics.live = live = LiveLog(lambda: async_engine.num_running, lambda: async_engine.num_waiting,
+                                  sched_cfg.max_num_seqs, time.monotonic)
+
+    def observe_output(out) -> None:
+        metrics.observe_output(out)
+        live.observe_output(out)
+
+    async_engine.on_output = observe_output
+    engine.step_listeners += [metrics.observe_step, live.observe_step]
     async_engine.start()
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
                                 aliases, tool_call_parser, access or AccessPolicy(bound_host=host)))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
-                                           http=guarded_protocol(connections)))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                           http=guarded_protocol(connections), log_config=uvicorn_log_config(log_format)))
     try:
-        asyncio.run(_serve(server))
+        asyncio.run(_serve(server, live, stats_interval))
     finally:
         async_engine.stop()
     return 0
 
 
-async def _serve(server: uvicorn.Server) -> None:
+async def _serve(server: uvicorn.Server, live: LiveLog, stats_interval: float) -> None:
     asyncio.get_running_loop().set_exception_handler(quiet_accept_errors)
-    await server.serve()
+    stats = asyncio.create_task(live.run(stats_interval)) if stats_interval > 0 else None
+    try:
+        await server.serve()
+    finally:
+        if stats is not None:
+            stats.cancel()
