@@ -82,3 +82,21 @@ def test_config_reports_the_defaults(capped):
     config = httpx.get(capped.base_url + "/v1/config", timeout=30).json()
     assert config["max_tokens_default"] == 6
     assert config["sampling_defaults"] == {"temperature": 0.0}
+
+
+MODELLESS = [
+    ("/v1/chat/completions", {"messages": PROMPT, "max_tokens": 2}, lambda r: r["model"]),
+    ("/v1/completions", {"prompt": "Once", "max_tokens": 2}, lambda r: r["model"]),
+    ("/v1/responses", {"input": "Once", "max_output_tokens": 16}, lambda r: r["model"]),
+    ("/v1/messages", {"messages": PROMPT, "max_tokens": 2}, lambda r: r["model"]),
+    ("/v1/messages/count_tokens", {"messages": PROMPT}, lambda r: r["input_tokens"] > 0),
+]
+
+
+@pytest.mark.parametrize("path,body,read", MODELLESS, ids=[m[0] for m in MODELLESS])
+def test_a_request_without_model_is_for_the_served_model(capped, path, body, read):
+    r = httpx.post(capped.base_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert read(r.json()) in (capped.model, True)
+    named = httpx.post(capped.base_url + path, json={**body, "model": "other"}, timeout=60)
+    assert named.status_code == 404, named.text  # a model the request names is still checked

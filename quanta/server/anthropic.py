@@ -55,7 +55,7 @@ from quanta.server.anthropic_requests import ContentBlock, CountTokensRequest, M
 from quanta.server.anthropic_tools import chat_messages, tool_use_block, tool_use_id
 from quanta.server.chat import constrain
 from quanta.server.chat_tokens import text_ids
-from quanta.server.defaults import with_defaults
+from quanta.server.defaults import served_model, with_defaults
 from quanta.server.errors import APIError, anthropic_error_body
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
@@ -245,13 +245,13 @@ def router(state: ServerState) -> APIRouter:
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
-        check_model(state, body.model)
+        check_model(state, served_model(state, body))
         log_fields("/v1/messages/count_tokens", body)
         return {"input_tokens": len(await render_prompt(state, body))}
 
     @routes.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        check_model(state, body.model)
+        check_model(state, served_model(state, body))
         log_fields("/v1/messages", body)
         prompt = await render_prompt(state, body)
         forced = body.forced_tools()  # a choice that forces a server tool, or no tool at all, is a 400

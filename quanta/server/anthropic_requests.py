@@ -86,7 +86,8 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
     """``POST /v1/messages/count_tokens``."""
 
     DOCUMENTED = ANTHROPIC_MESSAGES
-    model: str
+    #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
+    model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[ContentBlock] | None = None
     tools: Annotated[list[AnthropicTool], unique_tools(lambda t: t.name)] | None = None

@@ -33,7 +33,7 @@ from quanta.engine.async_engine import RequestStream
 from quanta.engine.grammar import Grammar, GrammarError
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams, TokenLogprob
-from quanta.server.defaults import output_cap, with_defaults
+from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.errors import APIError, error_body
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
@@ -118,7 +118,7 @@ async def serve_completion(state, request: Request, body: CompletionsRequest) ->
 
 
 async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format) -> Response:
-    check_model(state, body.model)
+    check_model(state, served_model(state, body))
     log_fields(request.url.path, body)
     grammar, param = _request_grammar(state, body)
     made: list[SamplingParams] = []

@@ -7,6 +7,7 @@
   room left (vLLM's behaviour). As llama-server's ``-n`` and Ollama's
   ``num_predict``: a looping model cannot run for minutes by default.
   Completions keep OpenAI's own default of 16; Anthropic's ``max_tokens`` is required.
+- Model: a request without ``model`` is for the served model (:func:`served_model`).
 - Sampling: ``temperature``, ``top_p``, ``top_k`` and ``min_p`` that a request
   does not send come from ``--temperature`` / ``--top-p`` / ``--top-k``, else from
   the checkpoint's ``generation_config.json`` (a Hugging Face directory's; as
@@ -72,6 +73,14 @@ def output_cap(config: dict, max_model_len: int, prompt_tokens: int, given: int 
     room = max_model_len - prompt_tokens
     default = config.get("max_tokens_default") or 0
     return min(default, room) if default > 0 else room
+
+
+def served_model(state, body) -> str:
+    """``body.model``, set to the served model's id where the request left it out (as vLLM and llama-server
+    do); a model the request names is checked by the route."""
+    if body.model is None:
+        body.model = state.model_name
+    return body.model
 
 
 def with_defaults(config: dict, body, params):

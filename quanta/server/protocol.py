@@ -151,7 +151,8 @@ class SamplingRequest(FieldRule, NoEffect, NullMeansDefault):
 
     NO_EFFECT = NO_EFFECT_FIELDS
 
-    model: str
+    #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
+    model: str | None = None
     temperature: number(ge=0.0, le=2.0) = 1.0
     top_p: number(gt=0.0, le=1.0) = 1.0
     top_k: integer(ge=-1) = 0

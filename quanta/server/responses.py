@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quanta.engine.async_engine import RequestStream
 from quanta.server.chat import chat_prompt, constrain
-from quanta.server.defaults import output_cap, with_defaults
+from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.field_rule import log_fields
 from quanta.server.live_log import label_request
 from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
@@ -240,7 +240,7 @@ def router(state: ServerState) -> APIRouter:
 
     @routes.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        check_model(state, body.model)
+        check_model(state, served_model(state, body))
         log_fields("/v1/responses", body)
         tools = body.chat_tools() if body.tool_choice != "none" else []
         prompt = await chat_prompt(state, body.messages(), tools or None)

@@ -141,7 +141,8 @@ class ResponsesRequest(FieldRule, NoEffect):
 
     DOCUMENTED = OPENAI_RESPONSES
     NO_EFFECT = NO_EFFECT_FIELDS | {"include", "reasoning"}
-    model: str
+    #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
+    model: str | None = None
     input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[AnyTool] | None = None
