@@ -267,3 +267,49 @@ def test_bench_sends_the_first_key_of_a_key_list(monkeypatch):
     assert auth_headers()["x-api-key"] == "solo"
     monkeypatch.delenv(API_KEY_ENV)
     assert auth_headers() == {}
+
+
+# --- a server that wants a key, and the report on the terminal ---
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def want_key(request, call_next):
+        if request.headers.get("authorization") != "Bearer sesame":
+            return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error"}}, status_code=401)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "keyed", "object": "model"}]}
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "keyed server did not start"
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_a_keyed_server_gets_the_api_key_hint_and_report_prints_by_default(keyed_server, tmp_path, capsys, monkeypatch):
+    from quanta.server import API_KEY_ENV
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert _bench("run", "--base-url", keyed_server) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and f"set {API_KEY_ENV}=KEY" in err and "--model" not in err, err
+    prefix = tmp_path / "bench_keyed"
+    assert _bench("run", "--base-url", keyed_server, "--model", "keyed", "--num-requests", "2", "--repeats", "1",
+                  "--warmup", "0", "--no-progress", "--no-plots", "--out", str(prefix)) == 1
+    err = capsys.readouterr().err
+    assert "every request failed (http_401" in err and f"set {API_KEY_ENV}=KEY" in err, err
+    assert _bench("report", str(prefix.with_suffix(".json"))) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# quanta bench report") and "**http_401** x2" in out, out[:500]

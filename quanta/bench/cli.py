@@ -111,7 +111,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     rep = bsub.add_parser("report", help="recompute figures and write the report from result JSON files")
     register_once(rep)
     rep.add_argument("results", nargs="+", help="PREFIX.json files of bench run/sweep (conditions are merged)")
-    rep.add_argument("--out", required=True, help="output prefix")
+    rep.add_argument("--out", help="output prefix: write PREFIX.json, .md and the plots (default: print the report)")
     rep.add_argument("--baseline", help="condition name for throughput ratios")
     rep.add_argument("--title", help="report title")
     rep.add_argument("--no-plots", dest="plots", action="store_false")
@@ -194,7 +194,10 @@ def _run(args, parser, argv) -> int:
     _finish(doc, args, args.title or f"quanta bench run: {name}")
     if all(r["metrics"]["client"]["num_ok"] == 0 for r in cond["runs"]):
         first = next((s for r in cond["runs"] for s in r["samples"] if s["error"]), None)
-        _say(f"quanta bench: error: every request failed ({first['error']}: {first['error_detail']})" if first else
+        from quanta.bench.runner import key_hint
+
+        hint = f"; {key_hint(first['error'])}" if first and key_hint(first["error"]) else ""
+        _say(f"quanta bench: error: every request failed ({first['error']}: {first['error_detail']}){hint}" if first else
              "quanta bench: error: no request was sent")
         return 1
     return 0
@@ -268,6 +271,9 @@ def _report(args, parser) -> int:
             parser.error(f"--baseline {args.baseline!r} is not a condition of these results")
         doc["baseline"] = args.baseline
     output.recompute(doc)
+    if not args.out:  # the report to the terminal; files only where asked for
+        print(output.markdown(doc, {}, args.title or "quanta bench report"))
+        return 0
     _finish(doc, args, args.title or "quanta bench report")
     return 0
 

@@ -56,6 +56,16 @@ def auth_headers(admin: bool = False) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", "x-api-key": key} if key else {}
 
 
+#: what to do when a server refuses the bench's requests for want of a key
+KEY_HINT = (f"the server wants an API key: set {API_KEY_ENV}=KEY in the environment (quanta bench sends it as "
+            f"'Authorization: Bearer KEY'; {ADMIN_KEY_ENV} for /v1/config, /v1/trace and /metrics)")
+
+
+def key_hint(status: int | str | None) -> str:
+    """:data:`KEY_HINT` for an HTTP 401 or 403 (``401`` or ``http_401``), else ``""``."""
+    return KEY_HINT if str(status).removeprefix("http_") in ("401", "403") else ""
+
+
 def discover_model(base_url: str, timeout: float = 10.0) -> str:
     """The first model id of ``GET /v1/models``.
 
@@ -68,6 +78,8 @@ def discover_model(base_url: str, timeout: float = 10.0) -> str:
             r = c.get(url)
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    if key_hint(r.status_code):
+        raise ServerError(f"{url} answered HTTP {r.status_code}: {key_hint(r.status_code)}")
     try:
         return r.json()["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
