@@ -22,11 +22,13 @@ import uuid
 from typing import Literal
 
 import anthropic
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
 
 from quanta.engine.output import RequestOutput
+from quanta.server.access import AccessPolicy, RequestGate
 from quanta.server.field_rule import ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, resembles
 from quanta.server.tools import HermesParser
 from quanta.server.tools_stream import tool_stream
@@ -283,6 +285,34 @@ def test_chat_forced_tool_choice_with_response_format_makes_the_call(server, too
     assert call.function.name == "read_file" and set(json.loads(call.function.arguments)) == {"path"}
 
 
+#: a tool whose parameters use ``oneOf`` of object branches (as an agent's first tool does), which
+#: llguidance cannot enforce as such: enforced as ``anyOf``
+TODO_WRITE = {"type": "function", "function": {
+    "name": "todo_write", "description": "Change the todo list",
+    "parameters": {"type": "object", "required": ["change"], "additionalProperties": False, "properties": {"change": {
+        "oneOf": [{"type": "object", "required": ["clear"], "properties": {"clear": {"type": "boolean"}}},
+                  {"type": "object", "required": ["add"], "properties": {"add": {"type": "string", "maxLength": 20}}}]}}}}}
+
+
+def test_qwen_code_shaped_stream_with_a_one_of_tool_schema_is_served(server):
+    """Qwen Code's first request: a system prompt, streamed with usage, tools (one with ``oneOf``) and an
+    8,000-token cap past the context's room (clamped). A forced call's arguments take one branch."""
+    client = openai_client(server)
+    stream = client.chat.completions.create(
+        model=server.model, stream=True, stream_options={"include_usage": True}, max_tokens=8000, temperature=0,
+        messages=[{"role": "system", "content": "You are Qwen Code, an interactive CLI agent."},
+                  {"role": "user", "content": "Plan the work."}], tools=[READ_FILE, TODO_WRITE])
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens <= SESSION_MAX_MODEL_LEN
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    forced = client.chat.completions.create(
+        model=server.model, max_tokens=60, temperature=0, messages=[{"role": "user", "content": "Clear the todo list."}],
+        tools=[TODO_WRITE], tool_choice={"type": "function", "function": {"name": "todo_write"}}, parallel_tool_calls=False)
+    (call,) = forced.choices[0].message.tool_calls
+    change = json.loads(call.function.arguments)["change"]
+    assert isinstance(change.get("clear"), bool) or isinstance(change.get("add"), str), change
+
+
 def test_chat_typo_is_a_400_and_documented_or_unknown_fields_are_logged(server):
     client = openai_client(server)
     ask = dict(model=server.model, messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
@@ -296,6 +326,103 @@ def test_chat_typo_is_a_400_and_documented_or_unknown_fields_are_logged(server):
     completion_extra = marker()
     client.completions.create(model=server.model, prompt="Hi", max_tokens=1, extra_body=completion_extra)
     assert "POST /v1/completions: unknown, ignored:" in log_line(server, completion_extra)
+
+
+# --------------------------------------------------------------------------- output caps past the context
+
+SESSION_MAX_MODEL_LEN = 512  # the session server's --max-model-len (conftest)
+ROOM = 6  # output tokens the prompts below leave in the context
+FAR_TOO_MANY = 32_000  # opencode's and Claude Code's output cap
+
+
+def _filler(words: int) -> str:
+    return "Count on: " + " one" * words
+
+
+def _fit(measure) -> str:
+    """Filler text whose prompt (``measure(text)`` tokens) leaves exactly :data:`ROOM` tokens in the context."""
+    target, words = SESSION_MAX_MODEL_LEN - ROOM, 400
+    for _ in range(4):
+        n = measure(_filler(words))
+        if n == target:
+            return _filler(words)
+        words += target - n
+    raise AssertionError(f"no filler gives a {target}-token prompt (last {n})")
+
+
+def test_chat_and_completions_clamp_max_tokens_to_the_room_left(server):
+    """An output cap past the room the prompt leaves is clamped to that room (no 400), streamed or not;
+    the answer ends as a length finish at exactly max_model_len tokens."""
+    client = openai_client(server)
+    ask = lambda text, n, **kw: client.chat.completions.create(  # noqa: E731
+        model=server.model, messages=[{"role": "user", "content": text}], max_tokens=n, temperature=0,
+        extra_body={"ignore_eos": True}, **kw)
+    text = _fit(lambda t: ask(t, 1).usage.prompt_tokens)
+    reply = ask(text, FAR_TOO_MANY)
+    assert reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (SESSION_MAX_MODEL_LEN - ROOM, ROOM)
+    chunks = list(ask(text, FAR_TOO_MANY, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == ROOM
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    ids = [1000 + i for i in range(SESSION_MAX_MODEL_LEN - ROOM)]
+    done = client.completions.create(model=server.model, prompt=ids, max_tokens=FAR_TOO_MANY, extra_body={"ignore_eos": True})
+    assert (done.choices[0].finish_reason, done.usage.completion_tokens) == ("length", ROOM)
+
+
+def test_responses_clamps_max_output_tokens_to_the_room_left(server):
+    client = openai_client(server)
+    ask = lambda text, n: client.responses.create(  # noqa: E731
+        model=server.model, input=text, max_output_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    text = _fit(lambda t: ask(t, 16).usage.input_tokens)  # 16: the least max_output_tokens
+    reply = ask(text, FAR_TOO_MANY)
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (SESSION_MAX_MODEL_LEN - ROOM, ROOM)
+    assert reply.max_output_tokens == FAR_TOO_MANY  # the response echoes what was asked
+
+
+def test_anthropic_clamps_max_tokens_to_the_room_left(server):
+    client = claude(server)
+    messages = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    text = _fit(lambda t: client.messages.count_tokens(model=server.model, messages=messages(t)).input_tokens)
+    for stream in (False, True):
+        if stream:
+            with client.messages.stream(model=server.model, max_tokens=FAR_TOO_MANY, extra_body={"temperature": 0},
+                                        messages=messages(text)) as s:
+                reply = s.get_final_message()
+        else:
+            reply = client.messages.create(model=server.model, max_tokens=FAR_TOO_MANY, extra_body={"temperature": 0},
+                                           messages=messages(text))
+        prompt = reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+        assert reply.stop_reason == "max_tokens"
+        assert (prompt, reply.usage.output_tokens) == (SESSION_MAX_MODEL_LEN - ROOM, ROOM)
+
+
+@pytest.mark.parametrize("words", [SESSION_MAX_MODEL_LEN, 2 * SESSION_MAX_MODEL_LEN])
+def test_a_prompt_that_leaves_no_room_is_a_400_naming_the_limit(server, words):
+    with pytest.raises(anthropic.BadRequestError, match=f"at most {SESSION_MAX_MODEL_LEN - 1} fit"):
+        claude(server).messages.create(model=server.model, max_tokens=1, messages=[{"role": "user", "content": _filler(words)}])
+    with pytest.raises(openai.BadRequestError, match=f"at most {SESSION_MAX_MODEL_LEN - 1} fit"):
+        openai_client(server).chat.completions.create(model=server.model, max_tokens=1,
+                                                      messages=[{"role": "user", "content": _filler(words)}])
+
+
+def test_claude_code_s_reachability_probe_is_answered_without_a_key(server):
+    """``HEAD /api/hello`` (no key) comes before Claude Code's first request: 200, also where keys are set."""
+    assert httpx.head(server.base_url + "/api/hello", timeout=30).status_code == 200
+    assert httpx.get(server.base_url + "/api/hello", timeout=30).json() == {"status": "ok"}
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    gate = RequestGate(app, AccessPolicy(api_keys=("sk-1",)))
+    for path in ("/api/hello", "/v1/models"):
+        asyncio.run(gate({"type": "http", "path": path, "method": "HEAD", "headers": []}, None, _ignore))
+    assert reached == ["/api/hello"]
+
+
+async def _ignore(message) -> None:
+    pass
 
 
 # --------------------------------------------------------------------------- the rule itself

@@ -60,7 +60,10 @@ from quanta.engine.grammar_bounds import MAX_GRAMMAR_CHARS, GrammarTooLarge, che
 
 #: JSON generated under a grammar has no free whitespace: a small model would
 #: otherwise fill max_tokens with newlines (llguidance's option, see its docs/json_schema.md).
-_JSON_OPTIONS = {"whitespace_flexible": False}
+#: ``oneOf`` is enforced as ``anyOf`` (llguidance cannot check that exactly one branch
+#: matches): agents' tool schemas use it (Qwen Code's first tool), and refusing the
+#: schema would refuse the agent; an answer matches at least one branch.
+_JSON_OPTIONS = {"whitespace_flexible": False, "coerce_one_of": True}
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (:mod:`quanta.server.chat`), ``POST /v1/responses``
 (:mod:`quanta.server.responses`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`). Served
-here: ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text),
+here: ``GET /v1/models``, ``GET /health`` (and ``/api/hello``, Claude Code's
+probe), ``GET /metrics`` (Prometheus text),
 ``GET /v1/config`` (effective scheduling values) and ``GET /v1/trace`` (step
 records, for the bench's server-side ITL; paged: ``since``, ``limit``, at most
 :data:`TRACE_PAGE_RECORDS` records and about :data:`TRACE_PAGE_BYTES` a page).
@@ -76,6 +77,10 @@ def _service_router(state: ServerState) -> APIRouter:
     async def health() -> Response:
         if not state.async_engine.alive:
             return JSONResponse({"status": "error", "message": "engine thread stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.api_route("/api/hello", methods=["GET", "HEAD"])
+    async def hello() -> Response:  # Claude Code's reachability probe of ANTHROPIC_BASE_URL
         return JSONResponse({"status": "ok"})
 
     @router.get("/metrics")
