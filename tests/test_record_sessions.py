@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import anthropic
 import httpx
@@ -24,15 +25,15 @@ from quanta.cli import main
 MARK = "zebraquartz"  # a word of every prompt: the file must not contain it without --record-text
 
 
-@pytest.fixture(scope="module")
-def recorded(server, tmp_path_factory):
-    """Record a few agent sessions through ``quanta record``; returns (file, what the clients saw)."""
-    out = tmp_path_factory.mktemp("record") / "agent.jsonl"
+@contextmanager
+def recording(server, out):
+    """``quanta record`` in front of ``server``, writing ``out``; yields its base URL and then its log text."""
     port = free_port()
     log = out.with_suffix(".log")
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "quanta.cli", "record", "--upstream", server.base_url, "--out", str(out),
                                  "--port", str(port)], stdout=f, stderr=subprocess.STDOUT)
+    done = {}
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180  # the CLI imports torch: slow on a busy machine
@@ -44,13 +45,50 @@ def recorded(server, tmp_path_factory):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        seen = _agents(base, server.model, out)
+        yield base, done
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()
-    assert "wrote 8 requests of 4 sessions" in log.read_text()
+    done["log"] = log.read_text()
+
+
+@pytest.fixture(scope="module")
+def recorded(server, tmp_path_factory):
+    """Record a few agent sessions through ``quanta record``; returns (file, what the clients saw)."""
+    out = tmp_path_factory.mktemp("record") / "agent.jsonl"
+    with recording(server, out) as (base, done):
+        seen = _agents(base, server.model, out)
+    assert "wrote 8 requests of 4 sessions" in done["log"]
     return out, seen
+
+
+def test_record_writes_responses_requests_and_their_relation(server, tmp_path):
+    """A Codex-style Responses session (instructions, then the first turn's items resent with a function call
+    and its output), streamed and not: each request's line with the upstream's usage, the second extending the first."""
+    out = tmp_path / "codex.jsonl"
+    with recording(server, out) as (base, done):
+        oc = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        first = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"List the files. {MARK}"}]}]
+        events = list(oc.responses.create(model=server.model, instructions="You are Codex.", input=first,
+                                          max_output_tokens=16, temperature=0, stream=True))
+        final = events[-1].response
+        text = final.output[0].content[0].text
+        second = first + [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]},
+                          {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"cmd": "ls"}'},
+                          {"type": "function_call_output", "call_id": "c1", "output": "README.md"}]
+        again = oc.responses.create(model=server.model, instructions="You are Codex.", input=second, max_output_tokens=16,
+                                    temperature=0)
+    assert "wrote 2 requests of 1 sessions" in done["log"]
+    _, (a, b) = _records(out)
+    assert (a["api"], a["path"], a["stream"], a["max_tokens"], a["status"], a["complete"]) == (
+        "responses", "/v1/responses", True, 16, 200, True)
+    assert (a["prompt_tokens"], a["completion_tokens"]) == (final.usage.input_tokens, final.usage.output_tokens)
+    assert a["finish_reason"] == (final.incomplete_details.reason if final.incomplete_details else final.status)
+    assert (b["prompt_tokens"], b["completion_tokens"], b["stream"]) == (again.usage.input_tokens, again.usage.output_tokens, False)
+    assert (b["session"], b["turn"], b["parent"], b["extends"]) == (a["session"], 1, a["id"], True)
+    assert [s["role"] for s in b["segments"]] == ["function_call", "function_call_output"]
+    assert MARK not in out.read_text()
 
 
 def _agents(base: str, model: str, out) -> dict:
@@ -224,7 +262,15 @@ def test_observed_parses_streams_split_anywhere():
                      b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
                      b'"usage":{"output_tokens":1}}\n\n'
                      b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
-    for raw, expected in [(openai_sse, ("Hello", 7, 2, 4, "length")), (anthropic_sse, ("Hi", 8, 1, 5, "max_tokens"))]:
+    responses_sse = (b'event: response.created\ndata: {"type":"response.created","response":{"status":"in_progress",'
+                     b'"usage":null}}\n\n'
+                     b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"Hel"}\n\n'
+                     b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"lo"}\n\n'
+                     b'event: response.incomplete\ndata: {"type":"response.incomplete","response":{"status":"incomplete",'
+                     b'"incomplete_details":{"reason":"max_output_tokens"},"usage":{"input_tokens":9,'
+                     b'"input_tokens_details":{"cached_tokens":6},"output_tokens":2,"total_tokens":11}}}\n\n')
+    for raw, expected in [(openai_sse, ("Hello", 7, 2, 4, "length")), (anthropic_sse, ("Hi", 8, 1, 5, "max_tokens")),
+                          (responses_sse, ("Hello", 9, 2, 6, "max_output_tokens"))]:
         obs = Observed("chat")
         obs.sse = True
         for i in range(0, len(raw), 7):  # 7-byte pieces cut lines and JSON in half
@@ -246,6 +292,12 @@ def test_observed_parses_streams_split_anywhere():
     obs.feed(b'{"choices":[{"message":{"content":"Yes"},"finish_reason":"stop"}],"usage":{"prompt_tokens":4,"completion_tokens":1}}', 1.0)
     obs.close(2.0)
     assert (obs.reply(), obs.prompt_tokens, obs.first, obs.ended) == ("Yes", 4, 2.0, True)
+    obs = Observed("responses")  # a Responses JSON body: its message's text, usage with cached tokens, status
+    obs.feed(b'{"object":"response","status":"completed","incomplete_details":null,"output":[{"type":"function_call",'
+             b'"arguments":"{}"},{"type":"message","content":[{"type":"output_text","text":"Yes"}]}],'
+             b'"usage":{"input_tokens":5,"input_tokens_details":{"cached_tokens":3},"output_tokens":1}}', 1.0)
+    obs.close(2.0)
+    assert (obs.reply(), obs.prompt_tokens, obs.cached_tokens, obs.finish, obs.ended) == ("Yes", 5, 3, "completed", True)
 
 
 def test_record_text_keeps_text_and_the_replay_sends_it(tmp_path):

@@ -4,7 +4,7 @@ Point an agent at the proxy instead of its server (OpenAI ``base_url``
 ``http://HOST:PORT/v1``, Anthropic ``http://HOST:PORT``). Every request goes
 to the upstream unchanged and every response comes back byte for byte as the
 upstream streams it (FastAPI + httpx, no buffering of SSE). For each
-``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/messages`` the
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/messages`` the
 proxy writes one line to FILE (see :mod:`quanta.bench.sessions`): arrival
 and end time, time to first token, the upstream's token counts, the prefix
 relation to earlier requests (:mod:`quanta.bench.relation`) and the status.
@@ -34,7 +34,10 @@ if TYPE_CHECKING:  # the proxy's web stack is imported when it runs: ``quanta --
     from fastapi.responses import JSONResponse
 
 #: recorded routes -> API name
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+          "/v1/messages": "messages"}
+#: the API's segments of a request body (:mod:`quanta.bench.relation`); completions take the prompt string
+SEGMENTS = {"chat": relation.chat_segments, "responses": relation.responses_segments, "messages": relation.anthropic_segments}
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "upgrade",
         "proxy-connection", "te", "trailer"}
 
@@ -100,7 +103,10 @@ class Observed:
             self.prompt_tokens = u.get("prompt_tokens")
             self.completion_tokens = u.get("completion_tokens", self.completion_tokens)
             self.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", self.cached_tokens)
-        if "input_tokens" in u:  # Anthropic: input + cache reads + cache writes = the prompt
+        if "input_tokens" in u and "input_tokens_details" in u:  # Responses: input tokens include cached ones
+            self.prompt_tokens = u["input_tokens"]
+            self.cached_tokens = (u.get("input_tokens_details") or {}).get("cached_tokens", self.cached_tokens)
+        elif "input_tokens" in u:  # Anthropic: input + cache reads + cache writes = the prompt
             read = u.get("cache_read_input_tokens") or 0
             self.prompt_tokens = u["input_tokens"] + read + (u.get("cache_creation_input_tokens") or 0)
             self.cached_tokens = read
@@ -128,6 +134,24 @@ class Observed:
         elif kind == "message" and whole:
             self._text(relation._text([b for b in obj.get("content") or [] if isinstance(b, dict) and b.get("type") == "text"]), now)
             self.finish = obj.get("stop_reason") or self.finish
+        elif kind == "response.output_text.delta":  # Responses stream
+            self._text(obj.get("delta"), now)
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            self._response(obj.get("response") or {}, now, whole=False)
+            self.ended = True
+        elif obj.get("object") == "response" and whole:
+            self._response(obj, now, whole=True)
+
+    def _response(self, r: dict, now: float, whole: bool) -> None:
+        """A Responses ``response`` object: usage, finish (the incomplete reason or the status) and, whole, its text."""
+        if not isinstance(r, dict):
+            return
+        self._usage(r.get("usage"))
+        self.finish = (r.get("incomplete_details") or {}).get("reason") or r.get("status") or self.finish
+        if whole:
+            parts = [c for item in r.get("output") or [] if isinstance(item, dict) and item.get("type") == "message"
+                     for c in item.get("content") or [] if isinstance(c, dict) and c.get("type") == "output_text"]
+            self._text(relation._text(parts), now)
 
     def reply(self) -> str:
         return "".join(self.pieces)
@@ -163,10 +187,9 @@ class Recorder:
             prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
             entry, rel = self.tracker.begin(t, prompt=prompt)
         else:
-            segs = relation.chat_segments(body) if api == "chat" else relation.anthropic_segments(body)
-            entry, rel = self.tracker.begin(t, segs=segs)
+            entry, rel = self.tracker.begin(t, segs=SEGMENTS[api](body))
         meta = {"api": api, "path": path, "model": body.get("model"), "stream": bool(body.get("stream")),
-                "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens")}
+                "max_tokens": body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")}
         self.pending[entry.id] = (entry, rel, meta)
         return entry.id
 

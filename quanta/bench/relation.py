@@ -1,7 +1,8 @@
 """The prefix relation between an agent's requests, computed as they pass the recorder.
 
-A request is cut into *segments*: the system prompt, then one per message
-(chat and Anthropic Messages), or pieces of the prompt string (completions).
+A request is cut into *segments*: the system prompt (Responses:
+``instructions``), then one per message (chat and Anthropic Messages) or input
+item (Responses), or pieces of the prompt string (completions).
 Each earlier request's *context* is its segments followed by its reply. A new
 request's parent is the earlier context sharing the longest leading run of
 equal segments with it (ties: the most recent); see
@@ -64,6 +65,22 @@ def anthropic_segments(body: dict) -> list[Seg]:
     for m in body.get("messages") or []:
         if isinstance(m, dict):
             out.append(seg(str(m.get("role", "user")), _text(m.get("content"))))
+    return out
+
+
+def responses_segments(body: dict) -> list[Seg]:
+    """OpenAI Responses ``instructions`` + ``input`` -> segments: a message item by its role, any
+    other item (function call, its output, reasoning) by its type, with its call id and name in the key."""
+    out = [seg("system", _text(body["instructions"]))] if body.get("instructions") else []
+    items = body.get("input")
+    for item in [{"role": "user", "content": items}] if isinstance(items, str) else items or []:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type", "message") == "message":
+            out.append(seg(str(item.get("role", "user")), _text(item.get("content"))))
+        else:
+            text = item.get("output") if "output" in item else item.get("arguments", item.get("content"))
+            out.append(seg(str(item["type"]), _text(text), [item.get("call_id"), item.get("name"), item.get("namespace")]))
     return out
 
 
