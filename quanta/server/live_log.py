@@ -56,7 +56,7 @@ class LiveLog:
         self.num_running, self.num_waiting, self.num_slots, self.clock = num_running, num_waiting, num_slots, clock
         self._lock = threading.Lock()
         self._prompt = self._generated = 0  # since the last stats line
-        self._since = clock()
+        self._since = self._last_step_end = clock()
         self._queried = self._hits = 0  # prefix cache, since start, in prompt tokens
         self._first: dict[int, float] = {}  # seq_id -> first token's time
         self._labels: dict[int, tuple[str, str]] = {}
@@ -70,6 +70,7 @@ class LiveLog:
         with self._lock:
             self._prompt += prompt
             self._generated += sum(rec.num_emitted)
+            self._last_step_end = rec.end
 
     def observe_output(self, out: RequestOutput) -> None:
         """Note a request's first token; write its line when it finished (if its route named it)."""
@@ -121,24 +122,27 @@ class LiveLog:
             prompt, generated, self._prompt, self._generated = self._prompt, self._generated, 0, 0
             queried, hits = self._queried, self._hits
             span, self._since = max(now - self._since, 1e-9), now
+            quiet = now - self._last_step_end
         if not (running or waiting or prompt or generated):
             return None
         return {
             "prompt_tok_s": round(prompt / span, 1), "generation_tok_s": round(generated / span, 1),
             "running": running, "waiting": waiting, "kv_slots_used": running, "kv_slots": self.num_slots,
             "prefix_cache_hit_rate": round(hits / queried, 4) if queried else None, "interval_s": round(span, 2),
+            # a step still running (a long prefill chunk): seconds since the last one ended, while requests run
+            "step_running_s": round(quiet, 1) if running and quiet >= span else None,
         }
 
     def write_stats(self) -> None:
         fields = self.stats_fields()
         if fields is None:
             return
-        rate = fields["prefix_cache_hit_rate"]
+        rate, busy = fields["prefix_cache_hit_rate"], fields["step_running_s"]
         stats_log.info(
-            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV slots %d/%d in use, prefix cache hits %s",
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV slots %d/%d in use, prefix cache hits %s%s",
             fields["prompt_tok_s"], fields["generation_tok_s"], fields["running"], fields["waiting"],
             fields["kv_slots_used"], fields["kv_slots"], "-" if rate is None else f"{rate:.1%}",
-            extra={"fields": fields})
+            "" if busy is None else f"; a step has run for {busy:.1f} s", extra={"fields": fields})
 
     async def run(self, interval: float) -> None:
         """Write the stats line every ``interval`` seconds (while anything happened) until cancelled."""
