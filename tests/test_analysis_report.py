@@ -56,3 +56,15 @@ def test_main_table_baseline_frontier_and_invalid_rows():
     assert "**continuous K=1**" in front and "**static**" in front and "chunked" not in front
     assert "p99 ITL 300.00 (250.00-350.00) ms" in front
     assert "| foreign | n/a | n/a | n/a | n/a |" in rates_table(conds)
+
+
+def test_frontier_line_needs_two_points():
+    """A one-condition frontier is a point: the plot draws no line and no legend entry for one."""
+    from quanta.analysis.plots import frontier_line
+
+    def cond(name, throughput, p99):
+        return {"name": name, "figures": [{"throughput": throughput, "itl_p99": p99}]}
+
+    assert frontier_line([cond("only", 100.0, 0.05)]) == []
+    assert frontier_line([cond("a", 100.0, 0.05), cond("b", 50.0, 0.08)]) == []  # b is dominated
+    assert frontier_line([cond("fast", 200.0, 0.09), cond("a", 100.0, 0.05), cond("b", 50.0, 0.08)]) == [(100.0, 0.05), (200.0, 0.09)]

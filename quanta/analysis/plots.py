@@ -34,6 +34,15 @@ def _vals(c: dict, k: str) -> list[float]:
     return [f.get(k) for f in c.get("figures", []) if f.get(k) is not None]
 
 
+def frontier_line(conditions: list[dict]) -> list[tuple[float, float]]:
+    """``(throughput, p99 ITL)`` of the Pareto frontier's conditions in throughput order, where
+    there are two or more of them; one point is no line (and gets no legend entry): []."""
+    points = frontier_points(conditions)
+    front = pareto_frontier(points)
+    line = sorted((t, p) for n, t, p in points if n in front)
+    return line if len(line) > 1 else []
+
+
 def frontier_plot(conditions: list[dict], path: str, title: str = "") -> None:
     """Throughput (x, tok/s) against p99 ITL (y, ms), median with IQR bars per
     condition; the Pareto frontier drawn as a line."""
@@ -50,9 +59,8 @@ def frontier_plot(conditions: list[dict], path: str, title: str = "") -> None:
         ax.errorbar(t[0], p[0] * 1e3, xerr=[[t[0] - t[1]], [t[2] - t[0]]], yerr=[[(p[0] - p[1]) * 1e3], [(p[2] - p[0]) * 1e3]],
                     fmt="o" if on else "s", color="C3" if on else "C0", capsize=3, alpha=0.9)
         ax.annotate(c["name"], (t[0], p[0] * 1e3), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    pts = {n: (t, p) for n, t, p in frontier_points(conditions)}
-    line = sorted(pts[n] for n in front)
-    if line:
+    line = frontier_line(conditions)
+    if line:  # with its legend entry only where a line is drawn
         ax.plot([x for x, _ in line], [y * 1e3 for _, y in line], "--", color="C3", label="Pareto frontier")
         ax.legend()
     ax.set_xlabel("output throughput (tok/s, median over repeats, IQR bars)")
