@@ -68,3 +68,14 @@ def test_frontier_line_needs_two_points():
     assert frontier_line([cond("only", 100.0, 0.05)]) == []
     assert frontier_line([cond("a", 100.0, 0.05), cond("b", 50.0, 0.08)]) == []  # b is dominated
     assert frontier_line([cond("fast", 200.0, 0.09), cond("a", 100.0, 0.05), cond("b", 50.0, 0.08)]) == [(100.0, 0.05), (200.0, 0.09)]
+
+
+def test_lengths_table_counts_ok_requests_as_exact_outputs_does():
+    """Four finished requests, one with usage: 'requests ok' is 4 beside 'exact outputs 4/4', not 1."""
+    from quanta.bench.output import _lengths_section
+
+    samples = [{"error": None, "ignore_eos": True, "prompt_tokens": 10, "completion_tokens": 5}]
+    samples += [{"error": None, "ignore_eos": True, "prompt_tokens": 10, "completion_tokens": None} for _ in range(3)]
+    samples.append({"error": "timeout", "ignore_eos": True, "prompt_tokens": None, "completion_tokens": None})
+    row = _lengths_section({"conditions": [{"name": "c", "runs": [{"samples": samples}]}]}).splitlines()[-1]
+    assert row == "| c | 4 | 10 / 10 / 10 | 5 / 5 / 5 (1 with usage) | 4/4 |"

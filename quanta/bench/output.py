@@ -209,7 +209,11 @@ def _pooled(c: dict, key: str) -> list[int]:
 
 
 def _lengths_section(doc: dict) -> str:
-    """Per condition: the per-request prompt and output tokens (usage) pooled over repeats, min / p50 / max."""
+    """Per condition: the per-request prompt and output tokens (usage) pooled over repeats, min / p50 / max.
+
+    ``requests ok`` counts the requests that finished without error, the same ones ``exact outputs`` is
+    over; where fewer reported usage, the output column says how many it is over.
+    """
     from quanta.analysis.stats import percentile
 
     rows = ["| condition | requests ok | prompt tokens min / p50 / max | output tokens min / p50 / max | exact outputs (ignore_eos) |",
@@ -218,11 +222,12 @@ def _lengths_section(doc: dict) -> str:
         p, o = _pooled(c, "prompt_tokens"), _pooled(c, "completion_tokens")
         if not p or not o:
             continue
-        eos = [s.get("ignore_eos") for r in c["runs"] for s in r["samples"] if not s.get("error")]
-        known = [e for e in eos if e is not None]
+        ok = [s for r in c["runs"] for s in r["samples"] if not s.get("error")]
+        known = [s["ignore_eos"] for s in ok if s.get("ignore_eos") is not None]
         exact = f"{sum(known)}/{len(known)}" if known else "n/a"
         fmt = lambda xs: f"{min(xs)} / {percentile(xs, 50):g} / {max(xs)}"  # noqa: E731
-        rows.append(f"| {c['name']} | {len(o)} | {fmt(p)} | {fmt(o)} | {exact} |")
+        usage = f" ({len(o)} with usage)" if len(o) != len(ok) else ""
+        rows.append(f"| {c['name']} | {len(ok)} | {fmt(p)} | {fmt(o)}{usage} | {exact} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
