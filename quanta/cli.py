@@ -61,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         return sim_commands.main(args, parser, argv)
     try:
         engine_cfg, sched_cfg = flags.configs_from_args(args)
+        chat_template = None
         if args.command == "serve":  # a busy port is found now, not after the model loads
-            from quanta.preflight import check_listen
+            from quanta.preflight import check_listen, read_chat_template
 
             check_listen(args.host, args.port)
+            chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     except ValueError as exc:  # a value, not the command's shape: the one line, without the usage text
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     from quanta.logs import configure_logging
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                      access=flags.access_policy(args), max_connections=args.max_connections,
                      max_tokens_default=args.max_tokens_default,
                      sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
-                     log_level=args.log_level, log_format=args.log_format, stats_interval=args.stats_interval)
+                     log_level=args.log_level, log_format=args.log_format, stats_interval=args.stats_interval,
+                     chat_template=chat_template)
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

@@ -179,6 +179,9 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                        help="model id(s) clients send, as vLLM takes them: --served-model-name ID ALIAS... "
                             "(default: the model file's name; the first is the id responses report)")
+    serve.add_argument("--chat-template", metavar="FILE",
+                       help="Jinja chat template to render chat prompts with instead of the model's own "
+                            "(a file, or the template text itself)")
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                        help="tool-call format to parse and enforce (default: chosen from the model's chat template)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,

@@ -4,7 +4,9 @@
   directory with ``config.json``; a missing path that looks like a Hugging Face
   id (``owner/name``) is named as one: quanta loads local paths only;
 - ``--host``/``--port``: the address can be listened on (bound and released
-  here, so a busy port is reported before a load that may take minutes).
+  here, so a busy port is reported before a load that may take minutes);
+- ``--chat-template``: a readable file (or the template itself, as vLLM takes
+  it) that Jinja parses.
 
 Each check raises ``ValueError`` with the message the CLI prints after
 ``quanta COMMAND: error:`` (exit code 2). Standard library only.
@@ -46,6 +48,28 @@ def check_model_path(model: str) -> None:
     if head != GGUF_MAGIC:
         raise ValueError(f"--model {model}: not a GGUF file (it does not start with the GGUF magic) "
                          "nor a Hugging Face model directory")
+
+
+def read_chat_template(value: str) -> str:
+    """The Jinja text of ``--chat-template``: the file ``value`` names, else ``value`` itself when it holds
+    Jinja markup (``{{`` or ``{%``); raises ``ValueError`` when it is neither or does not parse."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it: {exc}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file (nor a Jinja template: no '{{{{' or '{{%')")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {value}: not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 def check_listen(host: str, port: int) -> None:

@@ -304,3 +304,12 @@ def test_commands_without_a_model_import_no_torch(argv):
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
+
+
+def test_a_bad_chat_template_is_one_line_before_loading(capsys, tmp_path, no_model_load):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    for value, fragment in [(str(tmp_path / "none.jinja"), "no such file"), (str(broken), "not a valid Jinja template")]:
+        code, err = main_exit(["serve", "--port", "0", "--chat-template", value], capsys)
+        assert code == 2 and err.startswith(f"quanta serve: error: --chat-template {value}: ") and err.count("\n") == 1, err
+        assert fragment in err, err

@@ -100,3 +100,21 @@ def test_a_request_without_model_is_for_the_served_model(capped, path, body, rea
     assert read(r.json()) in (capped.model, True)
     named = httpx.post(capped.base_url + path, json={**body, "model": "other"}, timeout=60)
     assert named.status_code == 404, named.text  # a model the request names is still checked
+
+
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}ANSWER:"
+
+
+def test_chat_template_flag_renders_chat_prompts(launch_server, tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    server = launch_server("--max-model-len", "512", "--chat-template", str(path))
+    try:
+        chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 1}).json()
+        plain = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                           json={"prompt": "<<Hi there>>ANSWER:", "max_tokens": 1}).json()
+        assert chat["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] < 12  # the model's own template adds ~30
+        assert httpx.get(server.base_url + "/v1/config", timeout=30).json()["chat_template_flag"] is True
+    finally:
+        server.stop()

@@ -29,7 +29,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
           tool_call_parser: str | None = None, access: AccessPolicy | None = None,
           max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
           sampling: dict | None = None, log_level: str = "info", log_format: str = "text",
-          stats_interval: float = DEFAULT_STATS_INTERVAL_S) -> int:
+          stats_interval: float = DEFAULT_STATS_INTERVAL_S, chat_template: str | None = None) -> int:
     """Serve until interrupted; returns the process exit code.
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
@@ -41,11 +41,14 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     (0: the room left); ``sampling``: ``--temperature`` / ``--top-p`` / ``--top-k`` (None: not given), over the
     checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`); ``log_level`` and ``log_format``
     (``text``/``json``) as :mod:`quanta.logs` set them up, for uvicorn's loggers too; ``stats_interval``: seconds
-    between stats lines (0: none; :mod:`quanta.server.live_log`, which also writes a line per finished request).
+    between stats lines (0: none; :mod:`quanta.server.live_log`, which also writes a line per finished request);
+    ``chat_template``: Jinja text that replaces the model's chat template (``--chat-template``).
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
     loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode)
+    if chat_template is not None:  # before the server state reads it (the tool-call parser is chosen from it)
+        loaded.tokenizer.hf.chat_template = chat_template
     engine = build_engine(loaded, engine_cfg, sched_cfg)
     engine.executor.decode_threads = default_decode_threads()  # leave a core to the event loop and local clients
     name = engine_cfg.served_model_name or loaded.name
@@ -60,6 +63,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "max_connections": connections,
         "api_key": bool(access and access.api_keys), "admin_key": bool(access and access.admin_keys),
         "cors_origins": list(access.cors_origins) if access else [],
+        "chat_template_flag": chat_template is not None,
         "max_tokens_default": max_tokens_default,
         "sampling_defaults": sampling_defaults(engine_cfg.model, sampling or {}),
     }
