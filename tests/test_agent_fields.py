@@ -381,6 +381,8 @@ def test_responses_clamps_max_output_tokens_to_the_room_left(server):
 
 
 def test_anthropic_clamps_max_tokens_to_the_room_left(server):
+    """Claude Code continues an answer cut by ``max_tokens`` (the answer resent, then larger): where the
+    context's end cut it, the stop reason says so, as Anthropic's API does."""
     client = claude(server)
     messages = lambda text: [{"role": "user", "content": text}]  # noqa: E731
     text = _fit(lambda t: client.messages.count_tokens(model=server.model, messages=messages(t)).input_tokens)
@@ -393,7 +395,7 @@ def test_anthropic_clamps_max_tokens_to_the_room_left(server):
             reply = client.messages.create(model=server.model, max_tokens=FAR_TOO_MANY, extra_body={"temperature": 0},
                                            messages=messages(text))
         prompt = reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
-        assert reply.stop_reason == "max_tokens"
+        assert reply.stop_reason == "model_context_window_exceeded"  # not max_tokens: continuing cannot fit
         assert (prompt, reply.usage.output_tokens) == (SESSION_MAX_MODEL_LEN - ROOM, ROOM)
 
 
@@ -509,7 +511,7 @@ def _streamed_kinds(text: str, on_event, close) -> list:
 def test_non_streamed_anthropic_blocks_keep_the_stream_s_order(text):
     from quanta.server.anthropic import ToolBlocks, _collect
 
-    body = json.loads(asyncio.run(_collect("msg_1", "m", _outputs(text), HermesParser())).body)
+    body = json.loads(asyncio.run(_collect("msg_1", "m", _outputs(text), HermesParser(), 64)).body)
     blocks = ToolBlocks()
     starts = [json.loads(s.split("data: ", 1)[1]) for s in _streamed_kinds(text, blocks.events, blocks.close_text)]
     streamed = [e["content_block"]["type"] for e in starts if e["type"] == "content_block_start"]

@@ -302,8 +302,8 @@ def test_anthropic_stop_reason_inside_a_call():
     stream = tool_stream(HermesParser())
     stream.feed(BROKEN_OUTPUTS[0])
     stream.finish()
-    assert _stop(out, stream.made_calls) == ("stop_sequence", "}")
-    assert _stop(out, HermesParser().parse(BROKEN_OUTPUTS[0]).made_calls) == ("stop_sequence", "}")
+    assert _stop(out, 16, stream.made_calls) == ("stop_sequence", "}")
+    assert _stop(out, 16, HermesParser().parse(BROKEN_OUTPUTS[0]).made_calls) == ("stop_sequence", "}")
 
 
 def test_responses_marks_a_cut_call_incomplete():

@@ -112,13 +112,17 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     return ids
 
 
-def _stop(out: RequestOutput, called: bool = False) -> tuple[str, str | None]:
+def _stop(out: RequestOutput, cap: int, called: bool = False) -> tuple[str, str | None]:
     """(Anthropic ``stop_reason``, ``stop_sequence``) of a finished output (``called``: it ended
-    after complete tool calls; one that ended inside a call keeps ``stop_sequence``/``max_tokens``/``end_turn``)."""
+    after complete tool calls; one that ended inside a call keeps ``stop_sequence``/``max_tokens``/``end_turn``).
+
+    A length finish short of the request's ``max_tokens`` (``cap``) is the context's end, where the
+    cap was clamped to the room left: ``model_context_window_exceeded``, as Anthropic's API says it
+    (an agent that continues an answer cut by ``max_tokens`` would resend a context already full)."""
     if called and out.finish_reason == "stop":
         return "tool_use", None
     if out.finish_reason == "length":
-        return "max_tokens", None
+        return ("max_tokens" if out.num_output_tokens >= cap else "model_context_window_exceeded"), None
     if out.stop_string is not None:
         return "stop_sequence", out.stop_string
     return "end_turn", None
@@ -133,8 +137,9 @@ def _usage(out: RequestOutput, output_tokens: int | None = None) -> dict:
     }
 
 
-def _message(msg_id: str, model: str, content: list[dict], out: RequestOutput, final: bool, called=False) -> dict:
-    stop_reason, stop_sequence = _stop(out, called) if final else (None, None)
+def _message(msg_id: str, model: str, content: list[dict], out: RequestOutput, final: bool, cap: int = 0,
+             called=False) -> dict:
+    stop_reason, stop_sequence = _stop(out, cap, called) if final else (None, None)
     return {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
         "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -146,7 +151,7 @@ def _event(kind: str, payload: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
 
 
-async def _events(msg_id: str, model: str, stream: RequestStream):
+async def _events(msg_id: str, model: str, stream: RequestStream, cap: int):
     """Anthropic's SSE events for one request (see the module docstring)."""
     first = await anext(stream)
     yield _event("message_start", {"message": _message(msg_id, model, [], first, final=False)})
@@ -159,13 +164,13 @@ async def _events(msg_id: str, model: str, stream: RequestStream):
         if out.finished:
             break
         out = await anext(stream)
-    stop_reason, stop_sequence = _stop(out)
+    stop_reason, stop_sequence = _stop(out, cap)
     yield _event("content_block_stop", {"index": 0})
     yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
     yield _event("message_stop", {})
 
 
-async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream):
+async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream, cap: int):
     """The events of a request with tools: blocks in output order (text, tool_use, ...)."""
     out = await anext(stream)
     yield _event("message_start", {"message": _message(msg_id, model, [], out, final=False)})
@@ -180,7 +185,7 @@ async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: To
         out = await anext(stream)
     for sse in blocks.close_text():
         yield sse
-    stop_reason, stop_sequence = _stop(out, tools.made_calls)
+    stop_reason, stop_sequence = _stop(out, cap, tools.made_calls)
     yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": _usage(out)})
     yield _event("message_stop", {})
 
@@ -225,7 +230,7 @@ def _error_event(message: str) -> str:
     return _event("error", anthropic_error_body(500, message))
 
 
-async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Response:
+async def _collect(msg_id: str, model: str, stream: RequestStream, parser, cap: int) -> Response:
     texts, last = [], None
     async for out in stream:
         texts.append(out.text)
@@ -233,9 +238,9 @@ async def _collect(msg_id: str, model: str, stream: RequestStream, parser) -> Re
     text = "".join(texts)
     parsed = parser.parse(text) if parser is not None else None
     if parsed is None or not parsed.calls:
-        return JSONResponse(_message(msg_id, model, [{"type": "text", "text": text}], last, final=True))
+        return JSONResponse(_message(msg_id, model, [{"type": "text", "text": text}], last, final=True, cap=cap))
     blocks = [tool_use_block(p) if isinstance(p, ToolCall) else {"type": "text", "text": p} for p in parsed.order]
-    return JSONResponse(_message(msg_id, model, blocks, last, final=True, called=parsed.made_calls))
+    return JSONResponse(_message(msg_id, model, blocks, last, final=True, cap=cap, called=parsed.made_calls))
 
 
 def router(state: ServerState) -> APIRouter:
@@ -266,8 +271,9 @@ def router(state: ServerState) -> APIRouter:
         label_request(state.metrics.live, stream, msg_id, "/v1/messages")
         parser = state.tool_parser if body.use_tools else None
         if body.stream:
-            events = _tool_events(msg_id, body.model, stream, tool_stream(parser)) if parser else _events(msg_id, body.model, stream)
+            events = (_tool_events(msg_id, body.model, stream, tool_stream(parser), body.max_tokens) if parser
+                      else _events(msg_id, body.model, stream, body.max_tokens))
             return StreamingResponse(ending_in_error(events, stream, _error_event), media_type="text/event-stream")
-        return await until_disconnect(request, _collect(msg_id, body.model, stream, parser), stream)
+        return await until_disconnect(request, _collect(msg_id, body.model, stream, parser, body.max_tokens), stream)
 
     return routes
