@@ -266,7 +266,8 @@ def router(state: ServerState) -> APIRouter:
         else:
             grammar, param = body.format_grammar(), "output_config.format"
         stream = await submit(state, request, prompt, body.max_tokens,
-                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param))
+                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param),
+                              "messages")
         msg_id = "msg_" + uuid.uuid4().hex
         label_request(state.metrics.live, stream, msg_id, "/v1/messages")
         parser = state.tool_parser if body.use_tools else None

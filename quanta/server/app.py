@@ -3,7 +3,8 @@
 Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (:mod:`quanta.server.chat`), ``POST /v1/responses``
 (:mod:`quanta.server.responses`), Anthropic's ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`). Served
+``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`), ``POST /tokenize``
+and ``POST /detokenize`` (:mod:`quanta.server.tokenize`). Served
 here: ``GET /v1/models``, ``GET /health`` (and ``/api/hello``, Claude Code's
 probe), ``GET /metrics`` (Prometheus text),
 ``GET /v1/config`` (effective scheduling values) and ``GET /v1/trace`` (step
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quanta.engine.trace import Trace
-from quanta.server import anthropic, chat, responses
+from quanta.server import anthropic, chat, responses, tokenize
 from quanta.server.access import install_access
 from quanta.server.errors import install_error_handlers
 from quanta.server.limits import Admission, BodyLimit
@@ -47,7 +48,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
     install_access(app, state.access)
     app.include_router(_service_router(state))
-    for protocol in (chat, responses, anthropic):
+    for protocol in (chat, responses, anthropic, tokenize):
         app.include_router(protocol.router(state))
     return app
 

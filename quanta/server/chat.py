@@ -129,7 +129,8 @@ async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format)
         return made[-1]
 
     max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_tokens)
-    stream = await submit(state, request, prompt, max_tokens, make_params)
+    stream = await submit(state, request, prompt, max_tokens, make_params,
+                          "messages" if isinstance(body, ChatRequest) else "prompt")
     fmt.meta = _Meta(fmt.prefix + uuid.uuid4().hex, int(time.time()), body.model)
     label_request(state.metrics.live, stream, fmt.meta.id, request.url.path)
     records = made[0].logprob_records if body.num_logprobs is not None else None

@@ -247,7 +247,8 @@ def router(state: ServerState) -> APIRouter:
         grammar, param = request_grammar(state, body, tools)
         max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_output_tokens)
         stream = await submit(state, request, prompt, max_tokens,
-                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param))
+                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param),
+                              "input")
         builder = _Builder(body, tools)
         label_request(state.metrics.live, stream, builder.id, "/v1/responses")
         parser = state.tool_parser if tools else None

@@ -71,14 +71,16 @@ def check_model(state: ServerState, model: str) -> None:
         raise APIError(404, f"model {model!r} does not exist; this server serves {served}", "model", "model_not_found")
 
 
-async def submit(state: ServerState, request: Request, prompt: list[int], max_tokens: int, make_params) -> RequestStream:
+async def submit(state: ServerState, request: Request, prompt: list[int], max_tokens: int, make_params,
+                 prompt_param: str = "prompt") -> RequestStream:
     """Check lengths, build the sampling parameters and hand the request to the engine.
 
     ``max_tokens`` larger than the room the prompt leaves in ``max_model_len``
     is clamped to that room (as llama.cpp's server does; OpenAI and vLLM
     refuse): coding agents send fixed output caps (8,000-32,000) whatever the
     context, and an output the room cut ends as a ``length`` finish. A prompt
-    that leaves no room (``max_model_len`` tokens or more) is a 400.
+    that leaves no room (``max_model_len`` tokens or more) is a 400 naming
+    ``prompt_param``, the field the prompt came from (``prompt``, ``messages``, ``input``).
 
     The length check comes first, so no grammar is compiled for a request that
     cannot run, and it is the request's only one: the engine is told it passed.
@@ -103,7 +105,7 @@ async def submit(state: ServerState, request: Request, prompt: list[int], max_to
     room = state.max_model_len - len(prompt)
     if room < 1:
         raise APIError(400, f"the prompt has {len(prompt)} tokens; at most {state.max_model_len - 1} fit "
-                            f"(max_model_len {state.max_model_len} less one token of output)")
+                            f"(max_model_len {state.max_model_len} less one token of output)", prompt_param)
     max_tokens = min(max_tokens, room)  # a cap larger than the room left is clamped to it, as llama.cpp does
     try:
         state.async_engine.check_length(len(prompt), max(max_tokens, 1))
