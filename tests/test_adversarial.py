@@ -13,6 +13,7 @@ tested in ``test_access.py``; here, that a full trace is read in bounded pages.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import sys
@@ -235,6 +236,42 @@ def test_slow_clients_cannot_take_the_connections(tmp_path):
         server.stop()
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "closed connections waiting for a request head" in log, log[-3000:]
+
+
+def test_a_served_keep_alive_connection_outlasts_new_connections_that_send_nothing(launch_server):
+    """Past ``--max-connections``, connections that never sent a request head are closed first: a client
+    that has been served keeps its idle keep-alive connection through a burst of 200 silent ones."""
+    server = launch_server("--max-model-len", "256", "--max-connections", "32")
+    host, port = server.base_url.removeprefix("http://").split(":")
+    client = http.client.HTTPConnection(host, int(port), timeout=10)  # one socket; it does not reconnect
+    silent: list[socket.socket] = []
+    try:
+        client.request("GET", "/health")
+        assert client.getresponse().read() == b'{"status":"ok"}'
+        first = client.sock
+        for _ in range(200):
+            silent.append(socket.create_connection((host, int(port)), timeout=10))
+            silent[-1].sendall(b"GET /health HTTP/1.1\r\n")  # and never the rest
+        time.sleep(0.5)  # the server has accepted them all (and closed the oldest silent ones)
+        client.request("GET", "/health")  # on a closed socket: RemoteDisconnected or a reset
+        assert client.getresponse().read() == b'{"status":"ok"}' and client.sock is first
+        closed = sum(_closed_by_server(sock) for sock in silent)
+        assert closed >= 200 - 32, f"only {closed} of the silent connections were closed"
+    finally:
+        for sock in silent:
+            sock.close()
+        client.close()
+        server.stop()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
 
 
 # 4. oversized prompts ----------------------------------------------------------------------------------------

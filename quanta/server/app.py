@@ -80,7 +80,7 @@ def _service_router(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "error", "message": "engine thread stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @router.api_route("/api/hello", methods=["GET", "HEAD"])
+    @router.api_route("/api/hello", methods=["GET", "HEAD"], operation_id="api_hello")
     async def hello() -> Response:  # Claude Code's reachability probe of ANTHROPIC_BASE_URL
         return JSONResponse({"status": "ok"})
 

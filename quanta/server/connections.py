@@ -12,9 +12,11 @@ protocol with two guards:
   response) is closed; a request in progress is never cut;
 * a connection cap (``--max-connections``, at most the descriptor limit less
   :data:`RESERVED_FDS`): past it, the connection that has waited longest for
-  a head is closed to make room, so a new client (``/health``, a normal
-  request) is always accepted and the ones dropped are the ones sending
-  nothing useful.
+  its first request head is closed to make room (an idle keep-alive
+  connection, which has completed a request, only when no such connection is
+  left), so a new client (``/health``, a normal request) is always accepted,
+  the ones dropped are the ones sending nothing useful, and a client that is
+  being served keeps its connection.
 
 Idle keep-alive connections are closed by uvicorn after 5 s. Closed
 connections and failed accepts are logged as one line per
@@ -80,7 +82,9 @@ class _RateLimitedLog:
 
 def guarded_protocol(max_connections: int, head_timeout: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the head deadline and the connection cap (module docstring)."""
-    waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()  # connections without a head yet, oldest first
+    # connections without a head yet, oldest first: those that never sent one, then idle keep-alive ones
+    fresh: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+    kept: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
     timed_out = _RateLimitedLog(f"closed connections that sent no complete request head within {head_timeout:g} s")
     evicted = _RateLimitedLog(f"closed connections waiting for a request head to stay within --max-connections "
                               f"{max_connections}")
@@ -90,9 +94,10 @@ def guarded_protocol(max_connections: int, head_timeout: float = HEAD_TIMEOUT_S)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._wait_for_head()
-            if len(self.connections) > max_connections and waiting:  # one out per one in (closing ones
-                next(iter(waiting))._drop(evicted)  # stay in the count until their connection_lost)
+            self._wait_for_head(fresh)
+            oldest = next(iter(fresh or kept), None)
+            if len(self.connections) > max_connections and oldest is not None:  # one out per one in (closing
+                oldest._drop(evicted)  # ones stay in the count until their connection_lost)
 
         def connection_lost(self, exc) -> None:
             self._head_arrived()
@@ -105,19 +110,20 @@ def guarded_protocol(max_connections: int, head_timeout: float = HEAD_TIMEOUT_S)
                 self._head_arrived()
 
         def on_response_complete(self) -> None:
-            self._wait_for_head()  # before the next pipelined request, if any, is handled
+            self._wait_for_head(kept)  # before the next pipelined request, if any, is handled
             super().on_response_complete()
 
-        def _wait_for_head(self) -> None:
+        def _wait_for_head(self, queue: OrderedDict) -> None:
             self._head_arrived()
             self._head_timer = self.loop.call_later(head_timeout, self._drop, timed_out)
-            waiting[self] = None
+            queue[self] = None
 
         def _head_arrived(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
-            waiting.pop(self, None)
+            fresh.pop(self, None)
+            kept.pop(self, None)
 
         def _drop(self, why: _RateLimitedLog) -> None:
             self._head_arrived()
