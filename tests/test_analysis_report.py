@@ -79,3 +79,34 @@ def test_lengths_table_counts_ok_requests_as_exact_outputs_does():
     samples.append({"error": "timeout", "ignore_eos": True, "prompt_tokens": None, "completion_tokens": None})
     row = _lengths_section({"conditions": [{"name": "c", "runs": [{"samples": samples}]}]}).splitlines()[-1]
     assert row == "| c | 4 | 10 / 10 / 10 | 5 / 5 / 5 (1 with usage) | 4/4 |"
+
+
+def _saved_legends(monkeypatch, draw) -> list[list[str]] | None:
+    """Run ``draw(path)`` with savefig captured: each saved figure's legend texts ([] for no legend),
+    or None where nothing was saved."""
+    from matplotlib.figure import Figure
+
+    saved: list[list[str]] = []
+
+    def capture(fig, path, **kw):
+        legend = fig.axes[0].get_legend()
+        saved.append([t.get_text() for t in legend.get_texts()] if legend else [])
+
+    monkeypatch.setattr(Figure, "savefig", capture)
+    draw("unused.png")
+    return saved or None
+
+
+def test_plots_draw_a_legend_entry_only_for_a_line_they_draw(monkeypatch):
+    """No legend for a line that is not drawn: a one-condition frontier has no Pareto line, and an
+    ITL CDF without a positive gap (tokens that arrived together) is no plot at all, not an empty
+    legend box."""
+    from quanta.analysis.plots import frontier_plot, itl_cdf_plot
+
+    one = [{"name": "only", "figures": [{"throughput": 100.0, "itl_p99": 0.05}]}]
+    two = one + [{"name": "fast", "figures": [{"throughput": 200.0, "itl_p99": 0.09}]}]
+    assert _saved_legends(monkeypatch, lambda p: frontier_plot(one, p)) == [[]]
+    assert _saved_legends(monkeypatch, lambda p: frontier_plot(two, p)) == [["Pareto frontier"]]
+    assert _saved_legends(monkeypatch, lambda p: itl_cdf_plot({"a": [0.0, 0.0]}, p)) is None
+    assert itl_cdf_plot({"a": [0.0], "b": []}, "unused.png") is False
+    assert _saved_legends(monkeypatch, lambda p: itl_cdf_plot({"a": [0.0], "b": [0.01, 0.02]}, p)) == [["b"]]

@@ -72,12 +72,16 @@ def frontier_plot(conditions: list[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def itl_cdf_plot(itl_by_condition: dict[str, list[float]], path: str, title: str = "") -> None:
-    """Empirical CDF of pooled ITL samples (seconds, plotted in ms, log x) per condition."""
+def itl_cdf_plot(itl_by_condition: dict[str, list[float]], path: str, title: str = "") -> bool:
+    """Empirical CDF of pooled ITL samples (seconds, plotted in ms, log x) per condition, one
+    line and legend entry per condition with a positive gap. False (nothing written) when no
+    condition has one: gaps of 0 (tokens that arrived together) draw nothing on a log axis."""
+    drawn = {name: sorted(x for x in xs if x > 0) for name, xs in itl_by_condition.items()}
+    if not any(drawn.values()):
+        return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for i, (name, xs) in enumerate(itl_by_condition.items()):
-        xs = sorted(x for x in xs if x > 0)
+    for i, (name, xs) in enumerate(drawn.items()):
         if not xs:
             continue
         ys = [(j + 1) / len(xs) for j in range(len(xs))]
@@ -92,6 +96,7 @@ def itl_cdf_plot(itl_by_condition: dict[str, list[float]], path: str, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def quantum_of(flags: list[str] | None) -> tuple[str, int] | None:

@@ -310,10 +310,8 @@ def write_outputs(doc: dict, prefix: Path, title: str, plots_enabled: bool = Tru
         f = prefix.with_name(prefix.name + "-frontier.png")
         plots.frontier_plot(doc["conditions"], str(f), title)
         files["throughput vs p99 ITL"] = f.name
-        itl = itl_by_condition(doc)
-        if itl:
-            f = prefix.with_name(prefix.name + "-itl-cdf.png")
-            plots.itl_cdf_plot(itl, str(f), title + ": ITL CDF")
+        f = prefix.with_name(prefix.name + "-itl-cdf.png")
+        if plots.itl_cdf_plot(itl_by_condition(doc), str(f), title + ": ITL CDF"):
             files["ITL CDF"] = f.name
         f = prefix.with_name(prefix.name + "-prefill-rate.png")
         if plots.prefill_rate_plot(doc["conditions"], str(f), title + ": prefill rate"):
