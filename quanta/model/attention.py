@@ -177,25 +177,49 @@ def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
 
 
 def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-    """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call."""
+    """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call.
+
+    A bf16 cache is first widened to float32, each sequence's positions once
+    (exact), so the rows of a chunk share one conversion instead of each row
+    converting every position it reads; the kernel computes the same bits from either."""
     from quanta.model.native_decode import default_threads
 
     rows, heads, dim = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    need = lib.attention_scratch(rows, heads, kc.shape[1], dim, batch.kv.max_len)
+    slots, kc, vc, max_len = _widened(kc, vc, batch)
+    need = lib.attention_scratch(rows, heads, kc.shape[1], dim, max_len)
     if batch._rows_scratch is None or batch._rows_scratch.numel() < need:
         batch._rows_scratch = torch.empty(need, dtype=torch.float32)
     before = lib.pool_threads()
     lib.pool_set_threads(default_threads())
     try:
         lib.attention_rows(rows, q.data_ptr(), int(q.dtype == torch.bfloat16), heads, kc.shape[1], dim,
-                           batch._write_slots.data_ptr(), batch.positions.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-                           int(kc.dtype == torch.bfloat16), kc.stride(0), kc.stride(1), batch.kv.max_len,
+                           slots.data_ptr(), batch.positions.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                           int(kc.dtype == torch.bfloat16), kc.stride(0), kc.stride(1), max_len,
                            out.data_ptr(), batch._rows_scratch.data_ptr())
     finally:
         lib.pool_set_threads(before)
     return out
+
+
+def _widened(kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch):
+    """``(slots, keys, values, max_len)`` for :func:`_attend_rows`: the cache itself when it is
+    float32; for bf16, float32 copies ``[sequences, KVH, L, D]`` of each prompt sequence's
+    positions (``L`` the longest), with each row's slot renumbered to its copy."""
+    if kc.dtype == torch.float32:
+        return batch._write_slots, kc, vc, batch.kv.max_len
+    ends = [s.start + s.num_new for _, s in batch._prefills]
+    length = max(ends)
+    keys = kc.new_empty((len(ends), kc.shape[1], length, kc.shape[3]), dtype=torch.float32)
+    values = torch.empty_like(keys)
+    slots = []
+    for i, (_, s) in enumerate(batch._prefills):
+        end = s.start + s.num_new
+        keys[i, :, :end] = kc[s.slot, :, :end]
+        values[i, :, :end] = vc[s.slot, :, :end]
+        slots += [i] * s.num_new
+    return torch.tensor(slots, dtype=torch.long), keys, values, length
 
 
 def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: SeqSlice) -> torch.Tensor:

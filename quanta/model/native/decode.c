@@ -10,6 +10,8 @@
  * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
  * else float32; the KV cache is bf16 when cache_bf16, else float32, laid out
  * [slots, kv_heads, max_len, head_dim] (element strides given); conversions in bf16.h.
+ * Consecutive rows of a sequence share the tiles of a float32 cache (attend_block); a bf16 cache
+ * is read row by row, so the Python caller widens it for attention_rows.
  *
  * Built with -O3 -march=native -ffast-math (finite values only) by quanta/model/native/__init__.py, so the
  * loops vectorize for the CPU it runs on (AVX2 or AVX-512); attention's dot products are AVX2 + FMA
@@ -79,28 +81,59 @@ static inline const float *cache_rows(const void *cache, int bf16, int64_t at, i
     return tile;
 }
 
+/* The scores of query rows q (nq rows of dim) for the 8 keys at `keys` ([8, dim]) into out[nq]:
+ * one FMA chain per query and key over dim, then hsum8; the keys are loaded once for the nq
+ * queries (nq <= SCORE_HEADS). Every score of attention comes from this or score1, so a
+ * score's bits do not depend on how many queries shared the keys. */
+#if defined(__AVX512VL__)
+#define SCORE_HEADS 3 /* 24 accumulators: AVX-512 has 32 vector registers */
+#else
+#define SCORE_HEADS 1 /* AVX2 has 16 */
+#endif
+static inline __attribute__((always_inline)) void score8(const float *q, int nq, int dim, const float *keys, __m256 *out) {
+    __m256 s[SCORE_HEADS][8];
+    for (int h = 0; h < nq; h++)
+        for (int e = 0; e < 8; e++) s[h][e] = _mm256_setzero_ps();
+    for (int c = 0; c < dim; c += 8) {
+        __m256 qc[SCORE_HEADS];
+        for (int h = 0; h < nq; h++) qc[h] = _mm256_loadu_ps(q + h * dim + c);
+        for (int e = 0; e < 8; e++) {
+            __m256 k = _mm256_loadu_ps(keys + e * dim + c);
+            for (int h = 0; h < nq; h++) s[h][e] = _mm256_fmadd_ps(qc[h], k, s[h][e]);
+        }
+    }
+    for (int h = 0; h < nq; h++) out[h] = hsum8(s[h]);
+}
+
+/* score8 for rows q_0 .. q_{group - 1}, SCORE_HEADS at a time: out[j] at scores + j * ld. */
+static inline __attribute__((always_inline)) void group_score8(const float *q, int group, int dim, const float *keys,
+                                                               float *scores, int64_t ld) {
+    __m256 out[SCORE_HEADS];
+    int j = 0;
+    for (; j + SCORE_HEADS <= group; j += SCORE_HEADS) {
+        score8(q + j * dim, SCORE_HEADS, dim, keys, out);
+        for (int h = 0; h < SCORE_HEADS; h++) _mm256_storeu_ps(scores + (j + h) * ld, out[h]);
+    }
+    for (; j < group; j++) {
+        score8(q + j * dim, 1, dim, keys, out);
+        _mm256_storeu_ps(scores + j * ld, out[0]);
+    }
+}
+
+static inline __attribute__((always_inline)) float score1(const float *q, int dim, const float *key) {
+    __m256 s = _mm256_setzero_ps();
+    for (int c = 0; c < dim; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(key + c), s);
+    return hsum(s);
+}
+
 /* scores[j][u] = q_j . keys[u] for u < n, 8 positions at a time (q: [group, dim]; keys: [n, dim];
  * scores row stride `ld`). */
 static inline __attribute__((always_inline)) void tile_scores(const float *q, int group, int dim, const float *keys, int64_t n,
                                                               float *scores, int64_t ld) {
-    for (int j = 0; j < group; j++) {
-        const float *qj = q + j * dim;
-        int64_t u = 0;
-        for (; u + 8 <= n; u += 8) {
-            __m256 s[8];
-            for (int e = 0; e < 8; e++) s[e] = _mm256_setzero_ps();
-            for (int c = 0; c < dim; c += 8) {
-                __m256 qc = _mm256_loadu_ps(qj + c);
-                for (int e = 0; e < 8; e++) s[e] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + (u + e) * dim + c), s[e]);
-            }
-            _mm256_storeu_ps(scores + j * ld + u, hsum8(s));
-        }
-        for (; u < n; u++) {
-            __m256 s = _mm256_setzero_ps();
-            for (int c = 0; c < dim; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c), _mm256_loadu_ps(keys + u * dim + c), s);
-            scores[j * ld + u] = hsum(s);
-        }
-    }
+    int64_t u = 0;
+    for (; u + 8 <= n; u += 8) group_score8(q, group, dim, keys + u * dim, scores + u, ld);
+    for (; u < n; u++)
+        for (int j = 0; j < group; j++) scores[j * ld + u] = score1(q + j * dim, dim, keys + u * dim);
 }
 
 /* out_j[0..dim) += sum_{u < n} p[j][u] vals[u] for each of the group's heads (p row stride `ld`;
@@ -123,19 +156,9 @@ static inline __attribute__((always_inline)) void tile_values(const float *p, in
     }
 }
 
-/* One KV head's group of query heads (q: float32 [group, dim], pre-scaled; dim a multiple of 8)
- * over cache positions t0..t1-1 at element offset `head`, in tiles of ATT_TILE positions:
- * out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)), float32 [group][dim + 2], for
- * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
- * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
-static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
-                                                              const void *v_cache, int bf16, int64_t head, int64_t t0,
-                                                              int64_t t1, float *scores, float *tile, float *out) {
-    int64_t len = t1 - t0;
-    for (int64_t t = t0; t < t1; t += ATT_TILE) {
-        int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        tile_scores(q, group, dim, cache_rows(k_cache, bf16, head + t * dim, n, dim, tile), n, scores + (t - t0), len);
-    }
+/* Each of the group's score rows (scores [group, len]) -> e^(s - top) in place; out[j] (float32
+ * [dim + 2]) = (0, top, sum). */
+static inline __attribute__((always_inline)) void softmax_part(float *scores, int group, int64_t len, int dim, float *out) {
     for (int j = 0; j < group; j++) {
         float *sj = scores + j * len, top = -3.402823466e38f, total = 0.0f; /* finite: built with -ffast-math */
         for (int64_t t = 0; t < len; t++) top = sj[t] > top ? sj[t] : top;
@@ -149,14 +172,37 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
         oj[dim] = top;
         oj[dim + 1] = total;
     }
+}
+
+/* One KV head's group of query heads (q: float32 [group, dim], pre-scaled; dim a multiple of 8)
+ * over cache positions t0..t1-1 at element offset `head`, in tiles of ATT_TILE positions:
+ * out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)), float32 [group][dim + 2], for
+ * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
+ * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
+static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
+                                                              const void *v_cache, int bf16, int64_t head, int64_t t0,
+                                                              int64_t t1, float *scores, float *tile, float *out) {
+    int64_t len = t1 - t0;
+    for (int64_t t = t0; t < t1; t += ATT_TILE) {
+        int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
+        tile_scores(q, group, dim, cache_rows(k_cache, bf16, head + t * dim, n, dim, tile), n, scores + (t - t0), len);
+    }
+    softmax_part(scores, group, len, dim, out);
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
         tile_values(scores + (t - t0), len, group, dim, cache_rows(v_cache, bf16, head + t * dim, n, dim, tile), n, out);
     }
 }
 
-/* float32 scratch of one part of attention_part: a tile of converted cache rows, then scores. */
-static inline int64_t part_scratch(int dim, int group, int64_t max_len) { return (int64_t)ATT_TILE * dim + group * max_len; }
+/* Prompt rows of one sequence attended together (attend_block): each tile of a float32 cache is
+ * read once for up to this many rows. */
+#define ATT_BLOCK 16
+
+/* float32 scratch of one part of attention_part: a tile of converted cache rows, then the
+ * scores of up to ATT_BLOCK rows. */
+static inline int64_t part_scratch(int dim, int group, int64_t max_len) {
+    return (int64_t)ATT_TILE * dim + (int64_t)ATT_BLOCK * group * max_len;
+}
 
 /* Attention splits every row's cache positions into ATT_PARTS parts, whatever the threads:
  * each part's (sum, top, total) is merged in part order, so a row's output depends on its
@@ -191,13 +237,80 @@ static void attend_share(const struct attention_job *j, int r, int g, int part, 
         attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
 }
 
-/* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV head. */
+/* Positions a..b-1 (within [t0, t1)) of the scores of one row (q: [group, dim]; keys of position
+ * u at keys + u dim; s: [group, t1 - t0]), computed as attend_part computes them: in groups of 8
+ * from t0 (a group starting before b may run past it), then one by one from the last full group. */
+static inline __attribute__((always_inline)) void span_scores(const float *q, int group, int dim, const float *keys,
+                                                              int64_t t0, int64_t t1, int64_t a, int64_t b, float *s) {
+    int64_t len = t1 - t0, full = t0 + len / 8 * 8, first = t0 + (a - t0 + 7) / 8 * 8;
+    for (int64_t u = first; u < b && u < full; u += 8) group_score8(q, group, dim, keys + u * dim, s + u - t0, len);
+    for (int64_t u = a > full ? a : full; u < b; u++)
+        for (int jj = 0; jj < group; jj++) s[jj * len + u - t0] = score1(q + jj * dim, dim, keys + u * dim);
+}
+
+/* Rows r0 .. r0 + R - 1 (one sequence, consecutive positions; R <= ATT_BLOCK) of a float32 cache,
+ * KV head g, share `part`: row for row the arithmetic of attend_part (the same groups of keys, the
+ * same softmax, values summed position by position in order), so the same bits; but each
+ * ATT_TILE of keys, then of values, is read once for the R rows while it is in cache.
+ * work: part_scratch (the rows' scores after the tile). */
+static inline __attribute__((always_inline)) void attend_block(const struct attention_job *j, int r0, int R, int g,
+                                                               int part, int dim, float *work) {
+    int group = j->heads / j->kv_heads;
+    int64_t t0[ATT_BLOCK], t1[ATT_BLOCK], lo = INT64_MAX, hi = 0, stride = (int64_t)group * j->max_len;
+    for (int i = 0; i < R; i++) {
+        pool_share(j->positions[r0 + i] + 1, 1, part, ATT_PARTS, &t0[i], &t1[i]);
+        lo = t0[i] < lo ? t0[i] : lo;
+        hi = t1[i] > hi ? t1[i] : hi;
+    }
+    int64_t head = j->slots[r0] * j->slot_stride + g * j->head_stride;
+    const float *keys = (const float *)j->k_cache + head, *vals = (const float *)j->v_cache + head;
+    float *scores = work + ATT_TILE * dim;
+    for (int64_t t = lo; t < hi; t += ATT_TILE)
+        for (int i = 0; i < R; i++) {
+            int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
+            const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
+            if (a < b) span_scores(q, group, dim, keys, t0[i], t1[i], a, b, scores + i * stride);
+        }
+    for (int i = 0; i < R; i++)
+        softmax_part(scores + i * stride, group, t1[i] - t0[i], dim,
+                     j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2));
+    for (int64_t t = lo; t < hi; t += ATT_TILE)
+        for (int i = 0; i < R; i++) {
+            int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
+            float *out = j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2);
+            if (a < b) tile_values(scores + i * stride + (a - t0[i]), t1[i] - t0[i], group, dim, vals + a * dim, b - a, out);
+        }
+}
+
+/* How many rows from r attend together: with a float32 cache, the following rows of r's sequence
+ * at the following positions (up to ATT_BLOCK), else 1. */
+static int block_rows(const struct attention_job *j, int r) {
+    int n = 1;
+    if (j->cache_bf16) return 1;
+    while (n < ATT_BLOCK && r + n < j->rows && j->slots[r + n] == j->slots[r] && j->positions[r + n] == j->positions[r] + n)
+        n++;
+    return n;
+}
+
+/* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV
+ * head: a float32 cache's rows by blocks (attend_block), a bf16 cache's one by one (attend_share). */
 static void attention_part(void *arg, int thread, int threads) {
     const struct attention_job *j = arg;
     float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads / j->kv_heads, j->max_len);
     for (int part = thread; part < ATT_PARTS; part += threads)
-        for (int r = 0; r < j->rows; r++)
-            for (int g = 0; g < j->kv_heads; g++) attend_share(j, r, g, part, work);
+        for (int r = 0, n; r < j->rows; r += n) {
+            n = block_rows(j, r);
+            for (int g = 0; g < j->kv_heads; g++) {
+                if (j->cache_bf16)
+                    attend_share(j, r, g, part, work);
+                else if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
+                    attend_block(j, r, n, g, part, 64, work);
+                else if (j->dim == 128)
+                    attend_block(j, r, n, g, part, 128, work);
+                else
+                    attend_block(j, r, n, g, part, j->dim, work);
+            }
+        }
 }
 
 /* Float32 scratch attention_decode and attention_rows need (elements). */

@@ -297,36 +297,37 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm512_add_ps(acc[r], accm[r]));
 }
 
+/* Q8_0, 16 columns: dpbusd takes the activations unsigned, offset by 128 (a byte's sign bit
+ * flipped), against the signed weights; the offset's share, 128 times each column's block sum
+ * (one dpbusd of ones a chunk, shared by the rows), is subtracted in int32. The integer sums, and
+ * so the bits, are those of the signed product. */
 static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                              const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
+    const __m512i ones = _mm512_set1_epi8(1);
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
-        __m512i a[8];
-        __mmask64 neg[8];
+        __m512i w[8], sum = _mm512_setzero_si512();
         for (int i = 0; i < 8; i++) {
-            __m512i w = load_pair(qs + gb0 * 256 + 32 * i, qs + gb1 * 256 + 32 * i);
-            a[i] = _mm512_abs_epi8(w);
-            neg[i] = _mm512_movepi8_mask(w);
+            w[i] = load_pair(qs + gb0 * 256 + 32 * i, qs + gb1 * 256 + 32 * i);
+            sum = _mm512_dpbusd_epi32(sum, ones, w[i]);
         }
+        /* the offset's share: 128 sum for h alone; with l, 128 (128 sum) + 128 sum = 16512 sum */
+        __m512i offset = _mm512_mullo_epi32(sum, _mm512_set1_epi32(F ? 16512 : 128));
         __m512 d = scales_pair(dd + gb0 * 8, dd + gb1 * 8);
         for (int r = 0; r < R; r++) {
             int32_t hh[8], ll[8];
             memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
             if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) { /* activations with w's sign (AVX-512 has no sign_epi8) */
-                __m512i vh = _mm512_set1_epi32(hh[i]);
-                vh = _mm512_mask_sub_epi8(vh, neg[i], _mm512_setzero_si512(), vh);
-                sh = _mm512_dpbusd_epi32(sh, a[i], vh);
-                if (!F) continue;
-                __m512i vl = _mm512_set1_epi32(ll[i]);
-                vl = _mm512_mask_sub_epi8(vl, neg[i], _mm512_setzero_si512(), vl);
-                sl = _mm512_dpbusd_epi32(sl, a[i], vl);
+            for (int i = 0; i < 8; i++) {
+                sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(hh[i] ^ (int32_t)0x80808080), w[i]);
+                if (F) sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(ll[i] ^ (int32_t)0x80808080), w[i]);
             }
-            __m512 dot = _mm512_cvtepi32_ps(F ? _mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl) : sh);
+            __m512i total = F ? _mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl) : sh;
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(total, offset));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
