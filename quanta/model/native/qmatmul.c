@@ -44,6 +44,13 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HAVE_VNNI256 1
 #endif
+/* Rows a tile computes together (each unpacked weight block used for all of them, each row's
+ * sums in registers): 8 where AVX-512 has 32 vector registers, else 4. */
+#ifdef HAVE_ZMM
+#define ROW_TILE 8
+#else
+#define ROW_TILE 4
+#endif
 
 /* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
  * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused); wide (with fine): p holds
@@ -122,14 +129,14 @@ static inline __attribute__((always_inline)) __m256i dot15(int F, const __m256i 
 #define SPLIT_M 0
 #endif
 
-/* Q4_1, 8 columns (group g) of R rows (R <= 4): out[r][8g .. 8g + 7]. The row loops unroll
+/* Q4_1, 8 columns (group g) of R rows (R <= ROW_TILE): out[r][8g .. 8g + 7]. The row loops unroll
  * (R is a constant), so each row's sums stay in registers. */
 static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                             const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int blocks = k / QK;
     const __m256i nib = _mm256_set1_epi8(0x0f);
-    __m256 acc[4], accm[4];
-#pragma GCC unroll 4
+    __m256 acc[ROW_TILE], accm[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
@@ -141,7 +148,7 @@ static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16)));
         __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16 + 8)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
             const float *x = xs + 2 * ((int64_t)r * blocks + b);
@@ -153,7 +160,7 @@ static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_
                 acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[1]), acc[r]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm256_add_ps(acc[r], accm[r]));
 }
 
@@ -179,8 +186,8 @@ static inline __attribute__((always_inline)) __m256i dot_s8(const __m256i *a, co
 static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                             const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
-    __m256 acc[4];
-#pragma GCC unroll 4
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
@@ -188,7 +195,7 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
         __m256i a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(wb + 32 * i)));
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb * 8)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
             __m256i sh = dot_s8(a, wb, h);
@@ -196,7 +203,7 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
 
@@ -212,19 +219,19 @@ static inline __attribute__((always_inline)) void q8_wide8(int R, int64_t g, int
     int blocks = k / QK;
     const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     const int16_t *a16 = (const int16_t *)p;
-    __m256 acc[4];
-#pragma GCC unroll 4
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb = g * blocks + b;
         const int8_t *wb = qs + gb * 256;
-        __m256i lo[4], hi[4];
-#pragma GCC unroll 4
+        __m256i lo[ROW_TILE], hi[ROW_TILE];
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
         for (int i = 0; i < 8; i++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * i));
             __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 int64_t a4;
                 memcpy(&a4, a16 + (int64_t)r * k + b * QK + 4 * i, 8);
@@ -234,13 +241,13 @@ static inline __attribute__((always_inline)) void q8_wide8(int R, int64_t g, int
             }
         }
         __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + gb * 8))), perm);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[r], hi[r]));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm256_permutevar8x32_ps(acc[r], perm));
 }
 #else
@@ -263,7 +270,7 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
                                                              const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
     int blocks = k / QK;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    __m512 acc[4], accm[4];
+    __m512 acc[ROW_TILE], accm[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
@@ -305,7 +312,7 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
                                                              const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
     const __m512i ones = _mm512_set1_epi8(1);
-    __m512 acc[4];
+    __m512 acc[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
@@ -392,28 +399,21 @@ static void matmul_part(void *arg, int part, int parts) {
     if (g0 >= g1) return;
     const void *qs = j->qs;
     const uint16_t *scales = j->scales;
-    for (int r0 = 0; r0 < j->rows; r0 += 4) {
-        int R = j->rows - r0 < 4 ? j->rows - r0 : 4;
+    for (int r0 = 0; r0 < j->rows; r0 += ROW_TILE) {
+        int R = j->rows - r0 < ROW_TILE ? j->rows - r0 : ROW_TILE;
         const int8_t *pr = j->p + (int64_t)r0 * 2 * k;
         const float *xr = j->xs + (int64_t)r0 * blocks * 2;
         float *o = j->acc + (int64_t)r0 * n;
+#define ROWS_CASE(kind, F, R, rows) \
+    case kind * 100 + F * 10 + R: rows(F, R, g0, g1, k, pr, xr, qs, scales, o, n); break;
+#define ROWS_CASES(kind, F, rows) \
+    ROWS_CASE(kind, F, 1, rows) ROWS_CASE(kind, F, 2, rows) ROWS_CASE(kind, F, 3, rows) ROWS_CASE(kind, F, 4, rows) \
+    ROWS_CASE(kind, F, 5, rows) ROWS_CASE(kind, F, 6, rows) ROWS_CASE(kind, F, 7, rows) ROWS_CASE(kind, F, 8, rows)
         switch (j->kind * 100 + (j->fine ? 10 : 0) + R) { /* constants, so the tile loops unroll */
-            case 401: q4_rows(0, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 402: q4_rows(0, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 403: q4_rows(0, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 404: q4_rows(0, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 411: q4_rows(1, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 412: q4_rows(1, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 413: q4_rows(1, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 414: q4_rows(1, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 801: q8_rows(0, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 802: q8_rows(0, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 803: q8_rows(0, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 804: q8_rows(0, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 811: q8_rows(1, 1, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 812: q8_rows(1, 2, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            case 813: q8_rows(1, 3, g0, g1, k, pr, xr, qs, scales, o, n); break;
-            default: q8_rows(1, 4, g0, g1, k, pr, xr, qs, scales, o, n); break;
+            ROWS_CASES(4, 0, q4_rows)
+            ROWS_CASES(4, 1, q4_rows)
+            ROWS_CASES(8, 0, q8_rows)
+            ROWS_CASES(8, 1, q8_rows)
         }
     }
     for (int r = 0; r < j->rows; r++)
