@@ -7,6 +7,7 @@ import logging
 import time
 
 import uvicorn
+import uvloop
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
@@ -90,7 +91,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                                            http=guarded_protocol(connections), log_config=uvicorn_log_config(log_format)))
     try:
-        asyncio.run(_serve(server, live, stats_interval))
+        uvloop.run(_serve(server, live, stats_interval))
     finally:
         async_engine.stop()
     return 0
