@@ -28,11 +28,19 @@ largest single prompt), wall time and exit code; ``--out PATH`` writes
 ``PATH.json`` (every request) and ``PATH.md``. Each agent's stdout/stderr,
 its requests and the server log (``quanta-serve-PORT.log``) stay under ``--workdir``.
 
+``--record DIR`` also puts ``quanta record`` (:mod:`quanta.bench.record`,
+token counts and prefix relations, no text) between the logging proxy and
+the server: agent -> logging proxy -> ``quanta record`` -> ``quanta serve``.
+Each agent's requests go to ``DIR/AGENT.jsonl`` (a sessions file for
+``quanta bench run --workload sessions``; overwritten if present), whose
+header line also names the agent, its version, the task, the server flags,
+node and the machine.
+
 Usage::
 
     python benchmarks/coding_agents.py [--agents claude-code codex opencode qwen-code]
         [--latest] [--npm-prefix DIR] [--max-model-len 17408] [--timeout 1500]
-        [--serve-args "--max-num-seqs 2"] [--task "..."] [--out /tmp/coding_agents]
+        [--serve-args "--max-num-seqs 2"] [--task "..."] [--out /tmp/coding_agents] [--record DIR]
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from quanta.bench.server import ServerProcess, free_port
+from quanta.bench.server import ServerProcess, free_port, launch
 from quanta.bench.server import start as start_quanta
 
 #: agent -> (npm package, pinned version, executable)
@@ -231,6 +239,26 @@ def start_server(args, workdir: Path) -> ServerProcess:
     return start_quanta(flags, workdir)
 
 
+def start_recorder(upstream: str, out: Path, log_dir: Path) -> ServerProcess:
+    """``quanta record --upstream upstream --out out`` on a free port, healthy once it passes ``/health`` through."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "quanta.cli", "record", "--upstream", upstream, "--out", str(out), "--port", str(port),
+           "--force"]
+    print("+ quanta record", shlex.join(cmd[4:]), flush=True)
+    base = f"http://127.0.0.1:{port}"
+    return launch(cmd, base, base + "/health", log_dir / f"quanta-record-{port}.log")
+
+
+def annotate_sessions(path: Path, meta: dict) -> int:
+    """Add ``meta`` to the header line of the sessions file ``path`` (the format allows extra header keys);
+    returns the number of requests it recorded."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    lines[0] = json.dumps({**header, **meta}, separators=(",", ":"))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(lines) - 1
+
+
 def model_id(url: str) -> str:
     models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()
     return models["data"][0]["id"]
@@ -316,23 +344,21 @@ def run_agent(name: str, version: str, args, url: str, model: str, bin_dir: Path
     (out / "command.txt").write_text(" ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items()) + " " + shlex.join(argv) + "\n")
     print(f"\n== {name} {version}: {shlex.join(argv)}", flush=True)
     before = counter(url, "quanta:prompt_tokens"), counter(url, "quanta:prefix_cache_hits")
+    recorder = None
+    if args.record:
+        recorder = start_recorder(url, args.record / f"{name}.jsonl", out)
     t0 = time.monotonic()
-    with Proxy(url, port, out / "requests.jsonl") as proxy, (out / "stdout.txt").open("w") as so, \
-            (out / "stderr.txt").open("w") as se:
-        proc = subprocess.Popen(argv, cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
-                                start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:  # timed out, or this script was stopped: the agent's whole process group goes
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        deadline = time.monotonic() + 30  # requests the agent abandoned finish their records
-        while proxy.inflight and time.monotonic() < deadline:
-            time.sleep(0.2)
-        records = list(proxy.records)
+    try:
+        code, records = _run_proxied(argv, env, repo, out, port, recorder.base_url if recorder else url, args.timeout)
+    finally:
+        if recorder is not None:  # SIGTERM: requests still running are written as incomplete, the file closed
+            recorder.stop()
+    if recorder is not None:
+        sessions_file = args.record / f"{name}.jsonl"
+        n = annotate_sessions(sessions_file, {"agent": name, "agent_package": AGENTS[name][0], "agent_version": version,
+                                              "task": args.task, "command": (out / "command.txt").read_text().strip(),
+                                              **args.record_meta})
+        print(f"   recorded {n} requests to {sessions_file}", flush=True)
     after = counter(url, "quanta:prompt_tokens"), counter(url, "quanta:prefix_cache_hits")
     result = Result(name, version, code, time.monotonic() - t0, records, int(after[0] - before[0]), int(after[1] - before[1]))
     row = result.row()
@@ -342,6 +368,28 @@ def run_agent(name: str, version: str, args, url: str, model: str, bin_dir: Path
     if code != 0:
         print("   stderr:", (out / "stderr.txt").read_text()[-1500:].strip(), flush=True)
     return result
+
+
+def _run_proxied(argv: list[str], env: dict, repo: Path, out: Path, port: int, upstream: str,
+                 timeout: float) -> tuple[int | None, list[Record]]:
+    """Run the agent against the logging proxy on ``port`` (forwarding to ``upstream``); returns its exit code
+    (None: timed out) and the proxy's records."""
+    with Proxy(upstream, port, out / "requests.jsonl") as proxy, (out / "stdout.txt").open("w") as so, \
+            (out / "stderr.txt").open("w") as se:
+        proc = subprocess.Popen(argv, cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
+                                start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # timed out, or this script was stopped: the agent's whole process group goes
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        deadline = time.monotonic() + 30  # requests the agent abandoned finish their records
+        while proxy.inflight and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return code, list(proxy.records)
 
 
 # --------------------------------------------------------------------------- report
@@ -381,6 +429,8 @@ def main() -> None:
     ap.add_argument("--no-isolate", action="store_true", help="run on the host network instead of a loopback-only namespace")
     ap.add_argument("--skip-install", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    ap.add_argument("--record", type=Path, metavar="DIR",
+                    help="also record each agent's requests with quanta record to DIR/AGENT.jsonl (a sessions file)")
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stopped: clean up as on an error
@@ -395,6 +445,12 @@ def main() -> None:
 
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    node = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
+    if args.record:
+        args.record = args.record.resolve()
+        args.record.mkdir(parents=True, exist_ok=True)
+        args.record_meta = {"server": f"quanta serve --max-model-len {args.max_model_len} {args.serve_args}".strip(),
+                            "node": node, "machine": machine(), "isolated": not args.no_isolate}
     server = start_server(args, workdir)
     results = []
     try:
@@ -404,7 +460,6 @@ def main() -> None:
                                      workdir))
     finally:
         server.stop()
-    node = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
     command = shlex.join(["python", "benchmarks/coding_agents.py", *[a for a in sys.argv[1:] if a != "--skip-install"]])
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "node": node,
             "command": command, "task": args.task, "isolated": not args.no_isolate,
