@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
+from quanta.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.logs import LOG_FORMATS, LOG_LEVELS
 from quanta.preflight import check_model_path
@@ -164,6 +164,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run decode steps with quanta's C code between the matmuls (norms, RoPE, attention, SwiGLU) "
                         "where the model allows; off = PyTorch ops throughout (default: on)")
     p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"KV cache positions per block, a multiple of 8 (default: {DEFAULT_BLOCK_SIZE})")
     add_scheduler_flags(p, "quanta advise's choice for the model")
 
 
@@ -258,6 +260,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         quantization=getattr(args, "quantization", "auto"),
         native_decode=getattr(args, "native_decode", "on") == "on",
+        block_size=getattr(args, "block_size", DEFAULT_BLOCK_SIZE),
     )
     _check_command_args(args)
     return engine, sched

@@ -161,7 +161,7 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     request gets a :class:`TextState` over the model's tokenizer.
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
-    executor = ModelExecutor(loaded.model, sched_cfg.max_num_seqs, max_len)
+    executor = ModelExecutor(loaded.model, sched_cfg.max_num_seqs, max_len, block_size=engine_cfg.block_size)
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
     scheduler = sched_cfg.build()
     if engine_cfg.prefix_cache:

@@ -53,7 +53,7 @@ SATURATION_TOLERANCE = 0.05
 
 def prefill_run(executor: ModelExecutor, prompt: list[int], quantum: int, cap: int, max_tokens: int = 1) -> Engine:
     """Serve ``prompt`` alone through a fresh engine; returns it with its trace."""
-    engine = Engine(BatchedScheduler(1, quantum, quantum, cap), executor, executor.kv.max_len)
+    engine = Engine(BatchedScheduler(1, quantum, quantum, cap), executor, executor.max_model_len)
     engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while engine.has_work():
         engine.step()
