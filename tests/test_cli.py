@@ -100,6 +100,7 @@ INVALID = [
     (["serve", "--scheduler", "static", "--prefill-quantum", "64"], ["--prefill-quantum", "static"]),
     (["serve", "--max-model-len", "0"], ["--max-model-len"]),
     (["serve", "--max-queue", "0"], ["--max-queue"]),
+    (["serve", "--block-size", "12"], ["--block-size"]),
     (["serve", "--max-queue", "-1"], ["--max-queue"]),
     (["serve", "--dtype", "fp16"], ["--dtype"]),
     (["serve", "--max-num-seqs", "many"], ["--max-num-seqs"]),
