@@ -126,6 +126,8 @@ class EngineConfig:
             (:mod:`quanta.model.native_decode`) where the model and machine allow.
         block_size: KV positions per block of the paged cache, a positive
             multiple of 8.
+        kv_cache_memory / kv_cache_tokens: the KV pool's budget in bytes or in
+            tokens (at most one; neither: :mod:`quanta.engine.kv_budget`'s default).
     """
 
     model: str | None = None
@@ -137,15 +139,22 @@ class EngineConfig:
     quantization: str = "auto"
     native_decode: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
-        for name in ("max_model_len", "max_queue"):
+        if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:
+            raise ValueError("give --kv-cache-memory or --kv-cache-tokens, not both")
+        for name in ("max_model_len", "max_queue", "kv_cache_memory", "kv_cache_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
         if self.block_size < 8 or self.block_size % 8:
             raise ValueError(f"--block-size must be a positive multiple of 8, got {self.block_size}")
+        tokens, length, bs = self.kv_cache_tokens, self.max_model_len, self.block_size
+        if tokens and length and -(-tokens // bs) < -(-length // bs):
+            raise ValueError(f"--kv-cache-tokens {tokens} holds less than one sequence of --max-model-len {length}")

@@ -17,7 +17,7 @@ from quanta.config import DEFAULT_BLOCK_SIZE
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampler import Sampler
 from quanta.engine.scheduler import StepPlan
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice, blocks_for
+from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
 from quanta.model.llama import LlamaModel
 
 
@@ -42,14 +42,13 @@ DECODE_STEP_TOKENS = 64
 class ModelExecutor(Executor):
     """Runs plans through a :class:`LlamaModel` over a paged KV cache.
 
-    Each slot owns a fixed run of ``max_model_len / block_size`` blocks of the
-    pool (its block table); the pool is allocated uninitialized, so blocks no
-    sequence has reached are not resident.
+    A sequence's block table is its ``block_ids``, which the scheduler's block
+    accounting (:class:`~quanta.engine.kv_blocks.SlotBlocks`) fills; the pool
+    is allocated uninitialized, so blocks no sequence has reached are not resident.
 
     Args:
         model: the loaded model (its parameters' dtype is the compute dtype).
-        num_slots: KV cache slots (= the scheduler's ``max_num_seqs``).
-        max_model_len: positions per slot (tokens).
+        num_blocks: KV blocks of the pool.
         block_size: positions per KV block (a multiple of 8).
         decode_threads: intra-op threads of steps of at most
             ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
@@ -61,17 +60,14 @@ class ModelExecutor(Executor):
             for a head outside the C forms).
     """
 
-    def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int, decode_threads: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 decode_threads: int | None = None) -> None:
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         self.model = model
-        per_slot = blocks_for(max_model_len, block_size)
-        self.max_model_len = max_model_len
-        self.kv = KVCache(cfg.num_hidden_layers, num_slots * per_slot, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype)
-        self._slot_blocks = [range(slot * per_slot, (slot + 1) * per_slot) for slot in range(num_slots)]
+        self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype)
         self.sampler = Sampler()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -103,7 +99,7 @@ class ModelExecutor(Executor):
             seq, n = chunk.seq, chunk.num_new_tokens
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids(start, n))
-            slices.append(SeqSlice(self._slot_blocks[seq.slot], start, n))
+            slices.append(SeqSlice(seq.block_ids, start, n))
             if start + n >= seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 samplers.append(seq)
