@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from quanta.bench.output import machine
+from quanta.config import DEFAULT_BLOCK_SIZE
 from quanta.launch import cpu_summary, load_model, resolve_dtype
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch, KVCache, SeqSlice, blocks_for
 from quanta.model.native import march as native_march
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -61,7 +62,8 @@ def step_ms(model, kv: KVCache, rows: int, repeats: int) -> float:
     native = model.native
     try:
         for _ in range(repeats + 2):
-            batch = AttentionBatch([SeqSlice(i, CONTEXT, 1) for i in range(rows)], kv, decode=True)
+            per = blocks_for(CONTEXT + 1, kv.block_size)
+            batch = AttentionBatch([SeqSlice(range(i * per, (i + 1) * per), CONTEXT, 1) for i in range(rows)], kv, decode=True)
             t0 = time.perf_counter()
             if native is not None:
                 torch.set_num_threads(native.claim_threads(rows, True, before))
@@ -105,8 +107,8 @@ def main() -> int:
         loaded = load_model(None, dtype, "none", native_decode=args.native_decode == "on")
         model = loaded.model
         model.quantize_weights(*(None if f == "none" else f for f in forms))
-        kv = KVCache(model.config.num_hidden_layers, max(ROWS), model.config.num_key_value_heads, CONTEXT + 1,
-                     model.config.head_dim, dtype)
+        kv = KVCache(model.config.num_hidden_layers, max(ROWS) * blocks_for(CONTEXT + 1, DEFAULT_BLOCK_SIZE),
+                     model.config.num_key_value_heads, DEFAULT_BLOCK_SIZE, model.config.head_dim, dtype)
         results["/".join(forms)] = {"ms": {r: step_ms(model, kv, r, args.repeats) for r in ROWS},
                                     "weight_bytes": weight_bytes(model, forms)}
         print(f"  measured {forms}", file=sys.stderr)

@@ -79,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
             sched_cfg, _ = resolve_auto_from_model(engine_cfg.model, sched_cfg)
         except (OSError, ValueError) as exc:
             parser.error(f"--mixed-prefill-quantum auto: {exc}")
+    from quanta.engine.kv_budget import KVBudgetError
+
+    try:
+        return _run(args, engine_cfg, sched_cfg, chat_template)
+    except KVBudgetError as exc:  # known once the model's shape is: after the load, still one line
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def _run(args, engine_cfg, sched_cfg, chat_template):
+    """``serve`` or ``generate`` with validated configs."""
     if args.command == "serve":
         from quanta.server.run import serve
 

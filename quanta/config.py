@@ -96,6 +96,14 @@ def _checked_knobs(declared: tuple[Knob, ...], policy: str, max_num_seqs: int, g
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "q4_1", "q8_0")
 
 
+#: KV positions per block (``--block-size``): a multiple of 8 (the C attention's
+#: vector width). 32 rather than vLLM's 16: a 180k-token context's block table
+#: is 5,625 entries (the executor sends every table each step), and a prefix
+#: shared by blocks loses at most 31 of its tokens, nothing beside the
+#: thousands of a shared agent prompt.
+DEFAULT_BLOCK_SIZE = 32
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """What to load and how much room to give it.
@@ -116,6 +124,10 @@ class EngineConfig:
             ``q8_0``; see :func:`quanta.launch.resolve_quantization`.
         native_decode: run all-decode steps with the C glue between matmuls
             (:mod:`quanta.model.native_decode`) where the model and machine allow.
+        block_size: KV positions per block of the paged cache, a positive
+            multiple of 8.
+        kv_cache_memory / kv_cache_tokens: the KV pool's budget in bytes or in
+            tokens (at most one; neither: :mod:`quanta.engine.kv_budget`'s default).
     """
 
     model: str | None = None
@@ -126,13 +138,23 @@ class EngineConfig:
     prefix_cache: bool = True
     quantization: str = "auto"
     native_decode: bool = True
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
-        for name in ("max_model_len", "max_queue"):
+        if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:
+            raise ValueError("give --kv-cache-memory or --kv-cache-tokens, not both")
+        for name in ("max_model_len", "max_queue", "kv_cache_memory", "kv_cache_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.block_size < 8 or self.block_size % 8:
+            raise ValueError(f"--block-size must be a positive multiple of 8, got {self.block_size}")
+        tokens, length, bs = self.kv_cache_tokens, self.max_model_len, self.block_size
+        if tokens and length and -(-tokens // bs) < -(-length // bs):
+            raise ValueError(f"--kv-cache-tokens {tokens} holds less than one sequence of --max-model-len {length}")

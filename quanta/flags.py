@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from quanta.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
+from quanta.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.logs import LOG_FORMATS, LOG_LEVELS
 from quanta.preflight import check_model_path
@@ -82,6 +82,16 @@ positive_int = number_type(int, lambda v: v >= 1, "a positive integer")
 nonneg_int = number_type(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = number_type(float, lambda v: v > 0 and not math.isinf(v), "a positive number")  # NaN fails v > 0
 nonneg_float = number_type(float, lambda v: v >= 0 and not math.isinf(v), "a number >= 0")
+
+
+def kv_bytes(text: str) -> int:
+    """``--kv-cache-memory``: a size with an optional unit (:func:`quanta.engine.kv_budget.parse_bytes`)."""
+    from quanta.engine.kv_budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def int_or_auto(text: str) -> int | str:
@@ -164,6 +174,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run decode steps with quanta's C code between the matmuls (norms, RoPE, attention, SwiGLU) "
                         "where the model allows; off = PyTorch ops throughout (default: on)")
     p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"KV cache positions per block, a multiple of 8 (default: {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--kv-cache-memory", type=kv_bytes, metavar="BYTES",
+                   help="the KV block pool's size, e.g. 2GiB, 512MiB or bytes (default: what --max-num-seqs sequences of "
+                        "--max-model-len tokens need, at most half the machine's memory)")
+    p.add_argument("--kv-cache-tokens", type=int, metavar="N", help="the KV block pool's size in tokens (instead of --kv-cache-memory)")
     add_scheduler_flags(p, "quanta advise's choice for the model")
 
 
@@ -258,6 +274,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         quantization=getattr(args, "quantization", "auto"),
         native_decode=getattr(args, "native_decode", "on") == "on",
+        block_size=getattr(args, "block_size", DEFAULT_BLOCK_SIZE),
+        kv_cache_memory=getattr(args, "kv_cache_memory", None), kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
     )
     _check_command_args(args)
     return engine, sched

@@ -13,9 +13,12 @@ from pathlib import Path
 import torch
 
 from quanta.config import QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
+from quanta.engine.block_pool import BlockPool
 from quanta.engine.engine import Engine
+from quanta.engine.kv_budget import num_blocks
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.stop_strings import TextState
+from quanta.model.attention import bytes_per_block
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
@@ -153,17 +156,32 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
 
 
-def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:
-    """An engine over ``loaded`` with a fresh scheduler and KV cache.
+def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int, max_num_seqs: int) -> int:
+    """Blocks of the KV pool for ``engine_cfg``'s budget (:func:`quanta.engine.kv_budget.num_blocks`)."""
+    cfg = loaded.config
+    dtype = loaded.model.embed_tokens.weight.dtype
+    block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, engine_cfg.block_size, cfg.head_dim, dtype)
+    return num_blocks(block_bytes, engine_cfg.block_size, max_len, max_num_seqs, engine_cfg.kv_cache_memory,
+                      engine_cfg.kv_cache_tokens)
 
-    ``max_model_len`` defaults to the model's trained context length; prefix
-    reuse across slots is on unless ``engine_cfg.prefix_cache`` is False; each
-    request gets a :class:`TextState` over the model's tokenizer.
+
+def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:
+    """An engine over ``loaded`` with a fresh scheduler and KV block pool.
+
+    ``max_model_len`` defaults to the model's trained context length; the pool
+    holds the budget :func:`kv_cache_blocks` computes; prefix reuse across
+    slots is on unless ``engine_cfg.prefix_cache`` is False; each request gets
+    a :class:`TextState` over the model's tokenizer.
+
+    Raises:
+        quanta.engine.kv_budget.KVBudgetError: the KV budget does not hold one ``max_model_len`` sequence.
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
-    executor = ModelExecutor(loaded.model, sched_cfg.max_num_seqs, max_len)
+    num_blocks = kv_cache_blocks(loaded, engine_cfg, max_len, sched_cfg.max_num_seqs)
+    executor = ModelExecutor(loaded.model, num_blocks, engine_cfg.block_size)
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
     scheduler = sched_cfg.build()
     if engine_cfg.prefix_cache:
         scheduler.enable_prefix_cache()
+    scheduler.use_blocks(BlockPool(num_blocks, engine_cfg.block_size))
     return Engine(scheduler, executor, max_len, lambda p: TextState.create(IncrementalDetokenizer(loaded.tokenizer), p.stop), eos)

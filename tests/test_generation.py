@@ -44,8 +44,8 @@ def reference_tokens(loaded):
     return out
 
 
-def _generate(loaded, sched: SchedulerConfig) -> tuple[list[list[int]], object]:
-    engine = build_engine(loaded, EngineConfig(max_model_len=256), sched)
+def _generate(loaded, sched: SchedulerConfig, block_size: int = 32) -> tuple[list[list[int]], object]:
+    engine = build_engine(loaded, EngineConfig(max_model_len=256, block_size=block_size), sched)
     seqs = [engine.add_request(loaded.tokenizer.encode(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
             for p in PROMPTS]
     for _ in range(10_000):
@@ -57,6 +57,13 @@ def _generate(loaded, sched: SchedulerConfig) -> tuple[list[list[int]], object]:
 
 def test_one_chunk_each_matches_transformers(loaded, reference_tokens):
     got, _ = _generate(loaded, SchedulerConfig("batched", 4, {}))
+    assert got == reference_tokens
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_block_size_changes_no_token(loaded, reference_tokens, block_size):
+    """Chunks of 5 that straddle blocks of 8, and blocks larger than a prompt, give the same greedy tokens."""
+    got, _ = _generate(loaded, SchedulerConfig("chunked", 3, {"chunk": 5}), block_size)
     assert got == reference_tokens
 
 

@@ -48,8 +48,19 @@ def test_stats_count_prompt_and_generated_tokens_per_interval():
     assert fields["step_running_s"] is None  # a step ended within the interval
     now[0] = 9.0
     assert live.stats_fields()["step_running_s"] == 8.0  # none since: one has been running 8 s (a long prefill chunk)
+    assert fields["kv_blocks"] is None  # no pool given: no block counts
     idle = LiveLog(lambda: 0, lambda: 0, 8, lambda: now[0])
     assert idle.stats_fields() is None  # nothing ran, waited or was computed: no line
+
+
+def test_stats_line_reports_the_kv_pool_blocks(caplog):
+    blocks = {"used": 5, "cached": 3, "free": 92, "total": 100, "preemptions": 0}
+    live = LiveLog(lambda: 1, lambda: 0, 8, lambda: 1.0, lambda: blocks)
+    fields = live.stats_fields()
+    assert (fields["kv_blocks_used"], fields["kv_blocks_cached"], fields["kv_blocks"]) == (5, 3, 100)
+    with caplog.at_level(logging.INFO, logger="quanta.stats"):
+        live.write_stats()
+    assert "KV blocks 5/100 in use (3 cached)" in caplog.text
 
 
 def _client(server) -> openai.OpenAI:

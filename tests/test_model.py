@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path
+from slot_cache import SlotCache
 from tiny_llama import LLAMA3_ROPE, TINY, load_ours
 
 CONFIGS = {
@@ -27,10 +28,10 @@ CONFIGS = {
 def _run_chunks(model: LlamaModel, ids: torch.Tensor, chunks: list[int], slot: int = 0) -> torch.Tensor:
     """Logits of every position of ``ids`` computed in successive chunks of one sequence."""
     cfg = model.config
-    kv = KVCache(cfg.num_hidden_layers, slot + 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    kv = SlotCache(cfg.num_hidden_layers, slot + 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
     out, start = [], 0
     for n in chunks:
-        hidden = model(ids[start:start + n], AttentionBatch([SeqSlice(slot, start, n)], kv))
+        hidden = model(ids[start:start + n], AttentionBatch([kv.seq(slot, start, n)], kv))
         out.append(model.compute_logits(hidden))
         start += n
     return torch.cat(out)
@@ -65,12 +66,12 @@ def test_mixed_batch_matches_separate_runs(tiny_pair):
     with torch.no_grad():
         ra, rb, rc = (ref(x[None]).logits[0] for x in (a, b, c))
     cfg = ours.config
-    kv = KVCache(cfg.num_hidden_layers, 5, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
-    ours(a[:19], AttentionBatch([SeqSlice(4, 0, 19)], kv))
-    ours(c[:30], AttentionBatch([SeqSlice(1, 0, 30)], kv))
-    ours(b[:4], AttentionBatch([SeqSlice(2, 0, 4)], kv))
+    kv = SlotCache(cfg.num_hidden_layers, 5, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    ours(a[:19], AttentionBatch([kv.seq(4, 0, 19)], kv))
+    ours(c[:30], AttentionBatch([kv.seq(1, 0, 30)], kv))
+    ours(b[:4], AttentionBatch([kv.seq(2, 0, 4)], kv))
     # slots 4 and 1 compute one more token, slot 2 five: one fused step.
-    batch = AttentionBatch([SeqSlice(4, 19, 1), SeqSlice(2, 4, 5), SeqSlice(1, 30, 1)], kv)
+    batch = AttentionBatch([kv.seq(4, 19, 1), kv.seq(2, 4, 5), kv.seq(1, 30, 1)], kv)
     logits = ours.compute_logits(ours(torch.cat([a[19:], b[4:], c[30:]]), batch))
     torch.testing.assert_close(logits[0], ra[19], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1:6], rb[4:], atol=1e-4, rtol=0)
@@ -94,44 +95,46 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_pair):
 
 
 def test_dense_equal_length_decode_matches_reference(tiny_pair):
-    """Slots 0..2 decoding at the same position: the no-scatter, no-mask decode path."""
+    """Three sequences decoding at the same position through the PyTorch decode path."""
     ref, ours = tiny_pair
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, ref.config.vocab_size, (12,), generator=gen) for _ in range(3)]
     with torch.no_grad():
         expected = [ref(p[None]).logits[0, -1] for p in prompts]
     cfg = ours.config
-    kv = KVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    kv = SlotCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
     for slot, p in enumerate(prompts):
-        ours(p[:11], AttentionBatch([SeqSlice(slot, 0, 11)], kv))
-    batch = AttentionBatch([SeqSlice(slot, 11, 1) for slot in range(3)], kv, decode=True)
-    assert batch._decode.dense and not batch._decode.needs_mask
+        ours(p[:11], AttentionBatch([kv.seq(slot, 0, 11)], kv))
+    batch = AttentionBatch([kv.seq(slot, 11, 1) for slot in range(3)], kv, decode=True)
     logits = ours.compute_logits(ours(torch.stack([p[11] for p in prompts]), batch))
     for row, exp in zip(logits, expected):
         torch.testing.assert_close(row, exp, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_the_cache_in_place_or_through_scratch_alike(dtype):
-    """Both ways of reading the cache slice give the same attention, ragged lengths and slot gaps included,
-    and a later call through the shared scratch buffers does not see an earlier call's copy."""
+def test_padded_decode_attention_reads_each_row_through_its_block_table(dtype):
+    """The PyTorch decode path over ragged rows whose blocks are scattered through the pool
+    equals plain softmax attention over each row's own positions; the positions past a row's
+    length (NaN here, as uninitialized memory may be) do not reach its output."""
     from quanta.model.attention import _attend_decode
 
     gen = torch.Generator().manual_seed(3)
-    kv = KVCache(2, 4, 2, 40, 8, dtype)
+    kv = SlotCache(2, 4, 2, 40, 8, dtype, block_size=8)
+    lengths = {0: 31, 2: 8, 3: 20}
     for layer in range(2):
-        kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=gen))
-        kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=gen))
-    batch = AttentionBatch([SeqSlice(0, 30, 1), SeqSlice(2, 7, 1), SeqSlice(3, 19, 1)], kv, decode=True)  # slot 1 idle: padded
+        for slot, n in lengths.items():
+            for pos in range(n):
+                block, off = kv.blocks(slot)[pos // 8], pos % 8
+                kv.k[layer][block, :, off] = torch.randn(2, 8, generator=gen).to(dtype)
+                kv.v[layer][block, :, off] = torch.randn(2, 8, generator=gen).to(dtype)
+    batch = AttentionBatch([kv.seq(slot, n - 1, 1) for slot, n in lengths.items()], kv, decode=True)
     q = torch.randn(3, 4, 8, generator=gen).to(dtype)
-    g = batch._decode
     for layer in range(2):
-        ways = [_attend_decode(q, kv.k[layer], kv.v[layer], g, kv.scratch, in_place=p) for p in (True, False)]
-        torch.testing.assert_close(ways[0], ways[1], atol=0, rtol=0) if dtype == torch.float32 else \
-            torch.testing.assert_close(ways[0].float(), ways[1].float(), atol=2e-2, rtol=0)
-        for row, s in enumerate(batch.seqs):  # against plain softmax attention over the row's own positions
-            keys = kv.k[layer][s.slot, :, :s.start + 1].float().repeat_interleave(2, dim=0)
-            values = kv.v[layer][s.slot, :, :s.start + 1].float().repeat_interleave(2, dim=0)
+        got = _attend_decode(q, kv.k[layer], kv.v[layer], batch)
+        for row, (slot, n) in enumerate(lengths.items()):
+            blocks = kv.blocks(slot)
+            keys = torch.stack([kv.k[layer][blocks[p // 8], :, p % 8] for p in range(n)], dim=1).float().repeat_interleave(2, dim=0)
+            values = torch.stack([kv.v[layer][blocks[p // 8], :, p % 8] for p in range(n)], dim=1).float().repeat_interleave(2, dim=0)
             weights = torch.softmax(q[row].float()[:, None, :] @ keys.transpose(1, 2) / 8 ** 0.5, dim=-1)
             expected = (weights @ values)[:, 0]
-            torch.testing.assert_close(ways[1][row].float(), expected, atol=2e-3 if dtype == torch.float32 else 5e-2, rtol=0)
+            torch.testing.assert_close(got[row].float(), expected, atol=2e-3 if dtype == torch.float32 else 5e-2, rtol=0)

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_checkpoint
+from slot_cache import SlotCache
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -83,8 +84,8 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     cfg, state = load_checkpoint(path)
     model = LlamaModel(cfg)
     model.load_hf_state_dict(state)
-    kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 64, cfg.head_dim, torch.float32)
-    return model.compute_logits(model(ids, AttentionBatch([SeqSlice(0, 0, len(ids))], kv)))
+    kv = SlotCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 64, cfg.head_dim, torch.float32)
+    return model.compute_logits(model(ids, AttentionBatch([kv.seq(0, 0, len(ids))], kv)))
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

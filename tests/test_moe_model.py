@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Dots1Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_checkpoint
 from quanta.model.moe import MoEBlock, RoutedExperts
+from slot_cache import SlotCache
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
@@ -54,10 +55,10 @@ def _ours(path) -> LlamaModel:
 
 def _run_chunks(model: LlamaModel, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     cfg = model.config
-    kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    kv = SlotCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
     out, start = [], 0
     for n in chunks:
-        out.append(model.compute_logits(model(ids[start:start + n], AttentionBatch([SeqSlice(0, start, n)], kv))))
+        out.append(model.compute_logits(model(ids[start:start + n], AttentionBatch([kv.seq(0, start, n)], kv))))
         start += n
     return torch.cat(out)
 
@@ -97,10 +98,10 @@ def test_moe_mixed_batch_matches_separate_runs(moe_pair):
     with torch.no_grad():
         ra, rb = (ref(x[None]).logits[0] for x in (a, b))
     cfg = ours.config
-    kv = KVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
-    ours(a[:19], AttentionBatch([SeqSlice(2, 0, 19)], kv))
-    ours(b[:4], AttentionBatch([SeqSlice(0, 0, 4)], kv))
-    logits = ours.compute_logits(ours(torch.cat([a[19:], b[4:]]), AttentionBatch([SeqSlice(2, 19, 1), SeqSlice(0, 4, 5)], kv)))
+    kv = SlotCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    ours(a[:19], AttentionBatch([kv.seq(2, 0, 19)], kv))
+    ours(b[:4], AttentionBatch([kv.seq(0, 0, 4)], kv))
+    logits = ours.compute_logits(ours(torch.cat([a[19:], b[4:]]), AttentionBatch([kv.seq(2, 19, 1), kv.seq(0, 4, 5)], kv)))
     torch.testing.assert_close(logits[0], ra[19], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1:], rb[4:], atol=1e-4, rtol=0)
 
@@ -140,8 +141,8 @@ def test_bf16_moe_model_runs_and_tracks_fp32(moe_pair):
     bf16.to(torch.bfloat16).eval()
     bf16.pack_weights()
     cfg = ours.config
-    kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.bfloat16)
-    got = bf16.compute_logits(bf16(ids, AttentionBatch([SeqSlice(0, 0, 24)], kv)))
+    kv = SlotCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.bfloat16)
+    got = bf16.compute_logits(bf16(ids, AttentionBatch([kv.seq(0, 0, 24)], kv)))
     assert torch.isfinite(got).all()
     agree = (got.argmax(-1) == fp32.argmax(-1)).float().mean().item()
     assert agree >= 0.75, agree

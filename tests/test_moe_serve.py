@@ -13,9 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quanta import cli
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_checkpoint
+from slot_cache import SlotCache
 
 from moe_helpers import tiny_moe_dir
 
@@ -36,8 +37,8 @@ def test_make_model_writes_a_labelled_hf_directory_transformers_agrees_with(tiny
     ours.load_hf_state_dict(state)
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
     ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
-    kv = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 64, cfg.head_dim, torch.float32)
-    got = ours.compute_logits(ours(ids, AttentionBatch([SeqSlice(0, 0, 24)], kv)))
+    kv = SlotCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 64, cfg.head_dim, torch.float32)
+    got = ours.compute_logits(ours(ids, AttentionBatch([kv.seq(0, 0, 24)], kv)))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -22,10 +22,11 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model
 from quanta.model import native
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.native.forms import available
 from quanta.model.presets import _embedded_tokenizer as embedded_tokenizer
+from slot_cache import SlotCache
 from tiny_llama import LLAMA3_ROPE, TINY, load_ours
 
 pytestmark = pytest.mark.skipif(not available(), reason="quanta's C kernels do not build on this machine")
@@ -60,14 +61,14 @@ def _decode(model: LlamaModel, seqs: list[torch.Tensor], dtype: torch.dtype, ord
     """Prefill each prompt on the PyTorch path, then 6 decode steps over the slots in ``order``;
     steps in ``native_steps`` run the C path. Returns per step the logits rows in ``order``."""
     cfg = model.config
-    kv = KVCache(cfg.num_hidden_layers, len(seqs), cfg.num_key_value_heads, 128, cfg.head_dim, dtype)
+    kv = SlotCache(cfg.num_hidden_layers, len(seqs), cfg.num_key_value_heads, 128, cfg.head_dim, dtype)
     decoder, model.native = model.native, None
     for slot, n in enumerate(PROMPT_LENGTHS):
-        model(seqs[slot][:n], AttentionBatch([SeqSlice(slot, 0, n)], kv))
+        model(seqs[slot][:n], AttentionBatch([kv.seq(slot, 0, n)], kv))
     steps = []
     for step in range(6):
         model.native = decoder if step in native_steps else None
-        batch = AttentionBatch([SeqSlice(slot, PROMPT_LENGTHS[slot] + step, 1) for slot in order], kv, decode=True)
+        batch = AttentionBatch([kv.seq(slot, PROMPT_LENGTHS[slot] + step, 1) for slot in order], kv, decode=True)
         ids = torch.stack([seqs[slot][PROMPT_LENGTHS[slot] + step] for slot in order])
         steps.append(list(model.compute_logits(model(ids, batch)).float()))
     model.native = decoder

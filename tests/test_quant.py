@@ -16,10 +16,11 @@ import torch
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model, resolve_quantization
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch
 from quanta.model.loader import embedded_model_path
 from quanta.model.native.forms import available as native_forms_available
 from quanta.model.quant import INT4_GROUP, fp16_kernel_available, quantize
+from slot_cache import SlotCache
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "The three primary colors are", "import numpy as np\n"]
@@ -107,12 +108,12 @@ def loaded():
 
 def _decode_logits(model, prompt_ids: list[int], forms: tuple[str | None, str | None]) -> torch.Tensor:
     """Logits of one decode token under ``forms`` after ``prompt_ids`` prefilled on the reference path."""
-    kv = KVCache(model.config.num_hidden_layers, 1, model.config.num_key_value_heads, 64,
+    kv = SlotCache(model.config.num_hidden_layers, 1, model.config.num_key_value_heads, 64,
                  model.config.head_dim, torch.float32)
     model.quantize_weights(*NONE)
-    model(torch.tensor(prompt_ids[:-1]), AttentionBatch([SeqSlice(0, 0, len(prompt_ids) - 1)], kv))
+    model(torch.tensor(prompt_ids[:-1]), AttentionBatch([kv.seq(0, 0, len(prompt_ids) - 1)], kv))
     model.quantize_weights(*forms)
-    hidden = model(torch.tensor(prompt_ids[-1:]), AttentionBatch([SeqSlice(0, len(prompt_ids) - 1, 1)], kv, decode=True))
+    hidden = model(torch.tensor(prompt_ids[-1:]), AttentionBatch([kv.seq(0, len(prompt_ids) - 1, 1)], kv, decode=True))
     return model.compute_logits(hidden)[0]
 
 

@@ -121,6 +121,18 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    def kv_blocks(self) -> dict[str, int]:
+        """The KV pool's blocks: ``used`` by resident sequences, ``cached`` (kept for prefix reuse,
+        evictable), ``free``, ``total``, and ``preemptions`` since start (all 0 without a pool)."""
+        sched = self.engine.scheduler
+        blocks = sched.blocks
+        if blocks is None:
+            return {"used": 0, "cached": 0, "free": 0, "total": 0, "preemptions": sched.num_preemptions}
+        cached, free = blocks.num_cached, blocks.pool.num_free
+        total = blocks.pool.num_blocks
+        return {"used": total - free - cached, "cached": cached, "free": free, "total": total,
+                "preemptions": sched.num_preemptions}
+
     @property
     def num_preparing(self) -> int:
         """Requests holding a :class:`Reservation` (being prepared, not yet handed to the engine)."""

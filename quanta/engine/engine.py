@@ -117,7 +117,7 @@ class Engine:
         from the executor itself (the batched forward pass) propagates: no
         single request can be blamed for it.
         """
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.next_plan()
         if plan is None:
             return []
         kind = plan.kind  # before the chunks advance their sequences

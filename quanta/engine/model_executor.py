@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from quanta.config import DEFAULT_BLOCK_SIZE
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampler import Sampler
 from quanta.engine.scheduler import StepPlan
@@ -39,12 +40,16 @@ DECODE_STEP_TOKENS = 64
 
 
 class ModelExecutor(Executor):
-    """Runs plans through a :class:`LlamaModel` over a slot KV cache.
+    """Runs plans through a :class:`LlamaModel` over a paged KV cache.
+
+    A sequence's block table is its ``block_ids``, which the scheduler's block
+    accounting (:class:`~quanta.engine.kv_blocks.SlotBlocks`) fills; the pool
+    is allocated uninitialized, so blocks no sequence has reached are not resident.
 
     Args:
         model: the loaded model (its parameters' dtype is the compute dtype).
-        num_slots: KV cache slots (= the scheduler's ``max_num_seqs``).
-        max_model_len: positions per slot (tokens).
+        num_blocks: KV blocks of the pool.
+        block_size: positions per KV block (a multiple of 8).
         decode_threads: intra-op threads of steps of at most
             ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
             construction, which larger steps use; ``quanta serve`` sets
@@ -55,13 +60,14 @@ class ModelExecutor(Executor):
             for a head outside the C forms).
     """
 
-    def __init__(self, model: LlamaModel, num_slots: int, max_model_len: int, decode_threads: int | None = None) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 decode_threads: int | None = None) -> None:
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         self.model = model
-        self.kv = KVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_model_len, cfg.head_dim, dtype)
+        self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype)
         self.sampler = Sampler()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -93,7 +99,7 @@ class ModelExecutor(Executor):
             seq, n = chunk.seq, chunk.num_new_tokens
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids(start, n))
-            slices.append(SeqSlice(seq.slot, start, n))
+            slices.append(SeqSlice(seq.block_ids, start, n))
             if start + n >= seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 samplers.append(seq)

@@ -123,6 +123,14 @@ class SlotPrefixCache:
         self._salt[slot] = salt
         self._last_used[slot] = next(self._ticks)
 
+    def forget(self, slot: int) -> None:
+        """``slot``'s K/V were given up (its blocks evicted, or its sequence preempted)."""
+        self._held[slot] = []
+
+    def least_recent(self, slots: Seq[int]) -> int:
+        """The least recently admitted-into or released of ``slots`` (ties: the lowest)."""
+        return min(slots, key=lambda s: (self._last_used[s], s))
+
     def release(self, slot: int, computed: Seq[int]) -> None:
         """``slot`` was freed holding the K/V of ``computed`` (token ids from position 0)."""
         self._held[slot] = list(computed)

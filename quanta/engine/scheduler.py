@@ -1,9 +1,22 @@
 """The scheduler interface: which sequences run next, and how many new tokens each gets.
 
 A scheduler knows nothing about torch, HTTP or wall clocks. The engine calls
-:meth:`Scheduler.schedule` for a :class:`StepPlan`, has an executor run it,
-advances the sequences, then reports finished ones with :meth:`Scheduler.finish`.
-The same classes drive the real model and the simulator.
+:meth:`Scheduler.next_plan` for a :class:`StepPlan` (the policy's
+:meth:`Scheduler.schedule`, with KV blocks found for it), has an executor run
+it, advances the sequences, then reports finished ones with
+:meth:`Scheduler.finish`. The same classes drive the real model and the simulator.
+
+KV blocks (:meth:`Scheduler.use_blocks`; the simulator and the policy tests
+run without): a waiting sequence is admitted only when the blocks of its
+whole prompt (and of a preempted sequence's generated tokens) are free or cached, and a step's chunks get the blocks their new
+positions need before it runs. When the pool cannot give them, the most
+recently admitted running sequence is *preempted* (vLLM V1's recompute
+policy): its blocks are freed, and it goes back to the front of the waiting
+queue with its tokens so far, to be prefilled again when it is readmitted.
+Its generated tokens are recomputed one a step, as decode rows that sample
+nothing, so their keys and values come from the decode kernels as they did
+the first time and its answer does not change by a bit. With blocks to
+spare nothing of this runs and every policy plans exactly as without them.
 """
 
 from __future__ import annotations
@@ -14,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from quanta.engine.block_pool import BlockPool
+from quanta.engine.kv_blocks import SlotBlocks
 from quanta.engine.prefix_cache import SlotPrefixCache
 from quanta.engine.sequence import Sequence, SequenceStatus
 
@@ -64,6 +79,9 @@ class Scheduler(ABC):
             routes each prompt to the free slot holding its longest cached
             prefix and starts it past the cached tokens; None (the default)
             admits into the lowest free slot and computes every prompt whole.
+        blocks: the sequences' KV block tables when set (see :meth:`use_blocks`);
+            None: blocks are not accounted for (every admitted prompt fits).
+        num_preemptions: sequences preempted for blocks since start.
     """
 
     name: ClassVar[str]
@@ -74,11 +92,46 @@ class Scheduler(ABC):
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs))
         self.prefix_cache: SlotPrefixCache | None = None
+        self.blocks: SlotBlocks | None = None
+        self.num_preemptions = 0
 
     def enable_prefix_cache(self) -> SlotPrefixCache:
-        """Turn on prefix reuse across the slots (before any request is added)."""
+        """Turn on prefix reuse across the slots (before any request is added and before :meth:`use_blocks`)."""
         self.prefix_cache = SlotPrefixCache(self.max_num_seqs)
         return self.prefix_cache
+
+    def use_blocks(self, pool: BlockPool) -> SlotBlocks:
+        """Account for KV blocks of ``pool`` (before any request is added)."""
+        self.blocks = SlotBlocks(pool, self.max_num_seqs, self.prefix_cache)
+        return self.blocks
+
+    def next_plan(self) -> StepPlan | None:
+        """The policy's next step with the KV blocks of its chunks found (:meth:`schedule`, then
+        preemptions where the pool is short; see the module docstring)."""
+        plan = self.schedule()
+        if plan is None or self.blocks is None:
+            return plan
+        chunks = list(plan.chunks)
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            while seq.status is SequenceStatus.RUNNING and not self.blocks.grow(seq, seq.num_computed_tokens + chunk.num_new_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                chunks = [c for c in chunks if c.seq is not victim]
+        return StepPlan(chunks) if chunks else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and slot and queue it first, to be recomputed."""
+        self.running.remove(seq)
+        heapq.heappush(self._free_slots, seq.slot)
+        self.blocks.drop(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq.slot)
+        seq.slot = None
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     @abstractmethod
     def schedule(self) -> StepPlan | None:
@@ -94,8 +147,11 @@ class Scheduler(ABC):
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             heapq.heappush(self._free_slots, seq.slot)
+            kept = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             if self.prefix_cache is not None:  # the slot keeps the K/V of the prompt positions
-                self.prefix_cache.release(seq.slot, seq.token_ids(0, min(seq.num_computed_tokens, seq.num_prompt_tokens)))
+                self.prefix_cache.release(seq.slot, seq.token_ids(0, kept))
+            if self.blocks is not None:
+                self.blocks.keep(seq, seq.slot, kept if self.prefix_cache is not None else 0)
             seq.slot = None
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -108,15 +164,25 @@ class Scheduler(ABC):
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
+    def can_admit(self) -> bool:
+        """Whether :meth:`admit` would admit the first waiting sequence now (a free slot,
+        and the blocks of its tokens free or cached: its prompt, and a preempted
+        sequence's generated tokens too, which it recomputes before it samples again)."""
+        if not (self.waiting and self._free_slots):
+            return False
+        return self.blocks is None or self.blocks.can_hold(self.waiting[0].num_tokens)
+
     def admit(self, count: int) -> list[Sequence]:
-        """Move up to ``count`` waiting sequences (FIFO) into free slots.
+        """Move up to ``count`` waiting sequences (FIFO) into free slots, while
+        :meth:`can_admit` (a first sequence whose prompt's blocks do not fit waits,
+        and those behind it with it).
 
         Without a prefix cache the lowest free slot is taken; with one, the slot
         :meth:`SlotPrefixCache.choose` picks, and the sequence starts with its
         cached tokens computed (``num_cached_tokens``).
         """
         admitted = []
-        while self.waiting and self._free_slots and len(admitted) < count:
+        while len(admitted) < count and self.can_admit():
             seq = self.waiting.popleft()
             if self.prefix_cache is None:
                 seq.slot = heapq.heappop(self._free_slots)
@@ -127,6 +193,9 @@ class Scheduler(ABC):
                 heapq.heapify(self._free_slots)
                 self.prefix_cache.claim(seq.slot, cached, salt)
                 seq.num_computed_tokens = seq.num_cached_tokens = cached
+            if self.blocks is not None:
+                self.blocks.claim(seq, seq.slot, seq.num_computed_tokens)
+                self.blocks.grow(seq, seq.num_tokens)  # fits: can_admit counted free and cached blocks
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)

@@ -35,6 +35,8 @@ class Sequence:
         num_cached_tokens: prompt tokens whose keys/values were already in the
             slot at admission (prefix reuse), not computed for this request.
         slot: KV cache slot while resident, else None.
+        block_ids: the sequence's KV block table while resident (position ``p``
+            in block ``block_ids[p // block_size]``), else empty.
         finish_reason: ``stop``, ``length`` or ``abort`` once finished.
     """
 
@@ -46,6 +48,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
 

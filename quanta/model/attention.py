@@ -1,27 +1,31 @@
-"""Slot KV cache and the attention of one step over it.
+"""Paged KV cache and the attention of one step over it.
 
-Each resident sequence owns one *slot*: a row of the cache with room for
-``max_model_len`` positions. A step's sequences are described by
-:class:`SeqSlice` (slot, cached positions, new tokens); :class:`AttentionBatch`
-turns them into the index tensors every layer shares, once per step, so the
-layers' signatures stay ``forward(x, batch)``.
+The cache is a pool of fixed-size blocks shared by every sequence (vLLM's
+PagedAttention): per layer, keys and values of ``[num_blocks, kv_heads,
+block_size, head_dim]``. A sequence's positions live in the blocks its *block
+table* lists, position ``p`` in block ``table[p // block_size]`` at offset
+``p % block_size``; which blocks a sequence gets is the engine's business
+(the model only reads and writes through the tables it is given). A step's
+sequences are described by :class:`SeqSlice` (block table, cached positions,
+new tokens); :class:`AttentionBatch` turns them into the index tensors every
+layer shares, once per step, so the layers' signatures stay ``forward(x, batch)``.
 
-A batch has one role. Decode rows (one generated token per sequence) are
-attended together in one padded call over a contiguous range of slots (read
-in place, or through a reused scratch copy where that is faster for the
-dtype); the C decode glue (:mod:`quanta.model.native_decode`) replaces this
-where it runs. Prompt rows (prefill chunks, one token or many) are attended
-row by row by the C decode glue's attention (``attention_rows`` in
-``native/decode.c``: each row over its own positions, in a fixed order), so a
-prompt position's output is the same whichever chunk computes it and
-whatever shares its step; where the C library cannot run (or the head size is
-not a multiple of 8), one sequence at a time by ``scaled_dot_product_attention``
-with a causal mask offset by its cached length, which is not chunk-invariant
-to the bit.
+A batch has one role. Prompt rows (prefill chunks, one token or many) are
+attended row by row by the C library's attention (``attention_rows`` in
+``native/decode.c``: each row over its own positions, in a fixed order, read
+through its block table), so a prompt position's output is the same whichever
+chunk computes it, whatever shares its step and wherever its blocks lie; where
+the C library cannot run (or the head size is not a multiple of 8), one
+sequence at a time by ``scaled_dot_product_attention`` over its blocks
+gathered, with a causal mask offset by its cached length, which is not
+chunk-invariant to the bit. Decode rows (one generated token per sequence) are
+attended by the C decode glue (:mod:`quanta.model.native_decode`) where it
+runs, else together in one padded call over their gathered blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,23 +33,39 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """Keys and values of every layer: ``[num_slots, num_kv_heads, max_len, head_dim]`` each.
+    """Keys and values of every layer: a pool of ``num_blocks`` blocks,
+    ``[num_blocks, num_kv_heads, block_size, head_dim]`` each.
 
-    Memory is ``2 * (layers + 1) * slots * max_len * kv_heads * head_dim *
-    itemsize`` bytes: the extra layer's worth is ``scratch``, two flat buffers
-    decode attention copies cache slices into where it reads them contiguous
-    (a fresh tensor per layer instead costs a page fault per 4 KiB each time:
-    glibc hands allocations this large back to the kernel when freed). The
-    cache starts zeroed: padded attention multiplies masked positions by a
-    zero weight, and uninitialized memory may hold NaN (0 * NaN = NaN).
+    Memory is at most ``2 * layers * num_blocks * block_size * kv_heads *
+    head_dim * itemsize`` bytes (:func:`bytes_per_block`). The pool is
+    allocated uninitialized (``torch.empty``): pages no sequence has written
+    are never touched, so they are not resident. Nothing reads a position
+    before it is written: the C kernels and the torch paths read each row's
+    own positions, and the padded decode path masks the rest (scores to
+    ``-inf``, gathered values to zero, since uninitialized memory may hold
+    NaN and ``0 * NaN = NaN``).
     """
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.scratch = (torch.empty(shape, dtype=dtype).view(-1), torch.empty(shape, dtype=dtype).view(-1))
-        self.max_len = max_len
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        if block_size <= 0 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes in a :class:`KVCache` (keys and values of every layer)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    """Blocks that hold ``positions`` positions."""
+    return -(-positions // block_size)
 
 
 @dataclass(slots=True)
@@ -53,13 +73,14 @@ class SeqSlice:
     """One sequence's part of a step.
 
     Attributes:
-        slot: KV cache row of the sequence.
+        blocks: the sequence's block table (block ids, in position order),
+            covering at least ``start + num_new`` positions.
         start: positions already in the cache (tokens), i.e. the position of the
             first new token.
         num_new: new tokens this step (1 for a decode step).
     """
 
-    slot: int
+    blocks: Sequence[int]
     start: int
     num_new: int
 
@@ -74,6 +95,9 @@ class AttentionBatch:
         decode: the rows are generated tokens (one per sequence), else prompt tokens.
         positions: ``[T]`` int64 absolute positions.
         max_position: largest entry of ``positions``.
+        tables: ``[len(seqs), width]`` int32 block tables, each cut to the
+            blocks of its positions and padded with block 0.
+        row_table: ``[T]`` int64 index of each token's sequence (its row of ``tables``).
         rope_tables: cos/sin for ``positions``, filled in by the model.
     """
 
@@ -82,56 +106,38 @@ class AttentionBatch:
     decode: bool = False
     positions: torch.Tensor = field(init=False)
     max_position: int = field(init=False)
+    tables: torch.Tensor = field(init=False)
+    row_table: torch.Tensor = field(init=False)
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-    _write_slots: torch.Tensor = field(init=False)
-    _prefills: list[tuple[int, SeqSlice]] = field(init=False)
-    _decode: _DecodeGroup | None = field(init=False)
+    write_blocks: torch.Tensor = field(init=False)
+    write_offsets: torch.Tensor = field(init=False)
     _rows_scratch: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        positions, slots, self._prefills = [], [], []
-        decode_rows: list[tuple[int, SeqSlice]] = []
-        offset = 0
-        for s in self.seqs:
-            if s.start + s.num_new > self.kv.max_len:
-                raise ValueError(f"sequence in slot {s.slot} needs {s.start + s.num_new} positions, cache holds {self.kv.max_len}")
-            positions.extend(range(s.start, s.start + s.num_new))
-            slots.extend([s.slot] * s.num_new)
+        bs = self.kv.block_size
+        positions, row_table = [], []
+        for i, s in enumerate(self.seqs):
             if self.decode and s.num_new != 1:
-                raise ValueError(f"a decode batch takes one token a sequence, slot {s.slot} has {s.num_new}")
-            (decode_rows if self.decode else self._prefills).append((offset, s))
-            offset += s.num_new
+                raise ValueError(f"a decode batch takes one token a sequence, sequence {i} has {s.num_new}")
+            if s.start + s.num_new > len(s.blocks) * bs:
+                held = len(s.blocks) * bs
+                raise ValueError(f"sequence {i} needs {s.start + s.num_new} positions, its {len(s.blocks)} blocks hold {held}")
+            positions.extend(range(s.start, s.start + s.num_new))
+            row_table.extend([i] * s.num_new)
         self.positions = torch.tensor(positions, dtype=torch.long)
         self.max_position = max(positions)
-        self._write_slots = torch.tensor(slots, dtype=torch.long)
-        self._decode = _DecodeGroup(decode_rows) if decode_rows else None
+        self.row_table = torch.tensor(row_table, dtype=torch.long)
+        self.tables = torch.zeros(len(self.seqs), blocks_for(self.max_position + 1, bs), dtype=torch.int32)
+        for i, s in enumerate(self.seqs):
+            n = blocks_for(s.start + s.num_new, bs)
+            self.tables[i, :n] = torch.as_tensor(s.blocks[:n], dtype=torch.int32)
+        self.write_blocks = self.tables[self.row_table, self.positions // bs].long()
+        self.write_offsets = self.positions % bs
 
     @property
-    def write_slots(self) -> torch.Tensor:
-        """``[T]`` int64 cache slot of each token."""
-        return self._write_slots
-
-
-class _DecodeGroup:
-    """Decode rows padded to a contiguous slot range ``[lo, hi)`` of the cache."""
-
-    def __init__(self, rows: list[tuple[int, SeqSlice]]) -> None:
-        slots = [s.slot for _, s in rows]
-        self.lo, hi = min(slots), max(slots) + 1
-        self.kv_len = max(s.start + 1 for _, s in rows)
-        lengths = torch.ones(hi - self.lo, dtype=torch.long)  # idle rows attend to one dummy position
-        for _, s in rows:
-            lengths[s.slot - self.lo] = s.start + 1
-        self.hi = hi
-        self.masked_out = (torch.arange(self.kv_len)[None, :] >= lengths[:, None])[:, None, None, :]
-        self.needs_mask = bool(self.masked_out.any())  # False when every row has the same length
-        offsets = [off for off, _ in rows]
-        row_of = [s.slot - self.lo for _, s in rows]
-        self.token_index = torch.tensor(offsets, dtype=torch.long)
-        self.row_index = torch.tensor(row_of, dtype=torch.long)
-        #: rows are the tokens ``[first, first + rows)`` in slot order: no scatter/gather needed
-        self.first = offsets[0]
-        self.dense = row_of == list(range(hi - self.lo)) and offsets == list(range(self.first, self.first + len(rows)))
+    def max_len(self) -> int:
+        """Positions the longest sequence of the step attends to."""
+        return self.max_position + 1
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
@@ -147,20 +153,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
         ``[T, H, D]`` attention output, in ``q``'s dtype.
     """
     kc, vc = batch.kv.k[layer], batch.kv.v[layer]
-    kc[batch._write_slots, :, batch.positions] = k
-    vc[batch._write_slots, :, batch.positions] = v
-    if batch._decode is None and (lib := _rows_kernel(q, kc)) is not None:
+    kc[batch.write_blocks, :, batch.write_offsets] = k
+    vc[batch.write_blocks, :, batch.write_offsets] = v
+    if batch.decode:
+        return _attend_decode(q, kc, vc, batch)
+    if (lib := _rows_kernel(q, kc)) is not None:
         return _attend_rows(lib, q, kc, vc, batch)
-    if batch._decode is None and len(batch._prefills) == 1:
-        return _attend_chunk(q, kc, vc, batch._prefills[0][1])
-    if not batch._prefills and batch._decode.dense:
-        return _attend_decode(q, kc, vc, batch._decode, batch.kv.scratch)
     out = torch.empty_like(q)
-    for offset, s in batch._prefills:
-        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, s)
-    if batch._decode is not None:
-        g = batch._decode
-        out[g.token_index] = _attend_decode(q, kc, vc, g, batch.kv.scratch)
+    offset = 0
+    for i, s in enumerate(batch.seqs):
+        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, batch.tables[i], s)
+        offset += s.num_new
     return out
 
 
@@ -179,53 +182,53 @@ def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
 def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call.
 
-    A bf16 cache is first widened to float32, each sequence's positions once
-    (exact), so the rows of a chunk share one conversion instead of each row
-    converting every position it reads; the kernel computes the same bits from either."""
+    A bf16 cache is first widened to float32 (:func:`_widened`), so that the C kernel's
+    consecutive rows of a sequence share each tile of positions; it computes the same
+    bits from either."""
     from quanta.model.native_decode import default_threads
 
     rows, heads, dim = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    slots, kc, vc, max_len = _widened(kc, vc, batch)
-    need = lib.attention_scratch(rows, heads, kc.shape[1], dim, max_len)
+    tables, block_size, kc, vc = _widened(kc, vc, batch)
+    need = lib.attention_scratch(rows, heads, kc.shape[1], dim, batch.max_len)
     if batch._rows_scratch is None or batch._rows_scratch.numel() < need:
         batch._rows_scratch = torch.empty(need, dtype=torch.float32)
     before = lib.pool_threads()
     lib.pool_set_threads(default_threads())
     try:
         lib.attention_rows(rows, q.data_ptr(), int(q.dtype == torch.bfloat16), heads, kc.shape[1], dim,
-                           slots.data_ptr(), batch.positions.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-                           int(kc.dtype == torch.bfloat16), kc.stride(0), kc.stride(1), max_len,
-                           out.data_ptr(), batch._rows_scratch.data_ptr())
+                           batch.row_table.data_ptr(), batch.positions.data_ptr(), tables.data_ptr(),
+                           tables.shape[1], block_size, kc.data_ptr(), vc.data_ptr(),
+                           int(kc.dtype == torch.bfloat16), batch.max_len, out.data_ptr(), batch._rows_scratch.data_ptr())
     finally:
         lib.pool_set_threads(before)
     return out
 
 
 def _widened(kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch):
-    """``(slots, keys, values, max_len)`` for :func:`_attend_rows`: the cache itself when it is
-    float32; for bf16, float32 copies ``[sequences, KVH, L, D]`` of each prompt sequence's
-    positions (``L`` the longest), with each row's slot renumbered to its copy."""
+    """``(tables, block_size, keys, values)`` for :func:`_attend_rows`: the pool itself when it
+    is float32; for bf16, each sequence's blocks gathered and widened to float32 (exact), one
+    block of ``width x block_size`` positions a sequence."""
     if kc.dtype == torch.float32:
-        return batch._write_slots, kc, vc, batch.kv.max_len
-    ends = [s.start + s.num_new for _, s in batch._prefills]
-    length = max(ends)
-    keys = kc.new_empty((len(ends), kc.shape[1], length, kc.shape[3]), dtype=torch.float32)
-    values = torch.empty_like(keys)
-    slots = []
-    for i, (_, s) in enumerate(batch._prefills):
-        end = s.start + s.num_new
-        keys[i, :, :end] = kc[s.slot, :, :end]
-        values[i, :, :end] = vc[s.slot, :, :end]
-        slots += [i] * s.num_new
-    return torch.tensor(slots, dtype=torch.long), keys, values, length
+        return batch.tables, batch.kv.block_size, kc, vc
+    keys, values = gather(kc, batch.tables).float(), gather(vc, batch.tables).float()
+    tables = torch.arange(len(batch.seqs), dtype=torch.int32).view(-1, 1)
+    return tables, keys.shape[2], keys, values
 
 
-def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: SeqSlice) -> torch.Tensor:
+def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The positions of block tables ``[R, n]`` from one layer's cache, contiguous:
+    ``[R, kv_heads, n * block_size, head_dim]`` (a copy)."""
+    rows, n = tables.shape
+    _, kv_heads, bs, dim = cache.shape
+    return cache[tables.long()].transpose(1, 2).reshape(rows, kv_heads, n * bs, dim)
+
+
+def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, s: SeqSlice) -> torch.Tensor:
     end = s.start + s.num_new
-    keys = kc[s.slot, :, :end].unsqueeze(0)
-    values = vc[s.slot, :, :end].unsqueeze(0)
+    table = table[:blocks_for(end, kc.shape[2])][None]
+    keys, values = gather(kc, table)[:, :, :end], gather(vc, table)[:, :, :end]
     query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if s.start == 0:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
@@ -236,54 +239,27 @@ def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: SeqSli
     return out[0].transpose(0, 1)
 
 
-#: cache dtypes whose decode ``bmm`` reads the cache slice in place (a batch
-#: stride of ``max_len * D``) rather than from a contiguous copy in
-#: :attr:`KVCache.scratch`. ``benchmarks/decode_attention.py`` (results in
-#: ``benchmarks/results/decode_attention_*.md``; 2-core AMD EPYC with
-#: avx512_bf16, one thread, whole decode steps, copy / in place, median of 10
-#: paired steps): float32 (MKL's batched GEMM takes the stride) 1.39x at 8
-#: rows x 1,024 positions, 1.32x at 32 x 1,024, 1.11x at 32 x 256, ~1.0 at
-#: 1 row, and the same with AVX2 kernels forced; bfloat16 (oneDNN) is slower
-#: in place at every shape (0.66x at 32 x 1,024, 0.90x at 8 x 256) and copies.
-#: Before the scratch buffers the copy was a fresh tensor per layer: 32 x
-#: 1,024 took 609-690 ms a step in bf16 and 1,237-1,290 ms in fp32 (separate
-#: runs of the same benchmark), against ~284 (bf16, scratch) and ~302 (fp32, in place) now.
-IN_PLACE_DECODE_BMM = {torch.float32: True, torch.bfloat16: False}
-
-
-def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: _DecodeGroup,
-                   scratch: tuple[torch.Tensor, torch.Tensor], in_place: bool | None = None) -> torch.Tensor:
-    """One query per row: batched matmuls with query heads grouped per KV head.
+def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """One query per row, padded: the rows' blocks gathered, batched matmuls with query
+    heads grouped per KV head.
 
     For a single query row this is ~3x faster on CPU than
     ``scaled_dot_product_attention`` (whose flash kernel is tuned for long
-    query blocks). The cache slice ``[rows, KVH, L, D]`` is read as a batch of
-    ``rows * KVH`` matrices, in place or first copied contiguous into
-    ``scratch`` (:attr:`KVCache.scratch`) as :data:`IN_PLACE_DECODE_BMM` says
-    for the cache dtype (``in_place`` overrides, for tests). Scores come out
-    of ``bmm`` in the model dtype; softmax accumulates in float32.
+    query blocks). Positions past a row's own are masked: scores to ``-inf``
+    and gathered values to zero (an unwritten position may hold NaN). Scores
+    come out of ``bmm`` in the model dtype; softmax accumulates in float32.
 
     Returns:
-        ``[decode rows, H, D]`` in ``g.token_index`` order.
+        ``[rows, H, D]`` in row order.
     """
-    rows, heads, dim = g.hi - g.lo, q.shape[1], q.shape[2]
+    rows, heads, dim = q.shape
     kv_heads = kc.shape[1]
-    batch = rows * kv_heads
-    if g.dense:
-        query = q[g.first:g.first + rows] * dim ** -0.5
-    else:
-        query = q.new_zeros(rows, heads, dim)
-        query[g.row_index] = q[g.token_index] * dim ** -0.5
-    query = query.view(batch, heads // kv_heads, dim)  # [R*KVH, G, D]
-    if in_place is None:
-        in_place = IN_PLACE_DECODE_BMM.get(kc.dtype, False)
-    keys, values = kc[g.lo:g.hi, :, :g.kv_len], vc[g.lo:g.hi, :, :g.kv_len]  # [R, KVH, L, D] views
-    if not in_place:
-        n, shape = keys.numel(), keys.shape
-        keys, values = scratch[0][:n].view(shape).copy_(keys), scratch[1][:n].view(shape).copy_(values)
-    keys, values = keys.flatten(0, 1), values.flatten(0, 1)  # [R*KVH, L, D]: a view either way
-    scores = torch.bmm(query, keys.transpose(1, 2))  # [R*KVH, G, L]
-    if g.needs_mask:
-        scores.view(rows, kv_heads, -1, g.kv_len).masked_fill_(g.masked_out, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, heads, dim)
-    return out if g.dense else out[g.row_index]
+    keys, values = gather(kc, batch.tables), gather(vc, batch.tables)  # [R, KVH, L, D]
+    length = keys.shape[2]
+    masked_out = torch.arange(length)[None, :] > batch.positions[:, None]  # [R, L]
+    values.masked_fill_(masked_out[:, None, :, None], 0)
+    query = (q * dim ** -0.5).reshape(rows * kv_heads, heads // kv_heads, dim)  # [R*KVH, G, D]
+    scores = torch.bmm(query, keys.flatten(0, 1).transpose(1, 2))  # [R*KVH, G, L]
+    scores.view(rows, kv_heads, -1, length).masked_fill_(masked_out[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, values.flatten(0, 1)).view(rows, heads, dim)

@@ -6,8 +6,9 @@ one called straight into ``block_matmul``, else the linear itself) and three C
 calls from :mod:`quanta.model.native`: residual add + RMSNorm, RoPE + KV
 cache write + attention, SwiGLU. The residual stream stays float32 between
 layers; matmul inputs and outputs are in the model dtype. The KV cache is
-the same :class:`~quanta.model.attention.KVCache` the PyTorch path reads, so
-steps of either path may follow each other.
+the same paged :class:`~quanta.model.attention.KVCache` the PyTorch path
+reads, through the same block tables, so steps of either path may follow
+each other.
 
 Numerics differ from the PyTorch path (which rounds to bf16 between ops) by
 about a bf16 ulp per op; ``tests/test_native_decode.py`` bounds the logit
@@ -149,7 +150,7 @@ class NativeDecoder:
         c, lib, io = self.cfg, self.lib, self.io_bf16
         rows, heads, kv_heads, dim = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kv = batch.kv
-        scratch = self.scratch(rows, kv.max_len).data_ptr()
+        scratch = self.scratch(rows, batch.max_len).data_ptr()
         plan = self.plan()
         x = self.model.embed_tokens(input_ids).float().contiguous()
         width = (heads + 2 * kv_heads) * dim
@@ -159,9 +160,9 @@ class NativeDecoder:
         outs = [torch.empty(rows, n, dtype=self.dtype) for n in (width, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)]
         work = _MatmulScratch(rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size))
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
-        slots, positions = batch.write_slots.data_ptr(), batch.positions.data_ptr()
+        row_table, positions, tables = batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr()
+        table_width, block_size, max_len = batch.tables.shape[1], kv.block_size, batch.max_len
         cache_bf16 = int(kv.k[0].dtype == torch.bfloat16)
-        slot_stride, head_stride = kv.k[0].stride(0), kv.k[0].stride(1)
 
         def project(layer, which: int, src: torch.Tensor) -> torch.Tensor:
             direct = plan[i][which]
@@ -175,8 +176,9 @@ class NativeDecoder:
             norm_in, norm_post = self.norms[i]
             lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), norm_in.data_ptr(), self.eps, hp, io, scratch)
             qkv = project(layer, 0, h)
-            lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, self.inv_freq.data_ptr(), slots, positions,
-                                 kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_bf16, slot_stride, head_stride, kv.max_len, ap, scratch)
+            lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, self.inv_freq.data_ptr(), row_table,
+                                 positions, tables, table_width, block_size, kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_bf16,
+                                 max_len, ap, scratch)
             o = project(layer, 1, attn)
             lib.residual_rms_norm(rows, c.hidden_size, xp, o.data_ptr(), norm_post.data_ptr(), self.eps, hp, io, scratch)
             gate_up = project(layer, 2, h)

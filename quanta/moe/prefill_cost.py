@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from quanta.config import DEFAULT_BLOCK_SIZE
+from quanta.engine.block_pool import BlockPool, blocks_for
 from quanta.engine.engine import Engine
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.policies.batched import BatchedScheduler
@@ -53,7 +55,9 @@ SATURATION_TOLERANCE = 0.05
 
 def prefill_run(executor: ModelExecutor, prompt: list[int], quantum: int, cap: int, max_tokens: int = 1) -> Engine:
     """Serve ``prompt`` alone through a fresh engine; returns it with its trace."""
-    engine = Engine(BatchedScheduler(1, quantum, quantum, cap), executor, executor.kv.max_len)
+    scheduler = BatchedScheduler(1, quantum, quantum, cap)
+    scheduler.use_blocks(BlockPool(executor.kv.num_blocks, executor.kv.block_size))
+    engine = Engine(scheduler, executor, executor.kv.num_blocks * executor.kv.block_size)
     engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while engine.has_work():
         engine.step()
@@ -141,7 +145,7 @@ def measure_prefill_cost(loaded, quanta=DEFAULT_QUANTA, prompt_tokens: int = 819
         raise ValueError(f"the largest quantum ({max(quanta)}) exceeds the prompt ({prompt_tokens} tokens)")
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, min(cfg.vocab_size, loaded.tokenizer.vocab_size), (prompt_tokens,), generator=gen).tolist()
-    executor = ModelExecutor(loaded.model, 1, prompt_tokens + 32)
+    executor = ModelExecutor(loaded.model, blocks_for(prompt_tokens + 32, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE)
     load_before = _loadavg()
     log.info("warm-up run (quantum %d)", quanta[-1])
     prefill_run(executor, prompt[: min(prompt_tokens, 1024)], min(quanta[-1], 1024), prompt_tokens)

@@ -49,11 +49,14 @@ class LiveLog:
         num_running / num_waiting: callables (the async engine's counts).
         num_slots: KV slots (``--max-num-seqs``).
         clock: seconds, the engine's clock (outputs carry its times).
+        kv_blocks: the KV pool's block counts (``used``, ``cached``, ``total``,
+            :meth:`quanta.engine.async_engine.AsyncEngine.kv_blocks`); None: not reported.
     """
 
     def __init__(self, num_running: Callable[[], int], num_waiting: Callable[[], int], num_slots: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], kv_blocks: Callable[[], dict[str, int]] | None = None) -> None:
         self.num_running, self.num_waiting, self.num_slots, self.clock = num_running, num_waiting, num_slots, clock
+        self.kv_blocks = kv_blocks
         self._lock = threading.Lock()
         self._prompt = self._generated = 0  # since the last stats line
         self._since = self._last_step_end = clock()
@@ -125,7 +128,9 @@ class LiveLog:
             quiet = now - self._last_step_end
         if not (running or waiting or prompt or generated):
             return None
+        blocks = self.kv_blocks() if self.kv_blocks is not None else {}
         return {
+            "kv_blocks_used": blocks.get("used"), "kv_blocks_cached": blocks.get("cached"), "kv_blocks": blocks.get("total"),
             "prompt_tok_s": round(prompt / span, 1), "generation_tok_s": round(generated / span, 1),
             "running": running, "waiting": waiting, "kv_slots_used": running, "kv_slots": self.num_slots,
             "prefix_cache_hit_rate": round(hits / queried, 4) if queried else None, "interval_s": round(span, 2),
@@ -138,10 +143,12 @@ class LiveLog:
         if fields is None:
             return
         rate, busy = fields["prefix_cache_hit_rate"], fields["step_running_s"]
+        blocks = "" if fields["kv_blocks"] is None else \
+            f", KV blocks {fields['kv_blocks_used']}/{fields['kv_blocks']} in use ({fields['kv_blocks_cached']} cached)"
         stats_log.info(
-            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV slots %d/%d in use, prefix cache hits %s%s",
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV slots %d/%d in use%s, prefix cache hits %s%s",
             fields["prompt_tok_s"], fields["generation_tok_s"], fields["running"], fields["waiting"],
-            fields["kv_slots_used"], fields["kv_slots"], "-" if rate is None else f"{rate:.1%}",
+            fields["kv_slots_used"], fields["kv_slots"], blocks, "-" if rate is None else f"{rate:.1%}",
             "" if busy is None else f"; a step has run for {busy:.1f} s", extra={"fields": fields})
 
     async def run(self, interval: float) -> None:

@@ -31,12 +31,21 @@ class EngineMetrics:
         num_running / num_waiting: callables read at scrape time.
         prefix_cache: the engine reuses cached prefixes (else the prefix-cache
             counters stay at 0).
+        kv_blocks: callable read at scrape time, the KV pool's block counts
+            (:meth:`quanta.engine.async_engine.AsyncEngine.kv_blocks`); None: not exported.
     """
 
-    def __init__(self, num_running, num_waiting, prefix_cache: bool = False) -> None:
+    def __init__(self, num_running, num_waiting, prefix_cache: bool = False, kv_blocks=None) -> None:
         self.registry = r = CollectorRegistry()
         Gauge("quanta:num_requests_running", "Requests resident in a KV slot.", registry=r).set_function(num_running)
         Gauge("quanta:num_requests_waiting", "Requests queued for a slot.", registry=r).set_function(num_waiting)
+        if kv_blocks is not None:
+            for key, text in (("used", "held by resident requests"), ("cached", "kept for prefix reuse (evictable)"),
+                              ("free", "free"), ("total", "in the pool")):
+                Gauge(f"quanta:kv_blocks_{key}", f"KV cache blocks {text}.", registry=r).set_function(
+                    lambda key=key: kv_blocks()[key])
+            Gauge("quanta:num_preemptions", "Requests preempted (KV blocks freed, recomputed later) since start.",
+                  registry=r).set_function(lambda: kv_blocks()["preemptions"])
         self.prompt_tokens = Counter("quanta:prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.generation_tokens = Counter("quanta:generation_tokens", "Generated tokens.", registry=r)
         self.request_success = Counter(

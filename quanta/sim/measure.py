@@ -31,17 +31,21 @@ import statistics
 import time
 from datetime import UTC, datetime
 
+from quanta.config import DEFAULT_BLOCK_SIZE
+from quanta.engine.block_pool import blocks_for
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.scheduler import ScheduledChunk, StepPlan
 from quanta.engine.sequence import Sequence
 from quanta.sim.profile import Profile
 
 
-def _seq(i: int, prompt_len: int, computed: int, outputs: int = 0) -> Sequence:
+def _seq(i: int, prompt_len: int, computed: int, outputs: int = 0, seqs: int = 1) -> Sequence:
+    """Sequence ``i`` of ``seqs``; its blocks are every ``seqs``-th of the pool from block ``i``."""
     s = Sequence(i, [11 + (j % 1000) for j in range(prompt_len)], SamplingParams(max_tokens=8, temperature=0), arrival_time=0.0)
     s.output_token_ids = [13] * outputs
     s.num_computed_tokens = computed
     s.slot = i
+    s.block_ids = [k * seqs + i for k in range(blocks_for(prompt_len + outputs, DEFAULT_BLOCK_SIZE))]
     return s
 
 
@@ -66,7 +70,7 @@ def _median(executor, make_plan, repeats: int, spread: dict, key: str) -> tuple[
 
 
 def _decode_plan(batch: int, context: int) -> StepPlan:
-    return StepPlan([ScheduledChunk(_seq(i, context, context, 1), 1) for i in range(batch)])
+    return StepPlan([ScheduledChunk(_seq(i, context, context, 1, batch), 1) for i in range(batch)])
 
 
 def _prefill_plan(n: int, pos: int) -> StepPlan:
@@ -122,7 +126,7 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
 
     ctx0, p0 = decode_contexts[0], positions[0]
     max_len = max(max(positions) + max(chunks), max(decode_contexts) + 2) + 1
-    ex = ModelExecutor(loaded.model, max(batches), max_len)
+    ex = ModelExecutor(loaded.model, max(batches) * blocks_for(max_len, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE)
     spread: dict = {"decode": {}, "prefill": {}}
     dec, decode_ctx = _time_decode(ex, batches, decode_contexts, repeats, spread["decode"], say)
     overhead = _overhead(dec)

@@ -45,7 +45,7 @@ class BudgetScheduler(Scheduler):
         chunks = [ScheduledChunk(s, 1) for s in self.decoding()]
         budget = self.max_num_batched_tokens - len(chunks)
         queue = self.prefilling()  # admission order; all but the last were completed before
-        while budget > 0 and (queue or (self.waiting and self.num_free_slots)):
+        while budget > 0 and (queue or self.can_admit()):
             seq = queue.pop(0) if queue else self.admit(1)[0]
             n = min(seq.num_prompt_tokens_left, budget)
             chunks.append(ScheduledChunk(seq, n))

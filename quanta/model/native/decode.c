@@ -8,8 +8,9 @@
  * writing raw buffers, and keep the residual stream in float32.
  *
  * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
- * else float32; the KV cache is bf16 when cache_bf16, else float32, laid out
- * [slots, kv_heads, max_len, head_dim] (element strides given); conversions in bf16.h.
+ * else float32; the KV cache is bf16 when cache_bf16, else float32, a pool of blocks laid out
+ * [num_blocks, kv_heads, block_size, head_dim]: a row's position p of KV head g lives in block
+ * tables[row_table[r]][p / block_size] at offset p % block_size (struct kv_pages); conversions in bf16.h.
  * Consecutive rows of a sequence share the tiles of a float32 cache (attend_block); a bf16 cache
  * is read row by row, so the Python caller widens it for attention_rows.
  *
@@ -73,24 +74,45 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* n cache rows of `dim` from element offset `at` as float32: the cache itself when float32,
- * else converted into tile [n, dim]. */
-static inline const float *cache_rows(const void *cache, int bf16, int64_t at, int64_t n, int dim, float *tile) {
-    if (!bf16) return (const float *)cache + at;
-    load_row(cache, 1, at, n * dim, tile);
-    return tile;
+/* Where one row's cache positions are: its block table, the pool's block size, and KV head g's
+ * element offset within a block (g * block_size * dim). */
+struct kv_pages {
+    const int32_t *table;
+    int64_t block_size, block_elems, head;
+};
+
+/* Element offset of position `pos` in the pool. */
+static inline int64_t page_offset(const struct kv_pages *pg, int64_t pos, int dim) {
+    int64_t block = pg->table[pos / pg->block_size];
+    return block * pg->block_elems + pg->head + (pos % pg->block_size) * dim;
 }
 
-/* The scores of query rows q (nq rows of dim) for the 8 keys at `keys` ([8, dim]) into out[nq]:
- * one FMA chain per query and key over dim, then hsum8; the keys are loaded once for the nq
- * queries (nq <= SCORE_HEADS). Every score of attention comes from this or score1, so a
+/* Pointers to the n cache rows of positions t.. as float32: into the cache itself when float32,
+ * else rows converted into tile [n, dim]. */
+static inline void cache_rows(const void *cache, int bf16, const struct kv_pages *pg, int64_t t, int64_t n, int dim,
+                              float *tile, const float **rows) {
+    for (int64_t u = 0; u < n; u++) {
+        int64_t at = page_offset(pg, t + u, dim);
+        if (bf16) {
+            load_row(cache, 1, at, dim, tile + u * dim);
+            rows[u] = tile + u * dim;
+        } else {
+            rows[u] = (const float *)cache + at;
+        }
+    }
+}
+
+/* The scores of query rows q (nq rows of dim) for the 8 keys keys[0..7] (rows of dim) into
+ * out[nq]: one FMA chain per query and key over dim, then hsum8; the keys are loaded once for
+ * the nq queries (nq <= SCORE_HEADS). Every score of attention comes from this or score1, so a
  * score's bits do not depend on how many queries shared the keys. */
 #if defined(__AVX512VL__)
 #define SCORE_HEADS 3 /* 24 accumulators: AVX-512 has 32 vector registers */
 #else
 #define SCORE_HEADS 1 /* AVX2 has 16 */
 #endif
-static inline __attribute__((always_inline)) void score8(const float *q, int nq, int dim, const float *keys, __m256 *out) {
+static inline __attribute__((always_inline)) void score8(const float *q, int nq, int dim, const float *const *keys,
+                                                         __m256 *out) {
     __m256 s[SCORE_HEADS][8];
     for (int h = 0; h < nq; h++)
         for (int e = 0; e < 8; e++) s[h][e] = _mm256_setzero_ps();
@@ -98,16 +120,22 @@ static inline __attribute__((always_inline)) void score8(const float *q, int nq,
         __m256 qc[SCORE_HEADS];
         for (int h = 0; h < nq; h++) qc[h] = _mm256_loadu_ps(q + h * dim + c);
         for (int e = 0; e < 8; e++) {
-            __m256 k = _mm256_loadu_ps(keys + e * dim + c);
+            __m256 k = _mm256_loadu_ps(keys[e] + c);
             for (int h = 0; h < nq; h++) s[h][e] = _mm256_fmadd_ps(qc[h], k, s[h][e]);
         }
     }
     for (int h = 0; h < nq; h++) out[h] = hsum8(s[h]);
 }
 
-/* score8 for rows q_0 .. q_{group - 1}, SCORE_HEADS at a time: out[j] at scores + j * ld. */
-static inline __attribute__((always_inline)) void group_score8(const float *q, int group, int dim, const float *keys,
-                                                               float *scores, int64_t ld) {
+static inline __attribute__((always_inline)) float score1(const float *q, int dim, const float *key) {
+    __m256 s = _mm256_setzero_ps();
+    for (int c = 0; c < dim; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(key + c), s);
+    return hsum(s);
+}
+
+/* score8 for query rows q_0 .. q_{group - 1}, SCORE_HEADS at a time: out[j] at scores + j * ld. */
+static inline __attribute__((always_inline)) void group_score8(const float *q, int group, int dim,
+                                                               const float *const *keys, float *scores, int64_t ld) {
     __m256 out[SCORE_HEADS];
     int j = 0;
     for (; j + SCORE_HEADS <= group; j += SCORE_HEADS) {
@@ -120,26 +148,20 @@ static inline __attribute__((always_inline)) void group_score8(const float *q, i
     }
 }
 
-static inline __attribute__((always_inline)) float score1(const float *q, int dim, const float *key) {
-    __m256 s = _mm256_setzero_ps();
-    for (int c = 0; c < dim; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(key + c), s);
-    return hsum(s);
-}
-
-/* scores[j][u] = q_j . keys[u] for u < n, 8 positions at a time (q: [group, dim]; keys: [n, dim];
- * scores row stride `ld`). */
-static inline __attribute__((always_inline)) void tile_scores(const float *q, int group, int dim, const float *keys, int64_t n,
-                                                              float *scores, int64_t ld) {
+/* scores[j][u] = q_j . keys[u] for u < n, 8 positions at a time (q: [group, dim]; keys: n rows of
+ * dim; scores row stride `ld`). */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, int group, int dim, const float *const *keys,
+                                                              int64_t n, float *scores, int64_t ld) {
     int64_t u = 0;
-    for (; u + 8 <= n; u += 8) group_score8(q, group, dim, keys + u * dim, scores + u, ld);
+    for (; u + 8 <= n; u += 8) group_score8(q, group, dim, keys + u, scores + u, ld);
     for (; u < n; u++)
-        for (int j = 0; j < group; j++) scores[j * ld + u] = score1(q + j * dim, dim, keys + u * dim);
+        for (int j = 0; j < group; j++) scores[j * ld + u] = score1(q + j * dim, dim, keys[u]);
 }
 
 /* out_j[0..dim) += sum_{u < n} p[j][u] vals[u] for each of the group's heads (p row stride `ld`;
- * out_j = out + j (dim + 2)), 64 output elements at a time in registers. */
-static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t ld, int group, int dim, const float *vals,
-                                                              int64_t n, float *out) {
+ * vals: n rows of dim; out_j = out + j (dim + 2)), 64 output elements at a time in registers. */
+static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t ld, int group, int dim,
+                                                              const float *const *vals, int64_t n, float *out) {
     for (int j = 0; j < group; j++) {
         const float *pj = p + j * ld;
         float *oj = out + j * (dim + 2);
@@ -149,7 +171,7 @@ static inline __attribute__((always_inline)) void tile_values(const float *p, in
             for (int v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(oj + c0 + 8 * v);
             for (int64_t u = 0; u < n; u++) {
                 __m256 pu = _mm256_set1_ps(pj[u]);
-                for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vals + u * dim + c0 + 8 * v), acc[v]);
+                for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vals[u] + c0 + 8 * v), acc[v]);
             }
             for (int v = 0; v < nv; v++) _mm256_storeu_ps(oj + c0 + 8 * v, acc[v]);
         }
@@ -175,22 +197,26 @@ static inline __attribute__((always_inline)) void softmax_part(float *scores, in
 }
 
 /* One KV head's group of query heads (q: float32 [group, dim], pre-scaled; dim a multiple of 8)
- * over cache positions t0..t1-1 at element offset `head`, in tiles of ATT_TILE positions:
+ * over cache positions t0..t1-1 of the pages `pg`, in tiles of ATT_TILE positions from t0 (a tile
+ * may span blocks: its rows are read through pointers, so the tiling is the same whatever the block size):
  * out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)), float32 [group][dim + 2], for
  * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
  * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
 static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
-                                                              const void *v_cache, int bf16, int64_t head, int64_t t0,
-                                                              int64_t t1, float *scores, float *tile, float *out) {
+                                                              const void *v_cache, int bf16, const struct kv_pages *pg,
+                                                              int64_t t0, int64_t t1, float *scores, float *tile, float *out) {
     int64_t len = t1 - t0;
+    const float *rows[ATT_TILE];
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        tile_scores(q, group, dim, cache_rows(k_cache, bf16, head + t * dim, n, dim, tile), n, scores + (t - t0), len);
+        cache_rows(k_cache, bf16, pg, t, n, dim, tile, rows);
+        tile_scores(q, group, dim, rows, n, scores + (t - t0), len);
     }
     softmax_part(scores, group, len, dim, out);
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        tile_values(scores + (t - t0), len, group, dim, cache_rows(v_cache, bf16, head + t * dim, n, dim, tile), n, out);
+        cache_rows(v_cache, bf16, pg, t, n, dim, tile, rows);
+        tile_values(scores + (t - t0), len, group, dim, rows, n, out);
     }
 }
 
@@ -213,9 +239,11 @@ static inline int64_t part_scratch(int dim, int group, int64_t max_len) {
 struct attention_job {
     int rows, heads, kv_heads, dim, cache_bf16;
     const float *q; /* [rows, heads * dim], rotated and scaled */
-    const int64_t *slots, *positions;
+    const int64_t *row_table, *positions; /* per row: its block table's index in tables, its position */
+    const int32_t *tables;                /* [sequences, table_width] block ids */
+    int64_t table_width, block_size;
     const void *k_cache, *v_cache;
-    int64_t slot_stride, head_stride, max_len;
+    int64_t max_len;
     float *work;     /* per thread: [part_scratch] */
     float *partials; /* [ATT_PARTS, rows, heads, dim + 2] */
 };
@@ -228,24 +256,27 @@ static void attend_share(const struct attention_job *j, int r, int g, int part, 
     pool_share(j->positions[r] + 1, 1, part, ATT_PARTS, &t0, &t1);
     const float *q = j->q + ((int64_t)r * j->heads + g * group) * dim;
     float *out = j->partials + (((int64_t)part * j->rows + r) * j->heads + g * group) * (dim + 2);
-    int64_t head = j->slots[r] * j->slot_stride + g * j->head_stride;
+    struct kv_pages pg = {j->tables + j->row_table[r] * j->table_width, j->block_size,
+                          (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
     if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
+        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
     else if (dim == 128)
-        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
+        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
     else
-        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, head, t0, t1, scores, tile, out);
+        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
 }
 
-/* Positions a..b-1 (within [t0, t1)) of the scores of one row (q: [group, dim]; keys of position
- * u at keys + u dim; s: [group, t1 - t0]), computed as attend_part computes them: in groups of 8
- * from t0 (a group starting before b may run past it), then one by one from the last full group. */
-static inline __attribute__((always_inline)) void span_scores(const float *q, int group, int dim, const float *keys,
-                                                              int64_t t0, int64_t t1, int64_t a, int64_t b, float *s) {
+/* Positions a..b-1 (within [t0, t1)) of the scores of one row (q: [group, dim]; the key of
+ * position u at keys[u - base]; s: [group, t1 - t0]), computed as attend_part computes them: in
+ * groups of 8 from t0 (a group starting before b may run past it), then one by one from the last
+ * full group. */
+static inline __attribute__((always_inline)) void span_scores(const float *q, int group, int dim, const float *const *keys,
+                                                              int64_t base, int64_t t0, int64_t t1, int64_t a, int64_t b,
+                                                              float *s) {
     int64_t len = t1 - t0, full = t0 + len / 8 * 8, first = t0 + (a - t0 + 7) / 8 * 8;
-    for (int64_t u = first; u < b && u < full; u += 8) group_score8(q, group, dim, keys + u * dim, s + u - t0, len);
+    for (int64_t u = first; u < b && u < full; u += 8) group_score8(q, group, dim, keys + (u - base), s + u - t0, len);
     for (int64_t u = a > full ? a : full; u < b; u++)
-        for (int jj = 0; jj < group; jj++) s[jj * len + u - t0] = score1(q + jj * dim, dim, keys + u * dim);
+        for (int jj = 0; jj < group; jj++) s[jj * len + u - t0] = score1(q + jj * dim, dim, keys[u - base]);
 }
 
 /* Rows r0 .. r0 + R - 1 (one sequence, consecutive positions; R <= ATT_BLOCK) of a float32 cache,
@@ -262,24 +293,30 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
         lo = t0[i] < lo ? t0[i] : lo;
         hi = t1[i] > hi ? t1[i] : hi;
     }
-    int64_t head = j->slots[r0] * j->slot_stride + g * j->head_stride;
-    const float *keys = (const float *)j->k_cache + head, *vals = (const float *)j->v_cache + head;
+    struct kv_pages pg = {j->tables + j->row_table[r0] * j->table_width, j->block_size,
+                          (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
+    const float *rows[ATT_TILE + 8]; /* a tile's rows and the 7 a group started in it may read past it */
     float *scores = work + ATT_TILE * dim;
-    for (int64_t t = lo; t < hi; t += ATT_TILE)
-        for (int i = 0; i < R; i++) {
-            int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
-            const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
-            if (a < b) span_scores(q, group, dim, keys, t0[i], t1[i], a, b, scores + i * stride);
+    for (int pass = 0; pass < 2; pass++) { /* keys, then values */
+        const float *cache = (const float *)(pass ? j->v_cache : j->k_cache);
+        for (int64_t t = lo; t < hi; t += ATT_TILE) {
+            int64_t n = hi - t < ATT_TILE + 8 ? hi - t : ATT_TILE + 8;
+            for (int64_t u = 0; u < n; u++) rows[u] = cache + page_offset(&pg, t + u, dim);
+            for (int i = 0; i < R; i++) {
+                int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
+                const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
+                float *out = j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2);
+                if (a >= b) continue;
+                if (pass == 0)
+                    span_scores(q, group, dim, rows, t, t0[i], t1[i], a, b, scores + i * stride);
+                else
+                    tile_values(scores + i * stride + (a - t0[i]), t1[i] - t0[i], group, dim, rows + (a - t), b - a, out);
+            }
         }
-    for (int i = 0; i < R; i++)
-        softmax_part(scores + i * stride, group, t1[i] - t0[i], dim,
-                     j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2));
-    for (int64_t t = lo; t < hi; t += ATT_TILE)
-        for (int i = 0; i < R; i++) {
-            int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
-            float *out = j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2);
-            if (a < b) tile_values(scores + i * stride + (a - t0[i]), t1[i] - t0[i], group, dim, vals + a * dim, b - a, out);
-        }
+        for (int i = 0; pass == 0 && i < R; i++)
+            softmax_part(scores + i * stride, group, t1[i] - t0[i], dim,
+                         j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2));
+    }
 }
 
 /* How many rows from r attend together: with a float32 cache, the following rows of r's sequence
@@ -287,7 +324,8 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
 static int block_rows(const struct attention_job *j, int r) {
     int n = 1;
     if (j->cache_bf16) return 1;
-    while (n < ATT_BLOCK && r + n < j->rows && j->slots[r + n] == j->slots[r] && j->positions[r + n] == j->positions[r] + n)
+    while (n < ATT_BLOCK && r + n < j->rows && j->row_table[r + n] == j->row_table[r] &&
+           j->positions[r + n] == j->positions[r] + n)
         n++;
     return n;
 }
@@ -323,12 +361,12 @@ int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t ma
 /* Attend rows whose queries qs (float32 [rows, heads * dim], rotated and scaled) are in place
  * and whose keys/values are in the cache, over positions 0..positions[r]; out: io [rows, heads * dim].
  * acc: float32 [dim]; work: [POOL_MAX_PARTS * part_scratch]; partials: [ATT_PARTS, rows, heads, dim + 2]. */
-static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int dim, const int64_t *slots,
-                        const int64_t *positions, const void *k_cache, const void *v_cache, int cache_bf16,
-                        int64_t slot_stride, int64_t head_stride, int64_t max_len, void *out, int io_bf16,
-                        float *acc, float *work, float *partials) {
-    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, slots, positions, k_cache, v_cache,
-                                slot_stride, head_stride, max_len, work, partials};
+static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int dim, const int64_t *row_table,
+                        const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
+                        const void *k_cache, const void *v_cache, int cache_bf16, int64_t max_len, void *out,
+                        int io_bf16, float *acc, float *work, float *partials) {
+    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, row_table, positions, tables, table_width,
+                                block_size, k_cache, v_cache, max_len, work, partials};
     pool_run(attention_part, &job);
     for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
         float top = -3.402823466e38f, total = 0.0f;
@@ -349,22 +387,22 @@ static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int 
     }
 }
 
-/* One decode token per row: RoPE on q and k, write k and v into the cache at
- * (slots[r], :, positions[r]), then attend over positions 0..positions[r] (attend_rows).
+/* One decode token per row: RoPE on q and k, write k and v into the cache at position positions[r]
+ * of block table row_table[r] (tables: int32 [sequences, table_width]), then attend over positions
+ * 0..positions[r] (attend_rows); max_len: the longest row's positions.
  * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
  * inv_freq: float32 [dim / 2]; out: io [rows, heads * dim];
  * scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
-                      const float *inv_freq, const int64_t *slots, const int64_t *positions,
-                      void *k_cache, void *v_cache, int cache_bf16, int64_t slot_stride,
-                      int64_t head_stride, int64_t max_len, void *out, float *scratch) {
+                      const float *inv_freq, const int64_t *row_table, const int64_t *positions,
+                      const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
+                      void *v_cache, int cache_bf16, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
     float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
-        int64_t base = slots[r] * slot_stride;
         load_row(qkv, io_bf16, (int64_t)r * width, width, row);
         for (int i = 0; i < half; i++) {
             float angle = (float)pos * inv_freq[i];
@@ -374,32 +412,35 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
         rope(row, heads + kv_heads, dim, cos_t, sin_t);
         float *q = row, *k = row + heads * dim, *v = k + kv_heads * dim;
         for (int g = 0; g < kv_heads; g++) {
-            int64_t at = base + g * head_stride + pos * dim;
+            struct kv_pages pg = {tables + row_table[r] * table_width, block_size, (int64_t)kv_heads * block_size * dim,
+                                  (int64_t)g * block_size * dim};
+            int64_t at = page_offset(&pg, pos, dim);
             store_row(k_cache, cache_bf16, at, dim, k + g * dim);
             store_row(v_cache, cache_bf16, at, dim, v + g * dim);
         }
         float *qr = qs + (int64_t)r * heads * dim;
         for (int i = 0; i < heads * dim; i++) qr[i] = q[i] * scale;
     }
-    attend_rows(rows, qs, heads, kv_heads, dim, slots, positions, k_cache, v_cache, cache_bf16, slot_stride,
-                head_stride, max_len, out, io_bf16, row, work, partials);
+    attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
+                v_cache, cache_bf16, max_len, out, io_bf16, row, work, partials);
 }
 
 /* Prompt rows: attend rows whose rotated queries q (io [rows, heads * dim]) and keys/values
  * (already in the cache) are given, over positions 0..positions[r]: the attention of
  * attention_decode, row for row, so a prompt position's output does not depend on the chunk
  * that holds it. scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
-void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_heads, int dim, const int64_t *slots,
-                    const int64_t *positions, const void *k_cache, const void *v_cache, int cache_bf16,
-                    int64_t slot_stride, int64_t head_stride, int64_t max_len, void *out, float *scratch) {
+void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_heads, int dim, const int64_t *row_table,
+                    const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
+                    const void *k_cache, const void *v_cache, int cache_bf16, int64_t max_len, void *out,
+                    float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
     float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
     float *work = acc + width + dim, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
-    attend_rows(rows, qs, heads, kv_heads, dim, slots, positions, k_cache, v_cache, cache_bf16, slot_stride,
-                head_stride, max_len, out, io_bf16, acc, work, partials);
+    attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
+                v_cache, cache_bf16, max_len, out, io_bf16, acc, work, partials);
 }
 
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; io [rows, 2 inter] -> io [rows, inter].

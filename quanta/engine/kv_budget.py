@@ -1,0 +1,77 @@
+"""How many KV blocks the pool gets: one budget, in bytes (``--kv-cache-memory``)
+or in tokens (``--kv-cache-tokens``), as vLLM and llama.cpp name it.
+
+Without either, the pool holds what ``max_num_seqs`` sequences of
+``max_model_len`` tokens need (what the slot cache reserved), capped at
+:data:`DEFAULT_MEMORY_FRACTION` of the machine's memory. Either way it must
+hold one sequence of ``max_model_len`` tokens. Torch-free: the CLI parses the
+flags with :func:`parse_bytes` before any model loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from quanta.engine.block_pool import blocks_for
+
+#: the default pool's cap, a fraction of physical memory (the weights, torch and
+#: the rest of the process need the remainder)
+DEFAULT_MEMORY_FRACTION = 0.5
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1.5GB``, ``4G`` or a plain number of bytes -> bytes (K/M/G/T and
+    kB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2).
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 4000000000)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"the size must be positive, got {text!r}")
+    return value
+
+
+class KVBudgetError(ValueError):
+    """The KV budget does not hold one sequence of ``max_model_len`` tokens."""
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
+               memory: int | None = None, tokens: int | None = None) -> int:
+    """Blocks of the pool for a budget of ``memory`` bytes or ``tokens`` tokens (at most one
+    given; neither: the default of the module docstring).
+
+    Raises:
+        KVBudgetError: the budget does not hold one sequence of ``max_model_len`` tokens.
+    """
+    one_sequence = blocks_for(max_model_len, block_size)
+    if tokens is not None:
+        blocks, what = blocks_for(tokens, block_size), f"--kv-cache-tokens {tokens}"
+    elif memory is not None:
+        blocks, what = memory // block_bytes, f"--kv-cache-memory {memory} bytes"
+    else:
+        blocks = max_num_seqs * one_sequence
+        total = physical_memory()
+        if total is not None:
+            blocks = max(min(blocks, int(total * DEFAULT_MEMORY_FRACTION) // block_bytes), one_sequence)
+        return blocks
+    if blocks < one_sequence:
+        raise KVBudgetError(f"{what} holds {blocks * block_size} tokens of KV cache; one sequence of --max-model-len "
+                         f"{max_model_len} needs {one_sequence * block_size} ({one_sequence * block_bytes} bytes)")
+    return blocks
