@@ -116,8 +116,8 @@ class EngineConfig:
             model's trained context length.
         max_queue: waiting requests before HTTP 429; None is unbounded.
         served_model_name: the model id clients send; None uses the file's name.
-        prefix_cache: reuse the K/V a free slot still holds for the longest
-            common prefix of a new prompt (``--no-prefix-cache`` turns it off).
+        prefix_cache: share the KV blocks of identical prompt prefixes across
+            sequences and keep them after they end (``--no-prefix-cache`` turns it off).
         quantization: weight forms for decode- and chunk-sized matmuls: ``auto``
             (a GGUF's own 4-/8-bit types, plus fp16 copies on CPUs without
             native bf16), ``none``, ``int8``, ``int4``, ``fp16``, ``q4_1`` or

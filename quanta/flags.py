@@ -222,7 +222,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="seconds between stats lines (throughput, running, waiting, KV slots, prefix-cache hits) while "
                             f"requests run or wait; 0: none (default {DEFAULT_STATS_INTERVAL_S:g})")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
-                       help="compute every prompt whole instead of reusing the K/V a free slot holds for its longest common prefix")
+                       help="compute every prompt whole instead of sharing the KV blocks of its longest cached prefix")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                        help="clients must send 'Authorization: Bearer KEY' or 'x-api-key: KEY' with one of these keys "
                             "on every route but /health; each key is a tenant, and prefix-cache reuse stays within a key "

@@ -169,8 +169,8 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     """An engine over ``loaded`` with a fresh scheduler and KV block pool.
 
     ``max_model_len`` defaults to the model's trained context length; the pool
-    holds the budget :func:`kv_cache_blocks` computes; prefix reuse across
-    slots is on unless ``engine_cfg.prefix_cache`` is False; each request gets
+    holds the budget :func:`kv_cache_blocks` computes; prefix sharing across
+    sequences is on unless ``engine_cfg.prefix_cache`` is False; each request gets
     a :class:`TextState` over the model's tokenizer.
 
     Raises:
@@ -181,7 +181,5 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     executor = ModelExecutor(loaded.model, num_blocks, engine_cfg.block_size)
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
     scheduler = sched_cfg.build()
-    if engine_cfg.prefix_cache:
-        scheduler.enable_prefix_cache()
-    scheduler.use_blocks(BlockPool(num_blocks, engine_cfg.block_size))
+    scheduler.use_blocks(BlockPool(num_blocks, engine_cfg.block_size), engine_cfg.prefix_cache)
     return Engine(scheduler, executor, max_len, lambda p: TextState.create(IncrementalDetokenizer(loaded.tokenizer), p.stop), eos)

@@ -120,7 +120,7 @@ def test_second_turn_reads_the_first_from_cache(server, greedy):
     msg = client_for(server).messages.create(model=server.model, max_tokens=4, messages=turn2, **GREEDY)
     u = msg.usage
     assert u.input_tokens + u.cache_read_input_tokens == count(server, messages=turn2)
-    assert u.cache_read_input_tokens >= count(server, messages=MESSAGES) - 1  # the whole first prompt, at least
+    assert u.cache_read_input_tokens > count(server, messages=MESSAGES) - 32  # the first prompt's full blocks of 32, at least
 
 
 def test_final_assistant_message_is_continued(server):

@@ -2,7 +2,7 @@
 same ``cache_salt`` (None matches only None), so ``cached_tokens`` cannot reveal
 another client's prompt (issue 12: a PIN was recovered digit by digit).
 
-1. :class:`SlotPrefixCache` (pure Python): a salt mismatch reuses nothing.
+1. :class:`PrefixCache` (pure Python): a salt mismatch reuses nothing.
 2. :func:`tenant_salt`: with ``--api-key``, the salt the engine sees joins the
    key's tenant and the request's salt (live, per key: ``tests/test_access.py``).
 3. The live session server through the official clients: OpenAI chat and
@@ -18,40 +18,39 @@ import httpx
 import openai
 import pytest
 
-from quanta.engine.prefix_cache import SlotPrefixCache
+from quanta.engine.block_pool import BlockPool
+from quanta.engine.prefix_cache import PrefixCache, block_hashes
 from quanta.engine.sampling import SamplingParams
 from quanta.server.access import tenant_id, tenant_salt
 
-PROMPT = list(range(10, 40))
+PROMPT = list(range(10, 42))  # four blocks of 8
 
 
-def _cache_holding(salt: str | None) -> SlotPrefixCache:
-    cache = SlotPrefixCache(2)
-    slot, cached = cache.choose([0, 1], PROMPT, salt)
-    cache.claim(slot, cached, salt)
-    cache.release(slot, PROMPT)
+def _cache_holding(salt: str | None) -> PrefixCache:
+    """A cache holding PROMPT's blocks, computed by a request of ``salt``."""
+    pool = BlockPool(8, 8)
+    cache = PrefixCache(pool)
+    blocks = pool.allocate(4)
+    for block, name in zip(blocks, block_hashes(PROMPT, 8, salt)):
+        cache.register(block, name)
+    pool.release(blocks)
+    cache.released(blocks)
     return cache
 
 
-@pytest.mark.parametrize("held, asked", [("a", "b"), ("a", None), (None, "a")])
+def _cached(cache: PrefixCache, salt: str | None) -> int:
+    """Tokens of PROMPT + [99] a request of ``salt`` would reuse."""
+    return len(cache.lookup(block_hashes(PROMPT + [99], 8, salt), len(PROMPT) + 1)) * 8
+
+
+@pytest.mark.parametrize("held, asked", [("a", "b"), ("a", None), (None, "a"), (None, "")])
 def test_a_different_salt_reuses_nothing(held, asked):
-    cache = _cache_holding(held)
-    assert cache.choose([0, 1], PROMPT + [99], asked)[1] == 0
+    assert _cached(_cache_holding(held), asked) == 0
 
 
 @pytest.mark.parametrize("salt", [None, "a"])
 def test_the_same_salt_reuses_the_prefix(salt):
-    cache = _cache_holding(salt)
-    assert cache.choose([0, 1], PROMPT + [99], salt) == (0, len(PROMPT))
-
-
-def test_a_slot_takes_the_salt_of_its_new_sequence():
-    cache = _cache_holding("a")
-    slot, cached = cache.choose([0], PROMPT + [99], "b")
-    cache.claim(slot, cached, "b")
-    cache.release(slot, PROMPT)
-    assert cache.choose([0], PROMPT + [99], "b")[1] == len(PROMPT)
-    assert cache.choose([0], PROMPT + [99], "a")[1] == 0
+    assert _cached(_cache_holding(salt), salt) == len(PROMPT)
 
 
 def test_an_empty_salt_is_refused():
@@ -73,8 +72,8 @@ def test_a_tenant_salt_never_matches_another_tenant_or_no_key():
     assert tenant_salt(a, f"x/tenant:{b}") != tenant_salt(b, None)
     assert all("key-a" not in salt and "key-b" not in salt for salt in salts)
     cache = _cache_holding(tenant_salt(a, None))
-    assert cache.choose([0, 1], PROMPT + [99], tenant_salt(a, None))[1] == len(PROMPT)
-    assert cache.choose([0, 1], PROMPT + [99], tenant_salt(b, None))[1] == 0
+    assert _cached(cache, tenant_salt(a, None)) == len(PROMPT)
+    assert _cached(cache, tenant_salt(b, None)) == 0
 
 
 # --------------------------------------------------------------------------- live server

@@ -1,9 +1,10 @@
-"""Prefix reuse across KV slots.
+"""Prefix sharing over the KV block pool.
 
-1. Slot choice of :class:`SlotPrefixCache` (pure Python).
+1. :class:`PrefixCache` and the chain names of blocks (pure Python).
 2. Scheduling with reuse through the real Engine on a fake executor: only the
    uncached tail is prefilled, the prefill-cap split starts from where the
-   tail starts, every policy benefits, running sequences are never taken.
+   tail starts, every policy benefits, blocks are shared across running
+   sequences and kept after they end.
 3. The real model: greedy outputs of growing multi-turn sessions are the same
    with and without reuse, under several policies (fp32).
 4. The live server: a second chat turn reports ``cached_tokens`` and moves the
@@ -19,79 +20,70 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from quanta.config import EngineConfig, SchedulerConfig
+from quanta.engine.block_pool import BlockPool
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.policies import POLICIES
-from quanta.engine.prefix_cache import SlotPrefixCache, common_prefix_len
+from quanta.engine.prefix_cache import PrefixCache, block_hashes
 from quanta.engine.sampling import SamplingParams
 from quanta.flags import configs_from_args, parse_serve_flags
 from quanta.launch import build_engine, load_model
 
-# --------------------------------------------------------------------------- slot choice
+# --------------------------------------------------------------------------- the block cache
 
 
-def test_common_prefix_len():
-    assert common_prefix_len([], [1, 2]) == 0
-    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
-    long = list(range(1000))
-    assert common_prefix_len(long, long + [5]) == 1000
-    assert common_prefix_len(long, long[:700] + [-1] + long[701:]) == 700
+def test_a_block_is_named_by_everything_before_it_and_its_namespace():
+    tokens = list(range(40))
+    names = block_hashes(tokens, 8, None)
+    assert len(names) == 5 and len(set(names)) == 5  # full blocks only
+    assert block_hashes(tokens[:39], 8, None) == names[:4]
+    assert block_hashes(tokens + [1, 2], 8, None) == names  # a partial block has no name
+    changed = block_hashes([99] + tokens[1:], 8, None)
+    assert not set(changed) & set(names)  # a change in block 0 renames every block after it
+    assert block_hashes(tokens, 8, "") != names and block_hashes(tokens, 8, "a") != block_hashes(tokens, 8, "b")
 
 
-def test_empty_cache_takes_the_lowest_free_slot():
-    cache = SlotPrefixCache(4)
-    assert cache.choose([1, 2, 3], [5, 6, 7]) == (1, 0)
-    assert (cache.queries, cache.hits) == (3, 0)
+def _cache_with(tokens: list[int], pool: BlockPool) -> tuple[PrefixCache, list[int]]:
+    """A cache whose blocks hold ``tokens``' full blocks, released by the sequence that computed them."""
+    cache = PrefixCache(pool)
+    blocks = pool.allocate(len(tokens) // pool.block_size)
+    for block, name in zip(blocks, block_hashes(tokens, pool.block_size, None)):
+        cache.register(block, name)
+    pool.release(blocks)
+    cache.released(blocks)
+    return cache, blocks
 
 
-def test_continuation_goes_to_the_slot_holding_its_context():
-    cache = SlotPrefixCache(3)
-    cache.release(0, [9, 9, 9])
-    cache.release(2, [1, 2, 3, 4])
-    slot, cached = cache.choose([0, 1, 2], [1, 2, 3, 4, 5, 6])
-    assert (slot, cached) == (2, 4)
-    assert (cache.queries, cache.hits) == (6, 4)
+def test_lookup_finds_the_longest_cached_run_and_leaves_a_token_to_compute():
+    pool = BlockPool(8, 8)
+    tokens = list(range(24))
+    cache, blocks = _cache_with(tokens, pool)
+    assert cache.num_evictable == 3 and all(pool.refs(b) == 1 for b in blocks)  # the cache holds them
+    assert cache.lookup(block_hashes(tokens + [5], 8, None), 25) == blocks
+    assert cache.lookup(block_hashes(tokens, 8, None), 24) == blocks[:2]  # the last token is computed
+    assert cache.lookup(block_hashes(tokens[:8] + [0] * 16, 8, None), 24) == blocks[:1]
+    assert cache.lookup(block_hashes(tokens + [5], 8, "salt"), 25) == []
 
 
-def test_at_least_one_prompt_token_is_left_to_compute():
-    cache = SlotPrefixCache(2)
-    cache.release(1, [1, 2, 3, 4])
-    assert cache.choose([0, 1], [1, 2, 3, 4]) == (1, 3)
-    assert cache.choose([1], [1]) == (1, 0)
+def test_shared_blocks_are_not_evictable_and_the_least_recently_used_goes_first():
+    pool = BlockPool(8, 8)
+    cache, blocks = _cache_with(list(range(24)), pool)
+    cache.acquire(blocks[:1])
+    assert cache.num_evictable == 2 and pool.refs(blocks[0]) == 2
+    assert cache.evict_one() and pool.refs(blocks[1]) == 0  # the oldest evictable: block 1 (block 0 is in use)
+    pool.release(blocks[:1])
+    cache.released(blocks[:1])  # block 0 is evictable again, as the most recently used
+    assert cache.evict_one() and pool.refs(blocks[2]) == 0
+    assert cache.evict_one() and pool.refs(blocks[0]) == 0
+    assert not cache.evict_one() and pool.num_free == 8
 
 
-def test_a_shared_system_prompt_does_not_evict_a_long_session():
-    # slot 0 holds a long session whose first 3 tokens are a shared system prompt;
-    # a new session that shares only those goes to the empty slot 1.
-    cache = SlotPrefixCache(2)
-    cache.release(0, [1, 2, 3] + list(range(100, 140)))
-    assert cache.choose([0, 1], [1, 2, 3, 7, 7]) == (1, 0)
-
-
-def test_without_a_cheap_slot_the_least_recently_used_one_is_reused():
-    cache = SlotPrefixCache(3)
-    cache.release(1, [1, 2, 3, 10, 11, 12, 13])  # older
-    cache.release(0, [1, 2, 3, 20, 21, 22, 23])
-    cache.release(2, [1, 2, 3, 30, 31, 32, 33])
-    slot, cached = cache.choose([0, 1, 2], [1, 2, 3, 7, 7])
-    assert (slot, cached) == (1, 3)  # LRU, and its common prefix still counts
-
-
-def test_longest_cheap_prefix_wins_and_ties_go_to_the_least_recently_used():
-    cache = SlotPrefixCache(4)
-    cache.release(3, [1, 2])
-    cache.release(1, [1, 2, 3])
-    cache.release(2, [1, 2, 3])
-    assert cache.choose([1, 2, 3], [1, 2, 3, 4]) == (1, 3)
-    cache.claim(1, 3)  # slot 1 is now the most recently used
-    assert cache.choose([2, 3], [1, 2, 3, 4]) == (2, 3)
-
-
-def test_claim_keeps_only_the_reused_prefix():
-    cache = SlotPrefixCache(1)
-    cache.release(0, [1, 2, 3, 4])
-    cache.claim(0, 2)
-    assert cache.held(0) == [1, 2]
+def test_a_second_copy_of_a_named_block_stays_private():
+    pool = BlockPool(8, 8)
+    cache, blocks = _cache_with(list(range(8)), pool)
+    other = pool.allocate(1)
+    cache.register(other[0], block_hashes(list(range(8)), 8, None)[0])
+    assert pool.refs(other[0]) == 1  # only its sequence: freed when it ends
 
 
 def test_no_prefix_cache_flag():
@@ -121,9 +113,9 @@ class EchoExecutor(Executor):
 
 
 def fake_engine(sched: SchedulerConfig, reuse: bool = True) -> tuple[Engine, EchoExecutor]:
+    """An engine over a pool of 256 blocks of 8 positions."""
     scheduler = sched.build()
-    if reuse:
-        scheduler.enable_prefix_cache()
+    scheduler.use_blocks(BlockPool(256, 8), prefix_cache=reuse)
     ex = EchoExecutor()
     return Engine(scheduler, ex, max_model_len=10_000), ex
 
@@ -137,24 +129,24 @@ def drain(engine: Engine, limit: int = 10_000) -> None:
 
 
 def test_only_the_tail_is_prefilled_and_the_cap_split_starts_there():
-    # batched, quantum 8, cap 8. Turn 1: 10-token prompt, 3 output tokens -> the slot
-    # holds the 10 prompt tokens (outputs' K/V come from the decode kernels and are not
-    # reused). Turn 2 extends turn 1 by 12: the tail starts at 10, so the chunks are 6 (to
-    # the cap boundary 16), 2 (to the quantum's end, 10 + 8) and 4.
-    engine, ex = fake_engine(SchedulerConfig("batched", 2, {"prefill_quantum": 8, "mixed_prefill_quantum": 8, "prefill_cap": 8}))
+    # batched, quantum 8, cap 12, blocks of 8. Turn 1: 10-token prompt, 3 output tokens ->
+    # its one full prompt block stays cached (the rest of the prompt fills no block; outputs'
+    # K/V come from the decode kernels and are never named). Turn 2 extends turn 1 by 12:
+    # the tail starts at 8, so the chunks are 4 (to the cap boundary 12), 4 (to the
+    # quantum's end, 8 + 8) and 6.
+    engine, ex = fake_engine(SchedulerConfig("batched", 2, {"prefill_quantum": 8, "mixed_prefill_quantum": 8, "prefill_cap": 12}))
     first = engine.add_request(list(range(100, 110)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     drain(engine)
-    assert engine.scheduler.prefix_cache.held(0) == list(range(100, 110))
+    assert engine.scheduler.blocks.num_cached == 1
     ex.chunks.clear()
     second = engine.add_request(list(range(100, 110)) + [7, 7] + list(range(200, 210)),
                                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     outs = []
     while engine.has_work():
         outs += engine.step()
-    assert second.slot is None and second.num_cached_tokens == 10
-    assert [(start, n) for _, slot, start, n in ex.chunks][:3] == [(10, 6), (16, 2), (18, 4)]
-    assert {slot for _, slot, _, _ in ex.chunks} == {0}
-    assert all(o.num_cached_tokens == 10 for o in outs) and outs[-1].finished
+    assert second.slot is None and second.num_cached_tokens == 8
+    assert [(start, n) for _, slot, start, n in ex.chunks][:3] == [(8, 4), (12, 4), (16, 6)]
+    assert all(o.num_cached_tokens == 8 for o in outs) and outs[-1].finished
     assert first.num_cached_tokens == 0
 
 
@@ -194,9 +186,9 @@ def test_every_policy_prefills_only_the_tail(name):
                                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     drain(engine)
     prompt_tokens = sum(n for s, _, start, n in ex.chunks if s == second.seq_id and start < 18)
-    assert second.num_cached_tokens == 10
-    assert prompt_tokens == 8  # the tail only: the previous answer and the new tokens
-    assert min(start for s, _, start, _ in ex.chunks if s == second.seq_id) == 10
+    assert second.num_cached_tokens == 8  # the first prompt's full block
+    assert prompt_tokens == 10  # the tail only: the rest of the first prompt, the previous answer, the new tokens
+    assert min(start for s, _, start, _ in ex.chunks if s == second.seq_id) == 8
 
 
 def test_an_aborted_prefill_leaves_only_its_computed_tokens():
@@ -206,7 +198,7 @@ def test_an_aborted_prefill_leaves_only_its_computed_tokens():
     engine.step()
     assert seq.num_computed_tokens == 8
     engine.abort(seq.seq_id)
-    assert engine.scheduler.prefix_cache.held(0) == list(range(100, 108))
+    assert engine.scheduler.blocks.num_cached == 1  # the one full block it computed
     again = engine.add_request(list(range(100, 120)), SamplingParams(max_tokens=2, temperature=0))
     drain(engine)
     assert again.num_cached_tokens == 8
@@ -223,7 +215,33 @@ def test_a_running_sequence_is_never_evicted():
         assert waiting.slot is None and busy.slot == 0 and len(busy.output_token_ids) < 5
     drain(engine)
     assert len(busy.output_token_ids) == 5
-    assert waiting.num_cached_tokens == 10  # the 10 prompt tokens; outputs are recomputed as prompt
+    assert waiting.num_cached_tokens == 8  # the full prompt block; outputs are recomputed as prompt
+
+
+def test_sequences_share_a_prefix_while_both_run_and_after_both_ended():
+    engine, _ = fake_engine(SchedulerConfig("continuous", 3, {"admit_k": 1}))
+    pool = engine.scheduler.blocks.pool
+    shared = list(range(100, 124))  # three blocks
+    first = engine.add_request(shared + [1, 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.step()  # first's prompt computed; its full blocks are named before its next step
+    engine.step()
+    second = engine.add_request(shared + [3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.step()
+    assert second.num_cached_tokens == 24 and second.block_ids[:3] == first.block_ids[:3]
+    assert all(pool.refs(b) == 3 for b in first.block_ids[:3])  # two sequences and the cache
+    drain(engine)
+    third = engine.add_request(shared + [4, 5], SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    assert third.num_cached_tokens == 24  # a new session after both ended
+    drain(engine)
+    assert pool.num_free + engine.scheduler.blocks.num_cached == pool.num_blocks
+
+
+def test_without_reuse_nothing_is_named_or_kept():
+    engine, _ = fake_engine(SchedulerConfig("continuous", 2, {"admit_k": 1}), reuse=False)
+    engine.add_request(list(range(100, 124)), SamplingParams(max_tokens=2, temperature=0))
+    drain(engine)
+    assert engine.scheduler.blocks.num_cached == 0 and engine.scheduler.blocks.pool.num_free == 256
 
 
 # --------------------------------------------------------------------------- the real model
@@ -311,6 +329,24 @@ def test_greedy_outputs_are_the_same_with_and_without_reuse(loaded, name):
     assert plain - computed == sum(map(sum, cached))  # exactly the cached tokens were not recomputed
 
 
+def test_a_second_session_shares_the_first_s_system_prompt_and_answers_the_same(loaded):
+    """Two sessions with one long system prompt, the second sent while the first decodes: it
+    shares the first's blocks, and both answers are those computed without sharing."""
+    tok = loaded.tokenizer
+    system = tok.encode("You are a careful coding agent. Read the code before you change it. " * 5)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = {}
+    for reuse in (True, False):
+        engine = build_engine(loaded, EngineConfig(max_model_len=512, prefix_cache=reuse), SchedulerConfig("batched", 2, {}))
+        first = engine.add_request(system + tok.encode("Fix the bug.", add_special_tokens=False), params)
+        engine.step()  # the first prompt, whole
+        second = engine.add_request(system + tok.encode("Add tests.", add_special_tokens=False), params)
+        drain(engine)
+        runs[reuse] = (first.output_token_ids, second.output_token_ids, second.num_cached_tokens)
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] == len(system) // 32 * 32 >= 64 and runs[False][2] == 0
+
+
 # --------------------------------------------------------------------------- live server
 
 
@@ -332,6 +368,7 @@ def test_live_second_turn_reports_cached_tokens(server):
                      {"role": "user", "content": "Now three even numbers."}]
     second = client.chat.completions.create(model=server.model, messages=turn2, max_tokens=8, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    # the first prompt's full blocks of 32 (the default block size)
+    assert first.usage.prompt_tokens - 32 < cached < second.usage.prompt_tokens and cached % 32 == 0
     assert _metric(server, "quanta:prefix_cache_queries_total") - queries == second.usage.prompt_tokens
     assert _metric(server, "quanta:prefix_cache_hits_total") - hits == cached

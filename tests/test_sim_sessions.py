@@ -69,15 +69,16 @@ def test_a_simulated_sessions_file_sends_the_recorded_requests_and_hits_the_shar
     assert all(x["error"] is None for x in s.values()) and len(s) == 4
     assert [x["completion_tokens"] for x in (a0, a1, a2, b0)] == [20, 10, 8, 5]  # exact recorded outputs
     assert [x["prompt_tokens"] for x in (a0, a1, a2, b0)] == [160, 220, 260, 210]  # the recorded prompt sizes
-    # each next turn starts with its parent's prompt and reply: its parent's prompt is cached (the reply is
-    # recomputed as prompt: decode K/V is never reused); B shares A's system prompt and first message
-    assert [x["cached_tokens"] for x in (a0, a1, a2, b0)] == [0, 160, 220, 160]
+    # each next turn starts with its parent's prompt and reply: its parent's prompt's full blocks of 32 are
+    # cached (the reply is recomputed as prompt: decode K/V is never reused); B shares A's system prompt and
+    # first message (160 tokens, five blocks)
+    assert [x["cached_tokens"] for x in (a0, a1, a2, b0)] == [0, 160, 192, 160]
     # a next turn is scheduled its think time after its parent's end in this simulation, and sent no earlier
     assert a1["scheduled"] == pytest.approx(a0["done"] + 2.0) and a2["scheduled"] == pytest.approx(a1["done"] + 1.5)
     assert a0["done"] < a1["sent"] and a1["done"] < a2["sent"]
     assert b0["scheduled"] == 20.0 and b0["sent"] >= 20.0
     figures = doc["conditions"][0]["figures"][0]
-    assert figures["prefix_hit_share"] == pytest.approx((160 + 220 + 160) / (160 + 220 + 260 + 210))
+    assert figures["prefix_hit_share"] == pytest.approx((160 + 192 + 160) / (160 + 220 + 260 + 210))
 
 
 def test_sessions_without_the_prefix_cache_hit_nothing_and_a_missing_parent_gets_a_stand_in(tmp_path):
@@ -153,5 +154,5 @@ def test_the_replay_workload_is_the_same_steps_on_both_sides_and_reuses_each_tur
     a = [s[f"session0/turn{k}"] for k in range(3)]
     # words x 1.5 tokens; each turn resends the previous prompt, its 6 output tokens and 15 tokens of tool output
     assert [x["prompt_tokens"] for x in a] == [60, 81, 102] and [x["completion_tokens"] for x in a] == [6, 6, 6]
-    assert [x["cached_tokens"] for x in a] == [0, 60, 81]  # the previous prompt; its reply is recomputed
+    assert [x["cached_tokens"] for x in a] == [0, 32, 64]  # the previous prompt's full blocks; its reply is recomputed
     assert a[1]["scheduled"] == a[0]["done"] and a[2]["scheduled"] == a[1]["done"]  # no think time

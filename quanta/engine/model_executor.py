@@ -43,7 +43,7 @@ class ModelExecutor(Executor):
     """Runs plans through a :class:`LlamaModel` over a paged KV cache.
 
     A sequence's block table is its ``block_ids``, which the scheduler's block
-    accounting (:class:`~quanta.engine.kv_blocks.SlotBlocks`) fills; the pool
+    accounting (:class:`~quanta.engine.kv_blocks.BlockTables`) fills; the pool
     is allocated uninitialized, so blocks no sequence has reached are not resident.
 
     Args:

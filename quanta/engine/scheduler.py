@@ -6,10 +6,12 @@ A scheduler knows nothing about torch, HTTP or wall clocks. The engine calls
 it, advances the sequences, then reports finished ones with
 :meth:`Scheduler.finish`. The same classes drive the real model and the simulator.
 
-KV blocks (:meth:`Scheduler.use_blocks`; the simulator and the policy tests
-run without): a waiting sequence is admitted only when the blocks of its
-whole prompt (and of a preempted sequence's generated tokens) are free or cached, and a step's chunks get the blocks their new
-positions need before it runs. When the pool cannot give them, the most
+KV blocks (:meth:`Scheduler.use_blocks`; the policy tests, and the simulator
+without its prefix cache, run without): a waiting sequence is admitted only
+when the blocks of its tokens (its prompt, and a preempted sequence's
+generated tokens) are cached (a shared prefix, :mod:`quanta.engine.prefix_cache`),
+free, or evictable, and a step's chunks get the blocks their new positions
+need before it runs. When the pool cannot give them, the most
 recently admitted running sequence is *preempted* (vLLM V1's recompute
 policy): its blocks are freed, and it goes back to the front of the waiting
 queue with its tokens so far, to be prefilled again when it is readmitted.
@@ -28,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from quanta.engine.block_pool import BlockPool
-from quanta.engine.kv_blocks import SlotBlocks
-from quanta.engine.prefix_cache import SlotPrefixCache
+from quanta.engine.kv_blocks import BlockTables
 from quanta.engine.sequence import Sequence, SequenceStatus
 
 
@@ -75,12 +76,11 @@ class Scheduler(ABC):
         max_num_seqs: resident sequences at most (= KV cache slots).
 
     Attributes:
-        prefix_cache: when set (see :meth:`enable_prefix_cache`), admission
-            routes each prompt to the free slot holding its longest cached
-            prefix and starts it past the cached tokens; None (the default)
-            admits into the lowest free slot and computes every prompt whole.
-        blocks: the sequences' KV block tables when set (see :meth:`use_blocks`);
-            None: blocks are not accounted for (every admitted prompt fits).
+        blocks: the sequences' KV block tables and the prefix cache when set
+            (see :meth:`use_blocks`): admission starts a prompt past its
+            longest cached prefix; None: blocks are not accounted for (every
+            admitted prompt fits, and is computed whole). A sequence takes the
+            lowest free slot either way.
         num_preemptions: sequences preempted for blocks since start.
     """
 
@@ -91,23 +91,21 @@ class Scheduler(ABC):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs))
-        self.prefix_cache: SlotPrefixCache | None = None
-        self.blocks: SlotBlocks | None = None
+        self.blocks: BlockTables | None = None
         self.num_preemptions = 0
 
-    def enable_prefix_cache(self) -> SlotPrefixCache:
-        """Turn on prefix reuse across the slots (before any request is added and before :meth:`use_blocks`)."""
-        self.prefix_cache = SlotPrefixCache(self.max_num_seqs)
-        return self.prefix_cache
-
-    def use_blocks(self, pool: BlockPool) -> SlotBlocks:
-        """Account for KV blocks of ``pool`` (before any request is added)."""
-        self.blocks = SlotBlocks(pool, self.max_num_seqs, self.prefix_cache)
+    def use_blocks(self, pool: BlockPool, prefix_cache: bool = True) -> BlockTables:
+        """Account for KV blocks of ``pool``, sharing cached prefixes across sequences when
+        ``prefix_cache`` (before any request is added)."""
+        self.blocks = BlockTables(pool, prefix_cache)
         return self.blocks
 
     def next_plan(self) -> StepPlan | None:
         """The policy's next step with the KV blocks of its chunks found (:meth:`schedule`, then
         preemptions where the pool is short; see the module docstring)."""
+        if self.blocks is not None:  # name the prompt blocks the last step completed, before admission looks them up
+            for seq in self.running:
+                self.blocks.register(seq)
         plan = self.schedule()
         if plan is None or self.blocks is None:
             return plan
@@ -124,9 +122,7 @@ class Scheduler(ABC):
         """Free a running sequence's blocks and slot and queue it first, to be recomputed."""
         self.running.remove(seq)
         heapq.heappush(self._free_slots, seq.slot)
-        self.blocks.drop(seq)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(seq.slot)
+        self.blocks.release(seq)
         seq.slot = None
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -147,11 +143,8 @@ class Scheduler(ABC):
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             heapq.heappush(self._free_slots, seq.slot)
-            kept = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            if self.prefix_cache is not None:  # the slot keeps the K/V of the prompt positions
-                self.prefix_cache.release(seq.slot, seq.token_ids(0, kept))
-            if self.blocks is not None:
-                self.blocks.keep(seq, seq.slot, kept if self.prefix_cache is not None else 0)
+            if self.blocks is not None:  # its computed prompt blocks stay cached
+                self.blocks.release(seq)
             seq.slot = None
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -170,32 +163,22 @@ class Scheduler(ABC):
         sequence's generated tokens too, which it recomputes before it samples again)."""
         if not (self.waiting and self._free_slots):
             return False
-        return self.blocks is None or self.blocks.can_hold(self.waiting[0].num_tokens)
+        return self.blocks is None or self.blocks.can_hold(self.waiting[0])
 
     def admit(self, count: int) -> list[Sequence]:
         """Move up to ``count`` waiting sequences (FIFO) into free slots, while
         :meth:`can_admit` (a first sequence whose prompt's blocks do not fit waits,
         and those behind it with it).
 
-        Without a prefix cache the lowest free slot is taken; with one, the slot
-        :meth:`SlotPrefixCache.choose` picks, and the sequence starts with its
-        cached tokens computed (``num_cached_tokens``).
+        Each takes the lowest free slot and, with blocks, its table; with the
+        prefix cache it starts with its cached tokens computed (``num_cached_tokens``).
         """
         admitted = []
         while len(admitted) < count and self.can_admit():
             seq = self.waiting.popleft()
-            if self.prefix_cache is None:
-                seq.slot = heapq.heappop(self._free_slots)
-            else:
-                salt = seq.params.cache_salt
-                seq.slot, cached = self.prefix_cache.choose(self._free_slots, seq.prompt_token_ids, salt)
-                self._free_slots.remove(seq.slot)
-                heapq.heapify(self._free_slots)
-                self.prefix_cache.claim(seq.slot, cached, salt)
-                seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.slot = heapq.heappop(self._free_slots)
             if self.blocks is not None:
-                self.blocks.claim(seq, seq.slot, seq.num_computed_tokens)
-                self.blocks.grow(seq, seq.num_tokens)  # fits: can_admit counted free and cached blocks
+                self.blocks.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)

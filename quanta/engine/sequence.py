@@ -37,6 +37,9 @@ class Sequence:
         slot: KV cache slot while resident, else None.
         block_ids: the sequence's KV block table while resident (position ``p``
             in block ``block_ids[p // block_size]``), else empty.
+        prompt_block_names: the chain names of its prompt's full blocks
+            (:func:`quanta.engine.prefix_cache.block_hashes`), once looked up.
+        num_named_blocks: leading blocks of ``block_ids`` the prefix cache names.
         finish_reason: ``stop``, ``length`` or ``abort`` once finished.
     """
 
@@ -49,6 +52,8 @@ class Sequence:
     num_cached_tokens: int = 0
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    prompt_block_names: list[bytes] | None = None
+    num_named_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
 

@@ -50,7 +50,7 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--title", help="report title")
     g.add_argument("--note", default="", help="a sentence for the report (e.g. how the workload was scaled)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="no prefix reuse across slots (quanta serve --no-prefix-cache); default on, as quanta serve")
+                   help="no prefix sharing across sequences (quanta serve --no-prefix-cache); default on, as quanta serve")
 
 
 def add_commands(sub, register_once) -> None:

@@ -28,8 +28,8 @@ exactly (the simulated tokens are never EOS, like ``--ignore-eos``), or, with
 tokens; entries <= 0 fall back). With ``send_delays``, request i reaches the
 engine that many seconds after its scheduled time (e.g. the bench client's
 measured ``sent - scheduled``: a burst's requests arrive spread over some
-milliseconds, not at one instant). ``prefix_cache``: the engine reuses
-prefixes across slots as ``quanta serve`` does by default.
+milliseconds, not at one instant). ``prefix_cache``: the engine shares
+prompt prefixes' KV blocks across sequences as ``quanta serve`` does by default.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from quanta.analysis.requests import RequestSample
 from quanta.bench import mooncake, probe, prompts, sessions
 from quanta.bench.workloads import PLANNED, SESSION_SHAPED, RequestSpec, Workload, plan, session_steps
-from quanta.config import SchedulerConfig
+from quanta.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
+from quanta.engine.block_pool import BlockPool, blocks_for
 from quanta.engine.engine import Engine
 from quanta.engine.sampling import SamplingParams
 from quanta.sim.executor import CostModelExecutor, VirtualClock
@@ -82,8 +83,9 @@ class Simulation:
         self.clock = clock or VirtualClock()
         self.executor = executor or CostModelExecutor(profile, self.clock, seed=w.seed)
         scheduler = sched.build()
-        if prefix_cache:
-            scheduler.enable_prefix_cache()
+        if prefix_cache:  # the engine's prefix sharing, over a pool that never runs short
+            blocks = sched.max_num_seqs * blocks_for(MAX_MODEL_LEN, DEFAULT_BLOCK_SIZE)
+            scheduler.use_blocks(BlockPool(blocks, DEFAULT_BLOCK_SIZE))
         self.engine = Engine(scheduler, self.executor, MAX_MODEL_LEN, clock=self.clock)
         self.samples: list[RequestSample] = []
         self._pending: list[tuple[float, int, _Req]] = []
