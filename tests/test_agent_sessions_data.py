@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from quanta.bench.sessions import FORMAT, load, replay_plan
+from quanta.bench.sessions import FORMAT, _Replay, chat_role, load, replay_plan
 from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
 from quanta.sim.profile import Profile
@@ -82,3 +83,14 @@ def test_a_committed_session_replays_on_the_simulator_with_the_recorded_sizes(ag
     assert all(s["error"] is None for s in samples)
     assert [(s["tag"], s["prompt_tokens"], s["completion_tokens"]) for s in samples] == [
         (f"session{row[1]}/turn{row[2]}", row[6], out) for row, out in zip(recorded, outputs)]
+
+
+def test_a_recorded_codex_request_replays_its_developer_messages_as_system_messages():
+    # Codex sends its instructions as Responses developer messages; replayed as chat user messages, the first
+    # would make the chat template add its default system prompt (SmolLM2: about 21 tokens the recording lacks)
+    steps = replay_plan(str(DATA / "codex.jsonl"))
+    assert [s.role for s in steps[0].request.segments] == ["developer", "developer", "user", "user"]
+    msgs = _Replay(SimpleNamespace(w=SimpleNamespace(seed=0)), [steps[0].request]).messages(steps[0])
+    assert [m["role"] for m in msgs] == ["system", "system", "user", "user"]
+    assert [chat_role(r) for r in ("system", "user", "assistant", "developer", "function_call_output", "reasoning")] == [
+        "system", "user", "assistant", "system", "user", "user"]

@@ -273,6 +273,16 @@ def plan_steps(reqs: list[SessionRequest]) -> list[ReplayStep]:
     return steps
 
 
+def chat_role(role: str) -> str:
+    """The chat role a recorded segment is replayed as: system, user and assistant as they are, a Responses
+    ``developer`` message as ``system`` (OpenAI's system role; a first message that is no system message
+    makes chat templates such as SmolLM2's add their default system prompt, tokens the recording did not
+    have), any other segment (a tool call, its output, reasoning) as ``user``."""
+    if role in ("system", "user", "assistant"):
+        return role
+    return "system" if role == "developer" else "user"
+
+
 def _words(tokens: int, seed: str) -> str:
     return prompts.text(tokens, random.Random(seed)) if tokens else ""
 
@@ -302,7 +312,7 @@ class _Replay:
             text = seg.text if seg.text is not None else _words(seg.tokens, f"{self.run.w.seed}:{r.id}:{j}")
             if not msgs and j == 0:
                 text = f"{self.salt} {text}"
-            msgs.append({"role": seg.role if seg.role in ("system", "user", "assistant") else "user", "content": text})
+            msgs.append({"role": chat_role(seg.role), "content": text})
         return msgs or [{"role": "user", "content": self.salt}]
 
     def _mark(self, event: str, rid: int) -> None:
