@@ -8,7 +8,7 @@
  * writing raw buffers, and keep the residual stream in float32.
  *
  * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
- * else float32; the KV cache is bf16 when cache_bf16, else float32, a pool of blocks laid out
+ * else float32; the KV cache's elements are float32, bf16 or fp16 (cache_kind: KV_F32, KV_BF16, KV_F16), a pool of blocks laid out
  * [num_blocks, kv_heads, block_size, head_dim]: a row's position p of KV head g lives in block
  * tables[row_table[r]][p / block_size] at offset p % block_size (struct kv_pages); conversions in bf16.h.
  *
@@ -56,7 +56,7 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
     }
 }
 
-/* Cache positions a tile of attend_part reads at once (bf16 caches: converted to float32 first). */
+/* Cache positions a tile of attend_part reads at once (bf16 and fp16 caches: converted to float32 first). */
 #define ATT_TILE 64
 
 /* Lane u: the sum of s[u]'s 8 lanes (3 levels of hadd instead of a horizontal sum per vector). */
@@ -87,12 +87,12 @@ static inline int64_t page_offset(const struct kv_pages *pg, int64_t pos, int di
 
 /* Pointers to the n cache rows of positions t.. as float32: into the cache itself when float32,
  * else rows converted into tile [n, dim]. */
-static inline void cache_rows(const void *cache, int bf16, const struct kv_pages *pg, int64_t t, int64_t n, int dim,
+static inline void cache_rows(const void *cache, int kind, const struct kv_pages *pg, int64_t t, int64_t n, int dim,
                               float *tile, const float **rows) {
     for (int64_t u = 0; u < n; u++) {
         int64_t at = page_offset(pg, t + u, dim);
-        if (bf16) {
-            load_row(cache, 1, at, dim, tile + u * dim);
+        if (kind != KV_F32) {
+            load_kv(cache, kind, at, dim, tile + u * dim);
             rows[u] = tile + u * dim;
         } else {
             rows[u] = (const float *)cache + at;
@@ -151,13 +151,13 @@ static inline __attribute__((always_inline)) void tile_values(const float *p, in
  * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
  * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
 static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
-                                                              const void *v_cache, int bf16, const struct kv_pages *pg,
+                                                              const void *v_cache, int kind, const struct kv_pages *pg,
                                                               int64_t t0, int64_t t1, float *scores, float *tile, float *out) {
     int64_t len = t1 - t0;
     const float *rows[ATT_TILE];
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        cache_rows(k_cache, bf16, pg, t, n, dim, tile, rows);
+        cache_rows(k_cache, kind, pg, t, n, dim, tile, rows);
         tile_scores(q, group, dim, rows, n, scores + (t - t0), len);
     }
     for (int j = 0; j < group; j++) {
@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
     }
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        cache_rows(v_cache, bf16, pg, t, n, dim, tile, rows);
+        cache_rows(v_cache, kind, pg, t, n, dim, tile, rows);
         tile_values(scores + (t - t0), len, group, dim, rows, n, out);
     }
 }
@@ -190,7 +190,7 @@ static inline int64_t part_scratch(int dim, int group, int64_t max_len) { return
 #define ATT_PARTS POOL_MAX_PARTS
 
 struct attention_job {
-    int rows, heads, kv_heads, dim, cache_bf16;
+    int rows, heads, kv_heads, dim, cache_kind;
     const float *q; /* [rows, heads * dim], rotated and scaled */
     const int64_t *row_table, *positions; /* per row: its block table's index in tables, its position */
     const int32_t *tables;                /* [sequences, table_width] block ids */
@@ -212,11 +212,11 @@ static void attend_share(const struct attention_job *j, int r, int g, int part, 
     struct kv_pages pg = {j->tables + j->row_table[r] * j->table_width, j->block_size,
                           (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
     if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
+        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
     else if (dim == 128)
-        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
+        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
     else
-        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
+        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
 }
 
 /* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV head. */
@@ -240,9 +240,9 @@ int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t ma
  * acc: float32 [dim]; work: [POOL_MAX_PARTS * part_scratch]; partials: [ATT_PARTS, rows, heads, dim + 2]. */
 static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int dim, const int64_t *row_table,
                         const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
-                        const void *k_cache, const void *v_cache, int cache_bf16, int64_t max_len, void *out,
+                        const void *k_cache, const void *v_cache, int cache_kind, int64_t max_len, void *out,
                         int io_bf16, float *acc, float *work, float *partials) {
-    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, row_table, positions, tables, table_width,
+    struct attention_job job = {rows, heads, kv_heads, dim, cache_kind, qs, row_table, positions, tables, table_width,
                                 block_size, k_cache, v_cache, max_len, work, partials};
     pool_run(attention_part, &job);
     for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
@@ -273,7 +273,7 @@ static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int 
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
                       const float *inv_freq, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
-                      void *v_cache, int cache_bf16, int64_t max_len, void *out, float *scratch) {
+                      void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
     float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
@@ -292,14 +292,14 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
             struct kv_pages pg = {tables + row_table[r] * table_width, block_size, (int64_t)kv_heads * block_size * dim,
                                   (int64_t)g * block_size * dim};
             int64_t at = page_offset(&pg, pos, dim);
-            store_row(k_cache, cache_bf16, at, dim, k + g * dim);
-            store_row(v_cache, cache_bf16, at, dim, v + g * dim);
+            store_kv(k_cache, cache_kind, at, dim, k + g * dim);
+            store_kv(v_cache, cache_kind, at, dim, v + g * dim);
         }
         float *qr = qs + (int64_t)r * heads * dim;
         for (int i = 0; i < heads * dim; i++) qr[i] = q[i] * scale;
     }
     attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
-                v_cache, cache_bf16, max_len, out, io_bf16, row, work, partials);
+                v_cache, cache_kind, max_len, out, io_bf16, row, work, partials);
 }
 
 /* Prompt rows: attend rows whose rotated queries q (io [rows, heads * dim]) and keys/values
@@ -308,7 +308,7 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
  * that holds it. scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
 void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_heads, int dim, const int64_t *row_table,
                     const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
-                    const void *k_cache, const void *v_cache, int cache_bf16, int64_t max_len, void *out,
+                    const void *k_cache, const void *v_cache, int cache_kind, int64_t max_len, void *out,
                     float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
     float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
@@ -317,7 +317,7 @@ void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_head
     load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
     attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
-                v_cache, cache_bf16, max_len, out, io_bf16, acc, work, partials);
+                v_cache, cache_kind, max_len, out, io_bf16, acc, work, partials);
 }
 
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; io [rows, 2 inter] -> io [rows, inter].
