@@ -32,6 +32,8 @@ from quanta.server.live_log import DEFAULT_STATS_INTERVAL_S
 
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+#: ``--kv-cache-dtype`` spellings -> the :class:`~quanta.config.EngineConfig` value.
+KV_DTYPE_ALIASES = {**DTYPE_ALIASES, "fp16": "float16", "float16": "float16", "auto": "auto"}
 #: the scheduler flag group: policy, slots and every policy's knobs.
 SCHEDULER_FLAGS = ("--scheduler", "--max-num-seqs", *(k.flag for k in KNOBS.values()))
 
@@ -180,6 +182,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the KV block pool's size, e.g. 2GiB, 512MiB or bytes (default: what --max-num-seqs sequences of "
                         "--max-model-len tokens need, at most half the machine's memory)")
     p.add_argument("--kv-cache-tokens", type=int, metavar="N", help="the KV block pool's size in tokens (instead of --kv-cache-memory)")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPE_ALIASES), default="auto",
+                   help="the KV cache's elements: auto = bf16 where the model runs in bf16, fp16 where it runs in fp32; "
+                        "fp32, bf16, fp16 (default: auto)")
     add_scheduler_flags(p, "quanta advise's choice for the model")
 
 
@@ -276,6 +281,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         native_decode=getattr(args, "native_decode", "on") == "on",
         block_size=getattr(args, "block_size", DEFAULT_BLOCK_SIZE),
         kv_cache_memory=getattr(args, "kv_cache_memory", None), kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+        kv_cache_dtype=KV_DTYPE_ALIASES[getattr(args, "kv_cache_dtype", "auto")],
     )
     _check_command_args(args)
     return engine, sched

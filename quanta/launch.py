@@ -156,10 +156,23 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element dtype for ``--kv-cache-dtype name``: ``auto`` is bf16 for a bf16
+    model and fp16 for an fp32 one (half the memory of fp32; fp16 keeps 3 more mantissa bits than
+    bf16 and K/V values are well within its range: the greedy tests against transformers' fp32
+    answers pass with it)."""
+    if name == "auto":
+        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float16
+    return _KV_DTYPES[name]
+
+
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int, max_num_seqs: int) -> int:
     """Blocks of the KV pool for ``engine_cfg``'s budget (:func:`quanta.engine.kv_budget.num_blocks`)."""
     cfg = loaded.config
-    dtype = loaded.model.embed_tokens.weight.dtype
+    dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.embed_tokens.weight.dtype)
     block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, engine_cfg.block_size, cfg.head_dim, dtype)
     return num_blocks(block_bytes, engine_cfg.block_size, max_len, max_num_seqs, engine_cfg.kv_cache_memory,
                       engine_cfg.kv_cache_tokens)
@@ -178,7 +191,8 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
     num_blocks = kv_cache_blocks(loaded, engine_cfg, max_len, sched_cfg.max_num_seqs)
-    executor = ModelExecutor(loaded.model, num_blocks, engine_cfg.block_size)
+    kv_dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.embed_tokens.weight.dtype)
+    executor = ModelExecutor(loaded.model, num_blocks, engine_cfg.block_size, kv_dtype=kv_dtype)
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
     scheduler = sched_cfg.build()
     scheduler.use_blocks(BlockPool(num_blocks, engine_cfg.block_size), engine_cfg.prefix_cache)

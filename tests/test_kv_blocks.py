@@ -209,4 +209,5 @@ def test_metrics_and_config_expose_the_pool(server):
     config = httpx.get(server.base_url + "/v1/config", timeout=10).json()
     assert used + cached + free == total == config["kv_cache_blocks"] > 0 and cached > 0  # the prompt's full blocks stay cached
     assert config["kv_cache_tokens"] == total * config["block_size"]
+    assert config["kv_cache_dtype"] == {"bfloat16": "bfloat16", "float32": "float16"}[config["dtype"]]  # auto
     assert values["quanta:num_preemptions"] == 0

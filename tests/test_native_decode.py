@@ -194,14 +194,15 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
             return compute_logits(hidden)
 
         model.forward, model.compute_logits = record, record_head
-        engine = build_engine(loaded, EngineConfig(max_model_len=64), SchedulerConfig("batched", streams, {}))
+        engine = build_engine(loaded, EngineConfig(max_model_len=64, block_size=8), SchedulerConfig("batched", streams, {}))
         for i in range(streams):  # request 0 outlives the others: its last steps decode alone
             engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=6 + 3 * (i == 0), temperature=0, ignore_eos=True))
         while engine.has_work():
             engine.step()
-        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0))  # a one-token prompt tail
-        while engine.has_work():
-            engine.step()
+        for prompt in (list(range(5, 14)), list(range(5, 13)) + [99]):  # the second: a one-token tail after a cached block
+            engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0))
+            while engine.has_work():
+                engine.step()
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

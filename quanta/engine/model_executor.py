@@ -50,6 +50,7 @@ class ModelExecutor(Executor):
         model: the loaded model (its parameters' dtype is the compute dtype).
         num_blocks: KV blocks of the pool.
         block_size: positions per KV block (a multiple of 8).
+        kv_dtype: the KV cache's element dtype (float32, bfloat16 or float16; None: the model's).
         decode_threads: intra-op threads of steps of at most
             ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
             construction, which larger steps use; ``quanta serve`` sets
@@ -61,13 +62,13 @@ class ModelExecutor(Executor):
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 decode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         self.model = model
-        self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype)
+        self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, kv_dtype or dtype)
         self.sampler = Sampler()
 
     def execute(self, plan: StepPlan) -> StepResult:

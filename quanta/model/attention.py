@@ -63,6 +63,10 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_di
     return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
 
 
+#: cache element dtype -> the C kernels' cache kind (``native/bf16.h``)
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def blocks_for(positions: int, block_size: int) -> int:
     """Blocks that hold ``positions`` positions."""
     return -(-positions // block_size)
@@ -153,8 +157,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
         ``[T, H, D]`` attention output, in ``q``'s dtype.
     """
     kc, vc = batch.kv.k[layer], batch.kv.v[layer]
-    kc[batch.write_blocks, :, batch.write_offsets] = k
-    vc[batch.write_blocks, :, batch.write_offsets] = v
+    kc[batch.write_blocks, :, batch.write_offsets] = k.to(kc.dtype)
+    vc[batch.write_blocks, :, batch.write_offsets] = v.to(vc.dtype)
     if batch.decode:
         return _attend_decode(q, kc, vc, batch)
     if (lib := _rows_kernel(q, kc)) is not None:
@@ -169,7 +173,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
 
 def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
     """The C library when it can attend these prompt rows, else None."""
-    if q.shape[-1] % 8 or q.dtype not in (torch.float32, torch.bfloat16) or kc.dtype != q.dtype:
+    if q.shape[-1] % 8 or q.dtype not in (torch.float32, torch.bfloat16) or kc.dtype not in CACHE_KINDS:
         return None
     from quanta.model import native
 
@@ -182,7 +186,7 @@ def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
 def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call.
 
-    A bf16 cache is first widened to float32 (:func:`_widened`), so that the C kernel's
+    A bf16 or fp16 cache is first widened to float32 (:func:`_widened`), so that the C kernel's
     consecutive rows of a sequence share each tile of positions; it computes the same
     bits from either."""
     from quanta.model.native_decode import default_threads
@@ -200,7 +204,7 @@ def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch
         lib.attention_rows(rows, q.data_ptr(), int(q.dtype == torch.bfloat16), heads, kc.shape[1], dim,
                            batch.row_table.data_ptr(), batch.positions.data_ptr(), tables.data_ptr(),
                            tables.shape[1], block_size, kc.data_ptr(), vc.data_ptr(),
-                           int(kc.dtype == torch.bfloat16), batch.max_len, out.data_ptr(), batch._rows_scratch.data_ptr())
+                           CACHE_KINDS[kc.dtype], batch.max_len, out.data_ptr(), batch._rows_scratch.data_ptr())
     finally:
         lib.pool_set_threads(before)
     return out
@@ -208,8 +212,8 @@ def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch
 
 def _widened(kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch):
     """``(tables, block_size, keys, values)`` for :func:`_attend_rows`: the pool itself when it
-    is float32; for bf16, each sequence's blocks gathered and widened to float32 (exact), one
-    block of ``width x block_size`` positions a sequence."""
+    is float32; for bf16 and fp16, each sequence's blocks gathered and widened to float32
+    (exact), one block of ``width x block_size`` positions a sequence."""
     if kc.dtype == torch.float32:
         return batch.tables, batch.kv.block_size, kc, vc
     keys, values = gather(kc, batch.tables).float(), gather(vc, batch.tables).float()
@@ -228,7 +232,7 @@ def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, s: SeqSlice) -> torch.Tensor:
     end = s.start + s.num_new
     table = table[:blocks_for(end, kc.shape[2])][None]
-    keys, values = gather(kc, table)[:, :, :end], gather(vc, table)[:, :, :end]
+    keys, values = gather(kc, table)[:, :, :end].to(q.dtype), gather(vc, table)[:, :, :end].to(q.dtype)
     query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if s.start == 0:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
@@ -254,7 +258,7 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: A
     """
     rows, heads, dim = q.shape
     kv_heads = kc.shape[1]
-    keys, values = gather(kc, batch.tables), gather(vc, batch.tables)  # [R, KVH, L, D]
+    keys, values = gather(kc, batch.tables).to(q.dtype), gather(vc, batch.tables).to(q.dtype)  # [R, KVH, L, D]
     length = keys.shape[2]
     masked_out = torch.arange(length)[None, :] > batch.positions[:, None]  # [R, L]
     values.masked_fill_(masked_out[:, None, :, None], 0)

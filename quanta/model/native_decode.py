@@ -23,7 +23,7 @@ import os
 import torch
 
 from quanta.model import native
-from quanta.model.attention import AttentionBatch
+from quanta.model.attention import CACHE_KINDS, AttentionBatch
 from quanta.model.config import ModelConfig
 from quanta.model.native import forms
 from quanta.model.quant import NATIVE_FORMS, QuantizedWeight
@@ -162,7 +162,7 @@ class NativeDecoder:
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
         row_table, positions, tables = batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr()
         table_width, block_size, max_len = batch.tables.shape[1], kv.block_size, batch.max_len
-        cache_bf16 = int(kv.k[0].dtype == torch.bfloat16)
+        cache_kind = CACHE_KINDS[kv.k[0].dtype]
 
         def project(layer, which: int, src: torch.Tensor) -> torch.Tensor:
             direct = plan[i][which]
@@ -177,7 +177,7 @@ class NativeDecoder:
             lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), norm_in.data_ptr(), self.eps, hp, io, scratch)
             qkv = project(layer, 0, h)
             lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, self.inv_freq.data_ptr(), row_table,
-                                 positions, tables, table_width, block_size, kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_bf16,
+                                 positions, tables, table_width, block_size, kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_kind,
                                  max_len, ap, scratch)
             o = project(layer, 1, attn)
             lib.residual_rms_norm(rows, c.hidden_size, xp, o.data_ptr(), norm_post.data_ptr(), self.eps, hp, io, scratch)

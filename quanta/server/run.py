@@ -57,6 +57,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "model": name, "dtype": str(dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
         "scheduler": sched_cfg.name, "max_num_seqs": sched_cfg.max_num_seqs, **sched_cfg.knobs,
         "max_queue": engine_cfg.max_queue, "prefix_cache": engine_cfg.prefix_cache, "block_size": engine_cfg.block_size,
+        "kv_cache_dtype": str(engine.executor.kv.k[0].dtype).removeprefix("torch."),
         "kv_cache_blocks": engine.executor.kv.num_blocks, "kv_cache_tokens": engine.executor.kv.num_blocks * engine_cfg.block_size,
         "max_request_bytes": max_request_bytes, "aliases": list(aliases),
         "tool_call_parser": tool_call_parser, "quantization": engine_cfg.quantization, "kernels": loaded.kernels,
@@ -72,9 +73,10 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     log.info("requests without an output cap get %s; sampling defaults: %s",
              f"max_tokens {max_tokens_default}" if max_tokens_default else "the room left",
              config["sampling_defaults"] or "the protocols' own")
-    log.info("%s max_model_len=%d block_size=%d kv_cache_tokens=%d dtype=%s prefix_cache=%s quantization=%s kernels: %s; "
+    log.info("%s max_model_len=%d block_size=%d kv_cache_tokens=%d kv_cache_dtype=%s dtype=%s prefix_cache=%s quantization=%s kernels: %s; "
              "cpu: %s; torch threads: decode %d, prefill %d",
-             sched_cfg.describe(), engine.max_model_len, engine_cfg.block_size, config["kv_cache_tokens"], config["dtype"],
+             sched_cfg.describe(), engine.max_model_len, engine_cfg.block_size, config["kv_cache_tokens"], config["kv_cache_dtype"],
+             config["dtype"],
              "on" if engine_cfg.prefix_cache else "off",
              engine_cfg.quantization, loaded.kernels, config["cpu_flags"], config["decode_threads"], config["prefill_threads"])
     async_engine = AsyncEngine(engine, engine_cfg.max_queue)

@@ -8,10 +8,10 @@
  * writing raw buffers, and keep the residual stream in float32.
  *
  * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
- * else float32; the KV cache is bf16 when cache_bf16, else float32, a pool of blocks laid out
+ * else float32; the KV cache's elements are float32, bf16 or fp16 (cache_kind: KV_F32, KV_BF16, KV_F16), a pool of blocks laid out
  * [num_blocks, kv_heads, block_size, head_dim]: a row's position p of KV head g lives in block
  * tables[row_table[r]][p / block_size] at offset p % block_size (struct kv_pages); conversions in bf16.h.
- * Consecutive rows of a sequence share the tiles of a float32 cache (attend_block); a bf16 cache
+ * Consecutive rows of a sequence share the tiles of a float32 cache (attend_block); a bf16 or fp16 cache
  * is read row by row, so the Python caller widens it for attention_rows.
  *
  * Built with -O3 -march=native -ffast-math (finite values only) by quanta/model/native/__init__.py, so the
@@ -58,7 +58,7 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
     }
 }
 
-/* Cache positions a tile of attend_part reads at once (bf16 caches: converted to float32 first). */
+/* Cache positions a tile of attend_part reads at once (bf16 and fp16 caches: converted to float32 first). */
 #define ATT_TILE 64
 
 /* Lane u: the sum of s[u]'s 8 lanes (3 levels of hadd instead of a horizontal sum per vector). */
@@ -89,12 +89,12 @@ static inline int64_t page_offset(const struct kv_pages *pg, int64_t pos, int di
 
 /* Pointers to the n cache rows of positions t.. as float32: into the cache itself when float32,
  * else rows converted into tile [n, dim]. */
-static inline void cache_rows(const void *cache, int bf16, const struct kv_pages *pg, int64_t t, int64_t n, int dim,
+static inline void cache_rows(const void *cache, int kind, const struct kv_pages *pg, int64_t t, int64_t n, int dim,
                               float *tile, const float **rows) {
     for (int64_t u = 0; u < n; u++) {
         int64_t at = page_offset(pg, t + u, dim);
-        if (bf16) {
-            load_row(cache, 1, at, dim, tile + u * dim);
+        if (kind != KV_F32) {
+            load_kv(cache, kind, at, dim, tile + u * dim);
             rows[u] = tile + u * dim;
         } else {
             rows[u] = (const float *)cache + at;
@@ -203,19 +203,19 @@ static inline __attribute__((always_inline)) void softmax_part(float *scores, in
  * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
  * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
 static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
-                                                              const void *v_cache, int bf16, const struct kv_pages *pg,
+                                                              const void *v_cache, int kind, const struct kv_pages *pg,
                                                               int64_t t0, int64_t t1, float *scores, float *tile, float *out) {
     int64_t len = t1 - t0;
     const float *rows[ATT_TILE];
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        cache_rows(k_cache, bf16, pg, t, n, dim, tile, rows);
+        cache_rows(k_cache, kind, pg, t, n, dim, tile, rows);
         tile_scores(q, group, dim, rows, n, scores + (t - t0), len);
     }
     softmax_part(scores, group, len, dim, out);
     for (int64_t t = t0; t < t1; t += ATT_TILE) {
         int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        cache_rows(v_cache, bf16, pg, t, n, dim, tile, rows);
+        cache_rows(v_cache, kind, pg, t, n, dim, tile, rows);
         tile_values(scores + (t - t0), len, group, dim, rows, n, out);
     }
 }
@@ -237,7 +237,7 @@ static inline int64_t part_scratch(int dim, int group, int64_t max_len) {
 #define ATT_PARTS POOL_MAX_PARTS
 
 struct attention_job {
-    int rows, heads, kv_heads, dim, cache_bf16;
+    int rows, heads, kv_heads, dim, cache_kind;
     const float *q; /* [rows, heads * dim], rotated and scaled */
     const int64_t *row_table, *positions; /* per row: its block table's index in tables, its position */
     const int32_t *tables;                /* [sequences, table_width] block ids */
@@ -259,11 +259,11 @@ static void attend_share(const struct attention_job *j, int r, int g, int part, 
     struct kv_pages pg = {j->tables + j->row_table[r] * j->table_width, j->block_size,
                           (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
     if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
+        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
     else if (dim == 128)
-        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
+        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
     else
-        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_bf16, &pg, t0, t1, scores, tile, out);
+        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
 }
 
 /* Positions a..b-1 (within [t0, t1)) of the scores of one row (q: [group, dim]; the key of
@@ -323,7 +323,7 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
  * at the following positions (up to ATT_BLOCK), else 1. */
 static int block_rows(const struct attention_job *j, int r) {
     int n = 1;
-    if (j->cache_bf16) return 1;
+    if (j->cache_kind != KV_F32) return 1;
     while (n < ATT_BLOCK && r + n < j->rows && j->row_table[r + n] == j->row_table[r] &&
            j->positions[r + n] == j->positions[r] + n)
         n++;
@@ -331,7 +331,7 @@ static int block_rows(const struct attention_job *j, int r) {
 }
 
 /* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV
- * head: a float32 cache's rows by blocks (attend_block), a bf16 cache's one by one (attend_share). */
+ * head: a float32 cache's rows by blocks (attend_block), a bf16 or fp16 one's one by one (attend_share). */
 static void attention_part(void *arg, int thread, int threads) {
     const struct attention_job *j = arg;
     float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads / j->kv_heads, j->max_len);
@@ -339,7 +339,7 @@ static void attention_part(void *arg, int thread, int threads) {
         for (int r = 0, n; r < j->rows; r += n) {
             n = block_rows(j, r);
             for (int g = 0; g < j->kv_heads; g++) {
-                if (j->cache_bf16)
+                if (j->cache_kind != KV_F32)
                     attend_share(j, r, g, part, work);
                 else if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
                     attend_block(j, r, n, g, part, 64, work);
@@ -363,9 +363,9 @@ int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t ma
  * acc: float32 [dim]; work: [POOL_MAX_PARTS * part_scratch]; partials: [ATT_PARTS, rows, heads, dim + 2]. */
 static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int dim, const int64_t *row_table,
                         const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
-                        const void *k_cache, const void *v_cache, int cache_bf16, int64_t max_len, void *out,
+                        const void *k_cache, const void *v_cache, int cache_kind, int64_t max_len, void *out,
                         int io_bf16, float *acc, float *work, float *partials) {
-    struct attention_job job = {rows, heads, kv_heads, dim, cache_bf16, qs, row_table, positions, tables, table_width,
+    struct attention_job job = {rows, heads, kv_heads, dim, cache_kind, qs, row_table, positions, tables, table_width,
                                 block_size, k_cache, v_cache, max_len, work, partials};
     pool_run(attention_part, &job);
     for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
@@ -396,7 +396,7 @@ static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int 
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
                       const float *inv_freq, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
-                      void *v_cache, int cache_bf16, int64_t max_len, void *out, float *scratch) {
+                      void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
     float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
@@ -415,14 +415,14 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
             struct kv_pages pg = {tables + row_table[r] * table_width, block_size, (int64_t)kv_heads * block_size * dim,
                                   (int64_t)g * block_size * dim};
             int64_t at = page_offset(&pg, pos, dim);
-            store_row(k_cache, cache_bf16, at, dim, k + g * dim);
-            store_row(v_cache, cache_bf16, at, dim, v + g * dim);
+            store_kv(k_cache, cache_kind, at, dim, k + g * dim);
+            store_kv(v_cache, cache_kind, at, dim, v + g * dim);
         }
         float *qr = qs + (int64_t)r * heads * dim;
         for (int i = 0; i < heads * dim; i++) qr[i] = q[i] * scale;
     }
     attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
-                v_cache, cache_bf16, max_len, out, io_bf16, row, work, partials);
+                v_cache, cache_kind, max_len, out, io_bf16, row, work, partials);
 }
 
 /* Prompt rows: attend rows whose rotated queries q (io [rows, heads * dim]) and keys/values
@@ -431,7 +431,7 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
  * that holds it. scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
 void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_heads, int dim, const int64_t *row_table,
                     const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
-                    const void *k_cache, const void *v_cache, int cache_bf16, int64_t max_len, void *out,
+                    const void *k_cache, const void *v_cache, int cache_kind, int64_t max_len, void *out,
                     float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
     float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
@@ -440,7 +440,7 @@ void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_head
     load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
     attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
-                v_cache, cache_bf16, max_len, out, io_bf16, acc, work, partials);
+                v_cache, cache_kind, max_len, out, io_bf16, acc, work, partials);
 }
 
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; io [rows, 2 inter] -> io [rows, inter].
