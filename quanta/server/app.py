@@ -80,7 +80,8 @@ def _service_router(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "error", "message": "engine thread stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @router.api_route("/api/hello", methods=["GET", "HEAD"], operation_id="api_hello")
+    @router.get("/api/hello")
+    @router.head("/api/hello", include_in_schema=False)  # one operation in the schema (its id is unique)
     async def hello() -> Response:  # Claude Code's reachability probe of ANTHROPIC_BASE_URL
         return JSONResponse({"status": "ok"})
 
