@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from quanta.engine.block_pool import blocks_for
 from quanta.engine.policies import POLICIES
 from quanta.engine.policies.knobs import PREFILL_CAP, Knob
 from quanta.engine.scheduler import Scheduler
@@ -163,6 +164,6 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
         if self.block_size < 8 or self.block_size % 8:
             raise ValueError(f"--block-size must be a positive multiple of 8, got {self.block_size}")
-        tokens, length, bs = self.kv_cache_tokens, self.max_model_len, self.block_size
-        if tokens and length and -(-tokens // bs) < -(-length // bs):
+        tokens, length = self.kv_cache_tokens, self.max_model_len
+        if tokens and length and blocks_for(tokens, self.block_size) < blocks_for(length, self.block_size):
             raise ValueError(f"--kv-cache-tokens {tokens} holds less than one sequence of --max-model-len {length}")

@@ -248,6 +248,11 @@ struct attention_job {
     float *partials; /* [ATT_PARTS, rows, heads, dim + 2] */
 };
 
+/* Where row r's KV head g writes its share `part`: partials [ATT_PARTS, rows, heads, dim + 2]. */
+static inline float *partial_out(const struct attention_job *j, int part, int r, int g) {
+    return j->partials + (((int64_t)part * j->rows + r) * j->heads + g * (j->heads / j->kv_heads)) * (j->dim + 2);
+}
+
 /* One (row, KV head)'s share `part` of its cache positions, with `work` as scratch. */
 static void attend_share(const struct attention_job *j, int r, int g, int part, float *work) {
     int dim = j->dim, group = j->heads / j->kv_heads;
@@ -255,7 +260,7 @@ static void attend_share(const struct attention_job *j, int r, int g, int part, 
     int64_t t0, t1;
     pool_share(j->positions[r] + 1, 1, part, ATT_PARTS, &t0, &t1);
     const float *q = j->q + ((int64_t)r * j->heads + g * group) * dim;
-    float *out = j->partials + (((int64_t)part * j->rows + r) * j->heads + g * group) * (dim + 2);
+    float *out = partial_out(j, part, r, g);
     struct kv_pages pg = {j->tables + j->row_table[r] * j->table_width, j->block_size,
                           (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
     if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
@@ -305,7 +310,7 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
             for (int i = 0; i < R; i++) {
                 int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
                 const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
-                float *out = j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2);
+                float *out = partial_out(j, part, r0 + i, g);
                 if (a >= b) continue;
                 if (pass == 0)
                     span_scores(q, group, dim, rows, t, t0[i], t1[i], a, b, scores + i * stride);
@@ -315,7 +320,7 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
         }
         for (int i = 0; pass == 0 && i < R; i++)
             softmax_part(scores + i * stride, group, t1[i] - t0[i], dim,
-                         j->partials + (((int64_t)part * j->rows + r0 + i) * j->heads + g * group) * (dim + 2));
+                         partial_out(j, part, r0 + i, g));
     }
 }
 
