@@ -98,7 +98,7 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "q4_1", "q8_0")
 
 
 #: ``--kv-cache-dtype`` values (:func:`quanta.launch.resolve_kv_dtype`)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
 
 #: KV positions per block (``--block-size``): a multiple of 8 (the C attention's
 #: vector width). 32 rather than vLLM's 16: a 180k-token context's block table
@@ -133,7 +133,7 @@ class EngineConfig:
         kv_cache_memory / kv_cache_tokens: the KV pool's budget in bytes or in
             tokens (at most one; neither: :mod:`quanta.engine.kv_budget`'s default).
         kv_cache_dtype: the KV cache's elements: ``auto``, ``float32``,
-            ``bfloat16`` or ``float16`` (:func:`quanta.launch.resolve_kv_dtype`).
+            ``bfloat16``, ``float16`` or ``q8_0`` (:func:`quanta.launch.resolve_kv_dtype`).
     """
 
     model: str | None = None
@@ -153,7 +153,7 @@ class EngineConfig:
         if self.dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be auto, fp32, bf16 or fp16, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"--kv-cache-dtype must be auto, fp32, bf16, fp16 or q8_0, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:

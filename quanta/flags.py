@@ -33,7 +33,7 @@ from quanta.server.live_log import DEFAULT_STATS_INTERVAL_S
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 #: ``--kv-cache-dtype`` spellings -> the :class:`~quanta.config.EngineConfig` value.
-KV_DTYPE_ALIASES = {**DTYPE_ALIASES, "fp16": "float16", "float16": "float16", "auto": "auto"}
+KV_DTYPE_ALIASES = {**DTYPE_ALIASES, "fp16": "float16", "float16": "float16", "q8_0": "q8_0", "auto": "auto"}
 #: the scheduler flag group: policy, slots and every policy's knobs.
 SCHEDULER_FLAGS = ("--scheduler", "--max-num-seqs", *(k.flag for k in KNOBS.values()))
 
@@ -184,7 +184,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, metavar="N", help="the KV block pool's size in tokens (instead of --kv-cache-memory)")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPE_ALIASES), default="auto",
                    help="the KV cache's elements: auto = bf16 where the model runs in bf16, fp16 where it runs in fp32; "
-                        "fp32, bf16, fp16 (default: auto)")
+                        "fp32, bf16, fp16, or q8_0 (llama.cpp's 8-bit blocks: 34 bytes per 32 values, ~0.53x fp16) (default: auto)")
     add_scheduler_flags(p, "quanta advise's choice for the model")
 
 

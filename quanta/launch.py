@@ -5,6 +5,7 @@ Used by ``quanta serve``, ``quanta generate``, the tests and the benchmarks.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from quanta.engine.engine import Engine
 from quanta.engine.kv_budget import num_blocks
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.stop_strings import TextState
-from quanta.model.attention import bytes_per_block
+from quanta.model.attention import KVFormat, bytes_per_block, kv_format
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
@@ -145,28 +146,38 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     model.to(dtype).eval()
     model.pack_weights()
     model.quantize_weights(*forms)
+    model.drop_plain_weights()
+    del state
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:
         decode += f"(threads={model.native.threads})"
     kernels = f"{model.describe_kernels()} decode={decode}"
+    return_freed_heap()
     log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,
              cfg.num_hidden_layers, time.monotonic() - t0, dtype, cpu_summary(), kernels)
     name = model_path.stem if model_path.is_file() else model_path.name
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
 
 
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``): a load frees the
+    checkpoint's float32 tensors and the plain weights, which glibc would otherwise keep
+    resident (~0.2 GB for the embedded model). Nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> KVFormat:
     """The KV cache's element dtype for ``--kv-cache-dtype name``: ``auto`` is bf16 for a bf16
     model and fp16 for an fp32 one (half the memory of fp32; fp16 keeps 3 more mantissa bits than
     bf16 and K/V values are well within its range: the greedy tests against transformers' fp32
     answers pass with it)."""
     if name == "auto":
-        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float16
-    return _KV_DTYPES[name]
-
-
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        return kv_format(torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float16)
+    return kv_format(name)
 
 
 def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int, max_num_seqs: int) -> int:

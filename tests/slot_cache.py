@@ -3,7 +3,8 @@
 Slot ``s`` of ``slots`` owns blocks ``i * slots + s``: every block table is
 scattered through the pool, so a kernel that read positions as if they were
 contiguous would read another slot's blocks. The pool starts filled with NaN:
-a read of any position not written first poisons the output.
+a read of any position not written first poisons the output (a q8_0 pool: bytes
+0xFF, whose fp16 scale is NaN).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ class SlotCache(KVCache):
     """``slots`` sequences of up to ``max_len`` positions in blocks of ``block_size``."""
 
     def __init__(self, num_layers: int, slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, block_size: int = 16) -> None:
+                 dtype: torch.dtype | str, block_size: int = 16) -> None:
         self.slots, self.per_slot = slots, blocks_for(max_len, block_size)
         super().__init__(num_layers, slots * self.per_slot, num_kv_heads, block_size, head_dim, dtype)
         for t in self.k + self.v:
-            t.fill_(float("nan"))
+            t.fill_(255 if t.dtype == torch.uint8 else float("nan"))
 
     def blocks(self, slot: int) -> list[int]:
         """The block table of ``slot``."""

@@ -17,7 +17,7 @@ from quanta.config import DEFAULT_BLOCK_SIZE
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampler import Sampler
 from quanta.engine.scheduler import StepPlan
-from quanta.model.attention import AttentionBatch, KVCache, SeqSlice
+from quanta.model.attention import AttentionBatch, KVCache, KVFormat, SeqSlice
 from quanta.model.llama import LlamaModel
 
 
@@ -50,7 +50,7 @@ class ModelExecutor(Executor):
         model: the loaded model (its parameters' dtype is the compute dtype).
         num_blocks: KV blocks of the pool.
         block_size: positions per KV block (a multiple of 8).
-        kv_dtype: the KV cache's element dtype (float32, bfloat16 or float16; None: the model's).
+        kv_dtype: the KV cache's elements (a dtype, a :class:`~quanta.model.attention.KVFormat` or its name; None: the model's dtype).
         decode_threads: intra-op threads of steps of at most
             ``DECODE_STEP_TOKENS`` tokens (None: torch's thread count at
             construction, which larger steps use; ``quanta serve`` sets
@@ -62,7 +62,7 @@ class ModelExecutor(Executor):
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 decode_threads: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+                 decode_threads: int | None = None, kv_dtype: torch.dtype | KVFormat | None = None) -> None:
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
         cfg = model.config

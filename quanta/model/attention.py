@@ -32,12 +32,47 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class KVFormat:
+    """How the pool stores a position's keys or values of one KV head.
+
+    Attributes:
+        name: ``float32``, ``bfloat16``, ``float16`` or ``q8_0``.
+        storage: the pool tensors' element dtype.
+        kind: the C kernels' cache kind (``native/bf16.h``).
+    """
+
+    name: str
+    storage: torch.dtype
+    kind: int
+
+    def row(self, head_dim: int) -> int:
+        """Storage elements of one position's row of ``head_dim`` values: q8_0 is llama.cpp's
+        ``block_q8_0``, per 32 values an fp16 scale ``d`` and 32 int8 ``q`` (value ``d * q``), 34 bytes."""
+        return head_dim // Q8_GROUP * Q8_BYTES if self.name == "q8_0" else head_dim
+
+
+Q8_GROUP, Q8_BYTES = 32, 34
+KV_FORMATS = {f.name: f for f in (KVFormat("float32", torch.float32, 0), KVFormat("bfloat16", torch.bfloat16, 1),
+                                  KVFormat("float16", torch.float16, 2), KVFormat("q8_0", torch.uint8, 3))}
+
+
+def kv_format(spec: torch.dtype | str | KVFormat) -> KVFormat:
+    """The format a dtype (float32, bfloat16, float16) or name stands for."""
+    if isinstance(spec, KVFormat):
+        return spec
+    name = spec if isinstance(spec, str) else str(spec).removeprefix("torch.")
+    if name not in KV_FORMATS:
+        raise ValueError(f"no KV cache format {name!r}; known: {', '.join(KV_FORMATS)}")
+    return KV_FORMATS[name]
+
+
 class KVCache:
     """Keys and values of every layer: a pool of ``num_blocks`` blocks,
-    ``[num_blocks, num_kv_heads, block_size, head_dim]`` each.
+    ``[num_blocks, num_kv_heads, block_size, row]`` each (``row``: :meth:`KVFormat.row`).
 
     Memory is at most ``2 * layers * num_blocks * block_size * kv_heads *
-    head_dim * itemsize`` bytes (:func:`bytes_per_block`). The pool is
+    row * itemsize`` bytes (:func:`bytes_per_block`). The pool is
     allocated uninitialized (``torch.empty``): pages no sequence has written
     are never touched, so they are not resident. Nothing reads a position
     before it is written: the C kernels and the torch paths read each row's
@@ -47,24 +82,67 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype | str | KVFormat) -> None:
         if block_size <= 0 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.format = kv_format(dtype)
+        if self.format.name == "q8_0" and head_dim % Q8_GROUP:
+            raise ValueError(f"a q8_0 KV cache needs a head size that is a multiple of {Q8_GROUP}, got {head_dim}")
+        shape = (num_blocks, num_kv_heads, block_size, self.format.row(head_dim))
+        self.k = [torch.empty(shape, dtype=self.format.storage) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=self.format.storage) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
+                    dtype: torch.dtype | str | KVFormat) -> int:
     """Bytes one block takes in a :class:`KVCache` (keys and values of every layer)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+    fmt = kv_format(dtype)
+    itemsize = torch.empty((), dtype=fmt.storage).element_size()
+    return 2 * num_layers * num_kv_heads * block_size * fmt.row(head_dim) * itemsize
 
 
-#: cache element dtype -> the C kernels' cache kind (``native/bf16.h``)
-CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., D]`` (D a multiple of 32) as q8_0 bytes ``[..., D / 32 * 34]``: per group of 32,
+    ``d = fp16(amax / 127)`` and ``q = round_half_even(x / d)`` clamped to [-127, 127] (0 where d is 0);
+    the bytes the C kernels' ``store_q8`` writes."""
+    groups = x.float().reshape(*x.shape[:-1], -1, Q8_GROUP)
+    d = (groups.abs().amax(-1, keepdim=True) / 127).half()
+    q = torch.round(groups / d.float()).clamp(-127, 127).nan_to_num(0.0).to(torch.int8)
+    q = torch.where(d == 0, torch.zeros_like(q), q)
+    return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], -1).reshape(*x.shape[:-1], -1)
+
+
+def dequantize_q8(b: torch.Tensor) -> torch.Tensor:
+    """q8_0 bytes ``[..., G * 34]`` as float32 ``[..., G * 32]`` (exact: ``d * q``)."""
+    groups = b.reshape(*b.shape[:-1], -1, Q8_BYTES)
+    d = groups[..., :2].contiguous().view(torch.float16).float()
+    q = groups[..., 2:].contiguous().view(torch.int8).float()
+    return (d * q).reshape(*b.shape[:-1], -1)
+
+
+def _stored(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """``x`` ``[..., D]`` in the cache's format: q8_0 by the C library's ``kv_store_rows`` (the
+    decode step's own quantization) where it loads, else :func:`quantize_q8` (the same bytes)."""
+    if fmt.name != "q8_0":
+        return x.to(fmt.storage)
+    from quanta.model import native
+
+    try:
+        lib = native.load()
+    except native.NativeUnavailable:
+        return quantize_q8(x)
+    src = x.float().contiguous()
+    out = torch.empty(*x.shape[:-1], fmt.row(x.shape[-1]), dtype=torch.uint8)
+    lib.kv_store_rows(src.numel() // x.shape[-1], x.shape[-1], src.data_ptr(), fmt.kind, out.data_ptr())
+    return out
+
+
+def _read(cache: torch.Tensor, tables: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`gather` as ``dtype`` values."""
+    rows = gather(cache, tables)
+    return dequantize_q8(rows).to(dtype) if fmt.name == "q8_0" else rows.to(dtype)
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -156,24 +234,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     Returns:
         ``[T, H, D]`` attention output, in ``q``'s dtype.
     """
-    kc, vc = batch.kv.k[layer], batch.kv.v[layer]
-    kc[batch.write_blocks, :, batch.write_offsets] = k.to(kc.dtype)
-    vc[batch.write_blocks, :, batch.write_offsets] = v.to(vc.dtype)
+    kc, vc, fmt = batch.kv.k[layer], batch.kv.v[layer], batch.kv.format
+    kc[batch.write_blocks, :, batch.write_offsets] = _stored(k, fmt)
+    vc[batch.write_blocks, :, batch.write_offsets] = _stored(v, fmt)
     if batch.decode:
         return _attend_decode(q, kc, vc, batch)
-    if (lib := _rows_kernel(q, kc)) is not None:
+    if (lib := _rows_kernel(q)) is not None:
         return _attend_rows(lib, q, kc, vc, batch)
     out = torch.empty_like(q)
     offset = 0
     for i, s in enumerate(batch.seqs):
-        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, batch.tables[i], s)
+        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, fmt, batch.tables[i], s)
         offset += s.num_new
     return out
 
 
-def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
+def _rows_kernel(q: torch.Tensor):
     """The C library when it can attend these prompt rows, else None."""
-    if q.shape[-1] % 8 or q.dtype not in (torch.float32, torch.bfloat16) or kc.dtype not in CACHE_KINDS:
+    if q.shape[-1] % 8 or q.dtype not in (torch.float32, torch.bfloat16):
         return None
     from quanta.model import native
 
@@ -184,17 +262,12 @@ def _rows_kernel(q: torch.Tensor, kc: torch.Tensor):
 
 
 def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-    """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call.
-
-    A bf16 or fp16 cache is first widened to float32 (:func:`_widened`), so that the C kernel's
-    consecutive rows of a sequence share each tile of positions; it computes the same
-    bits from either."""
+    """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call."""
     from quanta.model.native_decode import default_threads
 
     rows, heads, dim = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    tables, block_size, kc, vc = _widened(kc, vc, batch)
     need = lib.attention_scratch(rows, heads, kc.shape[1], dim, batch.max_len)
     if batch._rows_scratch is None or batch._rows_scratch.numel() < need:
         batch._rows_scratch = torch.empty(need, dtype=torch.float32)
@@ -202,23 +275,12 @@ def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch
     lib.pool_set_threads(default_threads())
     try:
         lib.attention_rows(rows, q.data_ptr(), int(q.dtype == torch.bfloat16), heads, kc.shape[1], dim,
-                           batch.row_table.data_ptr(), batch.positions.data_ptr(), tables.data_ptr(),
-                           tables.shape[1], block_size, kc.data_ptr(), vc.data_ptr(),
-                           CACHE_KINDS[kc.dtype], batch.max_len, out.data_ptr(), batch._rows_scratch.data_ptr())
+                           batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr(),
+                           batch.tables.shape[1], batch.kv.block_size, kc.data_ptr(), vc.data_ptr(),
+                           batch.kv.format.kind, batch.max_len, out.data_ptr(), batch._rows_scratch.data_ptr())
     finally:
         lib.pool_set_threads(before)
     return out
-
-
-def _widened(kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch):
-    """``(tables, block_size, keys, values)`` for :func:`_attend_rows`: the pool itself when it
-    is float32; for bf16 and fp16, each sequence's blocks gathered and widened to float32
-    (exact), one block of ``width x block_size`` positions a sequence."""
-    if kc.dtype == torch.float32:
-        return batch.tables, batch.kv.block_size, kc, vc
-    keys, values = gather(kc, batch.tables).float(), gather(vc, batch.tables).float()
-    tables = torch.arange(len(batch.seqs), dtype=torch.int32).view(-1, 1)
-    return tables, keys.shape[2], keys, values
 
 
 def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -229,10 +291,11 @@ def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return cache[tables.long()].transpose(1, 2).reshape(rows, kv_heads, n * bs, dim)
 
 
-def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, s: SeqSlice) -> torch.Tensor:
+def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, fmt: KVFormat, table: torch.Tensor,
+                  s: SeqSlice) -> torch.Tensor:
     end = s.start + s.num_new
     table = table[:blocks_for(end, kc.shape[2])][None]
-    keys, values = gather(kc, table)[:, :, :end].to(q.dtype), gather(vc, table)[:, :, :end].to(q.dtype)
+    keys, values = _read(kc, table, fmt, q.dtype)[:, :, :end], _read(vc, table, fmt, q.dtype)[:, :, :end]
     query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if s.start == 0:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
@@ -258,7 +321,8 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: A
     """
     rows, heads, dim = q.shape
     kv_heads = kc.shape[1]
-    keys, values = gather(kc, batch.tables).to(q.dtype), gather(vc, batch.tables).to(q.dtype)  # [R, KVH, L, D]
+    fmt = batch.kv.format
+    keys, values = _read(kc, batch.tables, fmt, q.dtype), _read(vc, batch.tables, fmt, q.dtype)  # [R, KVH, L, D]
     length = keys.shape[2]
     masked_out = torch.arange(length)[None, :] > batch.positions[:, None]  # [R, L]
     values.masked_fill_(masked_out[:, None, :, None], 0)

@@ -45,7 +45,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None,
            form: QuantizedWeight | None = None, decode: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]``: decode rows through ``form`` when
     there is one, prompt rows (and decode rows without a form) through the packed
@@ -71,5 +71,21 @@ class PackedLinear(nn.Linear):
         self.packed = pack_weight(self.weight.detach())
         return self.packed is not None
 
+    def drop_plain_weight(self) -> bool:
+        """Free the plain weight where the packed one holds it (True if freed): the packed
+        copy is the same values in oneDNN's layout, and reading ``weight`` afterwards
+        rebuilds the plain tensor from it, exactly (a copy, for the rare reader)."""
+        if self.packed is None or "weight" not in self._parameters:
+            return False
+        del self.weight
+        return True
+
+    def __getattr__(self, name: str):
+        packed = self.__dict__.get("packed")
+        if name == "weight" and packed is not None:
+            return packed.to_dense()
+        return super().__getattr__(name)
+
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.form, decode)
+        weight = None if self.packed is not None else self.weight  # the packed one is used
+        return linear(x, weight, self.bias, self.packed, self.form, decode)

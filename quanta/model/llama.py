@@ -217,6 +217,17 @@ class LlamaModel(nn.Module):
             count += self._tied_head_packed is not None
         return count
 
+    def drop_plain_weights(self) -> int:
+        """Free what the kernels no longer read: each packed projection's plain weight
+        (:meth:`PackedLinear.drop_plain_weight`), and a tied head's packed copy once the head has
+        a form (every logit row goes through the form, :meth:`compute_logits`). Call after
+        :meth:`pack_weights` and :meth:`quantize_weights`. Returns how many tensors were freed."""
+        freed = sum(m.drop_plain_weight() for m in self.modules() if isinstance(m, PackedLinear))
+        if self._tied_head_form is not None and self._tied_head_packed is not None:
+            self._tied_head_packed = None
+            freed += 1
+        return freed
+
     def quantize_weights(self, projection: str | None, lm_head: str | None, fine_projections: bool = False) -> dict[str, int]:
         """Attach the decode form of the projections and of the LM head (see :mod:`quanta.model.quant`).
 

@@ -23,7 +23,7 @@ import os
 import torch
 
 from quanta.model import native
-from quanta.model.attention import CACHE_KINDS, AttentionBatch
+from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
 from quanta.model.native import forms
 from quanta.model.quant import NATIVE_FORMS, QuantizedWeight
@@ -162,7 +162,7 @@ class NativeDecoder:
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
         row_table, positions, tables = batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr()
         table_width, block_size, max_len = batch.tables.shape[1], kv.block_size, batch.max_len
-        cache_kind = CACHE_KINDS[kv.k[0].dtype]
+        cache_kind = kv.format.kind
 
         def project(layer, which: int, src: torch.Tensor) -> torch.Tensor:
             direct = plan[i][which]

@@ -57,7 +57,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
         "model": name, "dtype": str(dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
         "scheduler": sched_cfg.name, "max_num_seqs": sched_cfg.max_num_seqs, **sched_cfg.knobs,
         "max_queue": engine_cfg.max_queue, "prefix_cache": engine_cfg.prefix_cache, "block_size": engine_cfg.block_size,
-        "kv_cache_dtype": str(engine.executor.kv.k[0].dtype).removeprefix("torch."),
+        "kv_cache_dtype": engine.executor.kv.format.name,
         "kv_cache_blocks": engine.executor.kv.num_blocks, "kv_cache_tokens": engine.executor.kv.num_blocks * engine_cfg.block_size,
         "max_request_bytes": max_request_bytes, "aliases": list(aliases),
         "tool_call_parser": tool_call_parser, "quantization": engine_cfg.quantization, "kernels": loaded.kernels,

@@ -3,6 +3,7 @@
 #ifndef QUANTA_BF16_H
 #define QUANTA_BF16_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -40,24 +41,73 @@ static inline void store_row(void *dst, int bf16, int64_t offset, int64_t n, con
         memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
     }
 }
-/* KV cache elements: float32, bf16 or IEEE fp16 (kind 0, 1, 2). fp16 through F16C (every AVX2 CPU has it),
- * round to nearest even. */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+/* KV cache elements: float32, bf16, IEEE fp16 (kind 0, 1, 2), or q8_0 (kind 3): a position's row of dim
+ * values is dim / 32 groups of 34 bytes, an fp16 scale d then 32 int8 q, value = d * q (llama.cpp's
+ * block_q8_0). fp16 through F16C (every AVX2 CPU has it), round to nearest even. Offsets count the
+ * cache's storage units: elements, or bytes for q8_0 (kv_row). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_Q8 = 3 };
+#define Q8_GROUP 32
+#define Q8_BYTES 34
 
-/* dst[0..n) = src[offset ..] as float32, src of cache kind `kind`. */
-static inline void load_kv(const void *src, int kind, int64_t offset, int64_t n, float *dst) {
-    if (kind != KV_F16) {
-        load_row(src, kind == KV_BF16, offset, n, dst);
-        return;
-    }
-    const uint16_t *s = (const uint16_t *)src + offset;
+/* Storage units of one position's row of dim values in cache kind `kind`. */
+static inline int64_t kv_row(int kind, int dim) { return kind == KV_Q8 ? (int64_t)dim / Q8_GROUP * Q8_BYTES : dim; }
+
+static inline void load_f16(const uint16_t *s, int64_t n, float *dst) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
     for (; i < n; i++) dst[i] = _cvtsh_ss(s[i]);
 }
 
-/* dst[offset ..] = src[0..n) in cache kind `kind`. */
+/* A q8_0 row (n a multiple of 32) as float32: d * q, exact (an int8 times an fp16 value fits float32). */
+static inline void load_q8(const uint8_t *s, int64_t n, float *dst) {
+    for (int64_t g = 0; g < n; g += Q8_GROUP, s += Q8_BYTES) {
+        uint16_t h;
+        memcpy(&h, s, 2);
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+        for (int i = 0; i < Q8_GROUP; i += 8) {
+            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + 2 + i)));
+            _mm256_storeu_ps(dst + g + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+        }
+    }
+}
+
+/* A row (n a multiple of 32) as q8_0: per group d = fp16(amax / 127), q = round_half_even(x / d) clamped
+ * to [-127, 127], 0 where d is 0. Division by intrinsics (never turned into a reciprocal by -ffast-math),
+ * so the bytes equal quanta.model.attention.quantize_q8's. */
+static inline void store_q8(uint8_t *d8, int64_t n, const float *src) {
+    for (int64_t g = 0; g < n; g += Q8_GROUP, d8 += Q8_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_GROUP; i++) amax = fabsf(src[g + i]) > amax ? fabsf(src[g + i]) : amax;
+        uint16_t h = _cvtss_sh(_mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f))), _MM_FROUND_TO_NEAREST_INT);
+        memcpy(d8, &h, 2);
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(h)), lim = _mm256_set1_ps(127.0f);
+        int zero = _cvtsh_ss(h) == 0.0f;
+        for (int i = 0; i < Q8_GROUP; i += 8) {
+            __m256 x = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + g + i), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            x = _mm256_max_ps(_mm256_min_ps(x, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+            int32_t q[8];
+            _mm256_storeu_si256((__m256i *)q, _mm256_cvtps_epi32(x));
+            for (int k = 0; k < 8; k++) d8[2 + i + k] = zero ? 0 : (uint8_t)(int8_t)q[k];
+        }
+    }
+}
+
+/* dst[0..n) = the row at src[offset ..] as float32, src of cache kind `kind`. */
+static inline void load_kv(const void *src, int kind, int64_t offset, int64_t n, float *dst) {
+    if (kind == KV_F16)
+        load_f16((const uint16_t *)src + offset, n, dst);
+    else if (kind == KV_Q8)
+        load_q8((const uint8_t *)src + offset, n, dst);
+    else
+        load_row(src, kind == KV_BF16, offset, n, dst);
+}
+
+/* The row at dst[offset ..] = src[0..n) in cache kind `kind`. */
 static inline void store_kv(void *dst, int kind, int64_t offset, int64_t n, const float *src) {
+    if (kind == KV_Q8) {
+        store_q8((uint8_t *)dst + offset, n, src);
+        return;
+    }
     if (kind != KV_F16) {
         store_row(dst, kind == KV_BF16, offset, n, src);
         return;

@@ -8,11 +8,11 @@
  * writing raw buffers, and keep the residual stream in float32.
  *
  * Buffers: `io` tensors (matmul inputs and outputs) are bf16 when io_bf16,
- * else float32; the KV cache's elements are float32, bf16 or fp16 (cache_kind: KV_F32, KV_BF16, KV_F16), a pool of blocks laid out
- * [num_blocks, kv_heads, block_size, head_dim]: a row's position p of KV head g lives in block
- * tables[row_table[r]][p / block_size] at offset p % block_size (struct kv_pages); conversions in bf16.h.
- * Consecutive rows of a sequence share the tiles of a float32 cache (attend_block); a bf16 or fp16 cache
- * is read row by row, so the Python caller widens it for attention_rows.
+ * else float32; the KV cache's elements are float32, bf16, fp16 or q8_0 (cache_kind: KV_F32, KV_BF16,
+ * KV_F16, KV_Q8), a pool of blocks laid out [num_blocks, kv_heads, block_size, row] (row: kv_row units a
+ * position): a row's position p of KV head g lives in block tables[row_table[r]][p / block_size] at offset
+ * p % block_size (struct kv_pages); conversions in bf16.h. Consecutive rows of a sequence share each tile
+ * of cache positions (attend_block): a float32 tile is read in place, any other converted once for them.
  *
  * Built with -O3 -march=native -ffast-math (finite values only) by quanta/model/native/__init__.py, so the
  * loops vectorize for the CPU it runs on (AVX2 or AVX-512); attention's dot products are AVX2 + FMA
@@ -58,7 +58,7 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
     }
 }
 
-/* Cache positions a tile of attend_part reads at once (bf16 and fp16 caches: converted to float32 first). */
+/* Cache positions a tile of attend_block reads at once. */
 #define ATT_TILE 64
 
 /* Lane u: the sum of s[u]'s 8 lanes (3 levels of hadd instead of a horizontal sum per vector). */
@@ -74,32 +74,22 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* Where one row's cache positions are: its block table, the pool's block size, and KV head g's
- * element offset within a block (g * block_size * dim). */
+/* Where one row's cache positions are: its block table, the pool's block size, a position's row
+ * (kv_row units), a block's units and KV head g's offset within a block (g * block_size * row). */
 struct kv_pages {
     const int32_t *table;
-    int64_t block_size, block_elems, head;
+    int64_t block_size, row, block_elems, head;
 };
 
-/* Element offset of position `pos` in the pool. */
-static inline int64_t page_offset(const struct kv_pages *pg, int64_t pos, int dim) {
-    int64_t block = pg->table[pos / pg->block_size];
-    return block * pg->block_elems + pg->head + (pos % pg->block_size) * dim;
+static inline struct kv_pages kv_pages(const int32_t *table, int64_t block_size, int kind, int kv_heads, int dim, int g) {
+    int64_t row = kv_row(kind, dim);
+    return (struct kv_pages){table, block_size, row, kv_heads * block_size * row, g * block_size * row};
 }
 
-/* Pointers to the n cache rows of positions t.. as float32: into the cache itself when float32,
- * else rows converted into tile [n, dim]. */
-static inline void cache_rows(const void *cache, int kind, const struct kv_pages *pg, int64_t t, int64_t n, int dim,
-                              float *tile, const float **rows) {
-    for (int64_t u = 0; u < n; u++) {
-        int64_t at = page_offset(pg, t + u, dim);
-        if (kind != KV_F32) {
-            load_kv(cache, kind, at, dim, tile + u * dim);
-            rows[u] = tile + u * dim;
-        } else {
-            rows[u] = (const float *)cache + at;
-        }
-    }
+/* Offset of position `pos` in the pool, in storage units. */
+static inline int64_t page_offset(const struct kv_pages *pg, int64_t pos) {
+    int64_t block = pg->table[pos / pg->block_size];
+    return block * pg->block_elems + pg->head + (pos % pg->block_size) * pg->row;
 }
 
 /* The scores of query rows q (nq rows of dim) for the 8 keys keys[0..7] (rows of dim) into
@@ -148,16 +138,6 @@ static inline __attribute__((always_inline)) void group_score8(const float *q, i
     }
 }
 
-/* scores[j][u] = q_j . keys[u] for u < n, 8 positions at a time (q: [group, dim]; keys: n rows of
- * dim; scores row stride `ld`). */
-static inline __attribute__((always_inline)) void tile_scores(const float *q, int group, int dim, const float *const *keys,
-                                                              int64_t n, float *scores, int64_t ld) {
-    int64_t u = 0;
-    for (; u + 8 <= n; u += 8) group_score8(q, group, dim, keys + u, scores + u, ld);
-    for (; u < n; u++)
-        for (int j = 0; j < group; j++) scores[j * ld + u] = score1(q + j * dim, dim, keys[u]);
-}
-
 /* out_j[0..dim) += sum_{u < n} p[j][u] vals[u] for each of the group's heads (p row stride `ld`;
  * vals: n rows of dim; out_j = out + j (dim + 2)), 64 output elements at a time in registers. */
 static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t ld, int group, int dim,
@@ -196,38 +176,14 @@ static inline __attribute__((always_inline)) void softmax_part(float *scores, in
     }
 }
 
-/* One KV head's group of query heads (q: float32 [group, dim], pre-scaled; dim a multiple of 8)
- * over cache positions t0..t1-1 of the pages `pg`, in tiles of ATT_TILE positions from t0 (a tile
- * may span blocks: its rows are read through pointers, so the tiling is the same whatever the block size):
- * out[j] = (sum_t e^(s_t - top) v_t, top, sum_t e^(s_t - top)), float32 [group][dim + 2], for
- * the merge of attention_decode's parts (flash-decoding's split over positions); top = -FLT_MAX,
- * sum 0 for no positions. scores: [group, t1 - t0]; tile: [ATT_TILE, dim]. */
-static inline __attribute__((always_inline)) void attend_part(const float *q, int group, int dim, const void *k_cache,
-                                                              const void *v_cache, int kind, const struct kv_pages *pg,
-                                                              int64_t t0, int64_t t1, float *scores, float *tile, float *out) {
-    int64_t len = t1 - t0;
-    const float *rows[ATT_TILE];
-    for (int64_t t = t0; t < t1; t += ATT_TILE) {
-        int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        cache_rows(k_cache, kind, pg, t, n, dim, tile, rows);
-        tile_scores(q, group, dim, rows, n, scores + (t - t0), len);
-    }
-    softmax_part(scores, group, len, dim, out);
-    for (int64_t t = t0; t < t1; t += ATT_TILE) {
-        int64_t n = t1 - t < ATT_TILE ? t1 - t : ATT_TILE;
-        cache_rows(v_cache, kind, pg, t, n, dim, tile, rows);
-        tile_values(scores + (t - t0), len, group, dim, rows, n, out);
-    }
-}
-
 /* Prompt rows of one sequence attended together (attend_block): each tile of a float32 cache is
  * read once for up to this many rows. */
 #define ATT_BLOCK 16
 
-/* float32 scratch of one part of attention_part: a tile of converted cache rows, then the
- * scores of up to ATT_BLOCK rows. */
+/* float32 scratch of one part of attention_part: a tile of converted cache rows (and the 7 a group
+ * started in it may read past it), then the scores of up to ATT_BLOCK rows. */
 static inline int64_t part_scratch(int dim, int group, int64_t max_len) {
-    return (int64_t)ATT_TILE * dim + (int64_t)ATT_BLOCK * group * max_len;
+    return (int64_t)(ATT_TILE + 8) * dim + (int64_t)ATT_BLOCK * group * max_len;
 }
 
 /* Attention splits every row's cache positions into ATT_PARTS parts, whatever the threads:
@@ -253,26 +209,8 @@ static inline float *partial_out(const struct attention_job *j, int part, int r,
     return j->partials + (((int64_t)part * j->rows + r) * j->heads + g * (j->heads / j->kv_heads)) * (j->dim + 2);
 }
 
-/* One (row, KV head)'s share `part` of its cache positions, with `work` as scratch. */
-static void attend_share(const struct attention_job *j, int r, int g, int part, float *work) {
-    int dim = j->dim, group = j->heads / j->kv_heads;
-    float *tile = work, *scores = tile + ATT_TILE * dim;
-    int64_t t0, t1;
-    pool_share(j->positions[r] + 1, 1, part, ATT_PARTS, &t0, &t1);
-    const float *q = j->q + ((int64_t)r * j->heads + g * group) * dim;
-    float *out = partial_out(j, part, r, g);
-    struct kv_pages pg = {j->tables + j->row_table[r] * j->table_width, j->block_size,
-                          (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
-    if (dim == 64) /* the common head sizes as constants, so the row loops unroll */
-        attend_part(q, group, 64, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
-    else if (dim == 128)
-        attend_part(q, group, 128, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
-    else
-        attend_part(q, group, dim, j->k_cache, j->v_cache, j->cache_kind, &pg, t0, t1, scores, tile, out);
-}
-
 /* Positions a..b-1 (within [t0, t1)) of the scores of one row (q: [group, dim]; the key of
- * position u at keys[u - base]; s: [group, t1 - t0]), computed as attend_part computes them: in
+ * position u at keys[u - base]; s: [group, t1 - t0]), computed the same whatever rows share the tile: in
  * groups of 8 from t0 (a group starting before b may run past it), then one by one from the last
  * full group. */
 static inline __attribute__((always_inline)) void span_scores(const float *q, int group, int dim, const float *const *keys,
@@ -284,11 +222,12 @@ static inline __attribute__((always_inline)) void span_scores(const float *q, in
         for (int jj = 0; jj < group; jj++) s[jj * len + u - t0] = score1(q + jj * dim, dim, keys[u - base]);
 }
 
-/* Rows r0 .. r0 + R - 1 (one sequence, consecutive positions; R <= ATT_BLOCK) of a float32 cache,
- * KV head g, share `part`: row for row the arithmetic of attend_part (the same groups of keys, the
- * same softmax, values summed position by position in order), so the same bits; but each
- * ATT_TILE of keys, then of values, is read once for the R rows while it is in cache.
- * work: part_scratch (the rows' scores after the tile). */
+/* Rows r0 .. r0 + R - 1 (one sequence, consecutive positions; R <= ATT_BLOCK), KV head g, share
+ * `part`: each row's arithmetic is that of the row alone (its keys in groups of 8 from its share's
+ * start, the same softmax, values summed position by position in order), so the same bits whatever
+ * R is (a decode row is R = 1); but each ATT_TILE of keys, then of values, is read once for the R
+ * rows while it is in cache: a float32 cache in place, any other kind converted into the tile.
+ * work: part_scratch (the converted tile, then the rows' scores). */
 static inline __attribute__((always_inline)) void attend_block(const struct attention_job *j, int r0, int R, int g,
                                                                int part, int dim, float *work) {
     int group = j->heads / j->kv_heads;
@@ -298,15 +237,24 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
         lo = t0[i] < lo ? t0[i] : lo;
         hi = t1[i] > hi ? t1[i] : hi;
     }
-    struct kv_pages pg = {j->tables + j->row_table[r0] * j->table_width, j->block_size,
-                          (int64_t)j->kv_heads * j->block_size * dim, (int64_t)g * j->block_size * dim};
+    struct kv_pages pg = kv_pages(j->tables + j->row_table[r0] * j->table_width, j->block_size, j->cache_kind,
+                                  j->kv_heads, dim, g);
     const float *rows[ATT_TILE + 8]; /* a tile's rows and the 7 a group started in it may read past it */
-    float *scores = work + ATT_TILE * dim;
+    float *tile = work, *scores = work + (ATT_TILE + 8) * dim;
+    int64_t reach = ATT_TILE + (R > 1 ? 8 : 0); /* one row's groups start at t0 + 8k: none runs past its tile */
     for (int pass = 0; pass < 2; pass++) { /* keys, then values */
-        const float *cache = (const float *)(pass ? j->v_cache : j->k_cache);
+        const void *cache = pass ? j->v_cache : j->k_cache;
         for (int64_t t = lo; t < hi; t += ATT_TILE) {
-            int64_t n = hi - t < ATT_TILE + 8 ? hi - t : ATT_TILE + 8;
-            for (int64_t u = 0; u < n; u++) rows[u] = cache + page_offset(&pg, t + u, dim);
+            int64_t n = hi - t < reach ? hi - t : reach;
+            for (int64_t u = 0; u < n; u++) {
+                int64_t at = page_offset(&pg, t + u);
+                if (j->cache_kind == KV_F32) {
+                    rows[u] = (const float *)cache + at;
+                } else {
+                    load_kv(cache, j->cache_kind, at, dim, tile + u * dim);
+                    rows[u] = tile + u * dim;
+                }
+            }
             for (int i = 0; i < R; i++) {
                 int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
                 const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
@@ -324,11 +272,10 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
     }
 }
 
-/* How many rows from r attend together: with a float32 cache, the following rows of r's sequence
- * at the following positions (up to ATT_BLOCK), else 1. */
+/* How many rows from r attend together: the following rows of r's sequence at the following
+ * positions (up to ATT_BLOCK). */
 static int block_rows(const struct attention_job *j, int r) {
     int n = 1;
-    if (j->cache_kind != KV_F32) return 1;
     while (n < ATT_BLOCK && r + n < j->rows && j->row_table[r + n] == j->row_table[r] &&
            j->positions[r + n] == j->positions[r] + n)
         n++;
@@ -336,7 +283,7 @@ static int block_rows(const struct attention_job *j, int r) {
 }
 
 /* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV
- * head: a float32 cache's rows by blocks (attend_block), a bf16 or fp16 one's one by one (attend_share). */
+ * head, rows by blocks (attend_block). */
 static void attention_part(void *arg, int thread, int threads) {
     const struct attention_job *j = arg;
     float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads / j->kv_heads, j->max_len);
@@ -344,9 +291,7 @@ static void attention_part(void *arg, int thread, int threads) {
         for (int r = 0, n; r < j->rows; r += n) {
             n = block_rows(j, r);
             for (int g = 0; g < j->kv_heads; g++) {
-                if (j->cache_kind != KV_F32)
-                    attend_share(j, r, g, part, work);
-                else if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
+                if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
                     attend_block(j, r, n, g, part, 64, work);
                 else if (j->dim == 128)
                     attend_block(j, r, n, g, part, 128, work);
@@ -417,9 +362,8 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
         rope(row, heads + kv_heads, dim, cos_t, sin_t);
         float *q = row, *k = row + heads * dim, *v = k + kv_heads * dim;
         for (int g = 0; g < kv_heads; g++) {
-            struct kv_pages pg = {tables + row_table[r] * table_width, block_size, (int64_t)kv_heads * block_size * dim,
-                                  (int64_t)g * block_size * dim};
-            int64_t at = page_offset(&pg, pos, dim);
+            struct kv_pages pg = kv_pages(tables + row_table[r] * table_width, block_size, cache_kind, kv_heads, dim, g);
+            int64_t at = page_offset(&pg, pos);
             store_kv(k_cache, cache_kind, at, dim, k + g * dim);
             store_kv(v_cache, cache_kind, at, dim, v + g * dim);
         }
@@ -446,6 +390,13 @@ void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_head
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
     attend_rows(rows, qs, heads, kv_heads, dim, row_table, positions, tables, table_width, block_size, k_cache,
                 v_cache, cache_kind, max_len, out, io_bf16, acc, work, partials);
+}
+
+/* rows rows of dim float32 values (src) into cache kind `kind` at dst, contiguous: the rows a decode
+ * step stores, for prompt rows written from Python. */
+void kv_store_rows(int64_t rows, int dim, const float *src, int kind, void *dst) {
+    int64_t row = kv_row(kind, dim);
+    for (int64_t r = 0; r < rows; r++) store_kv(dst, kind, r * row, dim, src + r * dim);
 }
 
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; io [rows, 2 inter] -> io [rows, inter].
