@@ -278,11 +278,18 @@ def _pool(args, parser, profile, max_num_seqs: int):
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         parser.error(f"--kv-cache-tokens must be a positive integer, got {args.kv_cache_tokens}")
     try:
-        return pool_from_flags(profile, max_num_seqs, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        pool = pool_from_flags(profile, max_num_seqs, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                kv_cache_tokens=args.kv_cache_tokens, kv_cache_dtype=KV_DTYPE_ALIASES[args.kv_cache_dtype],
                                max_model_len=args.max_model_len, prefix_cache=args.prefix_cache)
     except (ValueError, ProfileError) as exc:
         parser.error(str(exc))
+    if args.max_model_len and pool.num_blocks is not None:  # quanta advise's check of the budget
+        from quanta.moe.advisor import advise_pool, format_pool_advice
+
+        advice = advise_pool(max_num_seqs, args.max_model_len, pool.block_size, pool.num_blocks * pool.block_size)
+        if not advice.fits:
+            print(format_pool_advice(advice, max_num_seqs), file=sys.stderr)
+    return pool
 
 
 def _without_raw(doc: dict) -> dict:
