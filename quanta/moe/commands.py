@@ -75,7 +75,8 @@ def add_commands(sub, register_once) -> None:
     prof.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     add_dtype_flag(prof, "compute dtype (default as serve)")
 
-    adv = sub.add_parser("advise", help="recommend the mixed prefill quantum from the expert shape, and the KV budget for max-num-seqs sequences")
+    adv = sub.add_parser("advise", help="recommend the mixed prefill quantum from the expert shape, "
+                         "and the KV budget for max-num-seqs sequences")
     register_once(adv)
     adv.add_argument("--model", help="model directory or GGUF (its config only is read)")
     adv.add_argument("--num-experts", type=int, help="E, routed experts (instead of --model)")
