@@ -176,16 +176,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run decode steps with quanta's C code between the matmuls (norms, RoPE, attention, SwiGLU) "
                         "where the model allows; off = PyTorch ops throughout (default: on)")
     p.add_argument("--max-model-len", type=int, help="tokens per sequence, prompt plus output (default: the model's context length)")
+    add_kv_cache_flags(p, "at most half the machine's memory")
+    add_scheduler_flags(p, "quanta advise's choice for the model")
+
+
+def add_kv_cache_flags(p, default_cap: str) -> None:
+    """``--block-size`` and the KV pool's budget and dtype (``serve``, ``generate``, ``simulate``);
+    ``default_cap`` says what limits the default budget besides the sequences it holds."""
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"KV cache positions per block, a multiple of 8 (default: {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--kv-cache-memory", type=kv_bytes, metavar="BYTES",
                    help="the KV block pool's size, e.g. 2GiB, 512MiB or bytes (default: what --max-num-seqs sequences of "
-                        "--max-model-len tokens need, at most half the machine's memory)")
+                        f"--max-model-len tokens need, {default_cap})")
     p.add_argument("--kv-cache-tokens", type=int, metavar="N", help="the KV block pool's size in tokens (instead of --kv-cache-memory)")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPE_ALIASES), default="auto",
                    help="the KV cache's elements: auto = bf16 where the model runs in bf16, fp16 where it runs in fp32; "
                         "fp32, bf16, fp16, or q8_0 (llama.cpp's 8-bit blocks: 34 bytes per 32 values, ~0.53x fp16) (default: auto)")
-    add_scheduler_flags(p, "quanta advise's choice for the model")
 
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:

@@ -264,6 +264,8 @@ def test_profile_engine_measures_a_loadable_profile(tmp_path, capsys):
     p = Profile.load(out)
     raw = json.loads(out.read_text())
     assert "measured by quanta profile-engine" in raw["source"] and set(raw["spread"]) == {"decode", "prefill"}
+    # the KV geometry of the embedded model and the cache --kv-cache-dtype auto gives an fp32 model
+    assert raw["kv"] == {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "float16"}
     assert [x for x, _ in p.prefill_points] == [4.0, 8.0] and [x for x, _ in p.decode_points] == [1.0, 2.0]
     assert p.overhead_s >= 0 and p.prefill_ctx >= 0 and p.decode_ctx >= 0 and "2@32" in raw["spread"]["decode"]
     # points are stored net of overhead and context terms: the cost model gives back each measured median

@@ -261,6 +261,15 @@ def _scrape_notes(doc: dict) -> str:
                      for k, v in notes.items())
 
 
+def _pool_section(doc: dict) -> str:
+    """A simulation's KV pool table (:func:`quanta.sim.pool.markdown_section`); '' for a measured run."""
+    if doc.get("kind") != "simulate":
+        return ""
+    from quanta.sim.pool import markdown_section
+
+    return markdown_section(doc)
+
+
 def markdown(doc: dict, plot_files: dict[str, str], title: str) -> str:
     """The report: context, how measured, headline table, frontier, other tables, errors, plots."""
     simulated = doc.get("kind") == "simulate"
@@ -288,7 +297,8 @@ def markdown(doc: dict, plot_files: dict[str, str], title: str) -> str:
     if notes:
         parts += [notes, ""]
     for heading, text in (("Request lengths (tokens from usage, pooled over repeats)", _lengths_section(doc)),
-                          ("Trace prefix reuse", _trace_section(doc)), ("Probe", _probe_section(doc))):
+                          ("Trace prefix reuse", _trace_section(doc)), ("Probe", _probe_section(doc)),
+                          ("KV block pool (simulated; median over repeats)", _pool_section(doc))):
         if text:
             parts += [f"## {heading}", "", text, ""]
     invalid = [c for c in doc["conditions"] if not c.get("valid", True)]

@@ -19,6 +19,16 @@ Dense models have no experts: the tokens-per-expert argument does not apply,
 and the advisor falls back to a measured prefill cost curve (the smallest
 measured quantum within 5 % of the best cost per token) or, without one, the
 default quantum.
+
+The KV block pool (:func:`advise_pool`): ``max_num_seqs`` sequences of
+``context`` tokens that share a ``shared_prefix`` (held once, as whole blocks,
+by the prefix cache) need ``shared + max_num_seqs x own`` blocks, ``shared``
+the prefix's full blocks and ``own`` the blocks of the rest of a sequence.
+A budget smaller than that cannot hold every slot at full context: the
+engine preempts the most recently admitted sequence and recomputes it when
+it is readmitted, which at every slot's full context recurs at every
+admission (a preemption storm). The advice is the budget that holds them,
+and the most sequences (``max_num_seqs`` at most) a given budget holds.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quanta.engine.block_pool import blocks_for
 from quanta.moe import formulas
 from quanta.moe.prefill_cost import SATURATION_TOLERANCE
 from quanta.moe.report import cost_report_cache_path
@@ -188,4 +199,63 @@ def format_advice(advice: Advice, chosen_label: str = "recommended") -> str:
               "of whole steps, MoE ms/token: of the MoE blocks alone (quanta profile, this model only); "
               "decode gap: what a decoding session waits per token while another "
               "prefills, one decode step + Q x ms/token ('-': not measured)."]
+    return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class PoolAdvice:
+    """What a KV budget holds (module docstring; counts in blocks of ``block_size`` tokens).
+
+    Attributes:
+        needed_blocks: the budget that holds ``max_num_seqs`` sequences of ``context`` tokens.
+        budget_blocks: the budget given (None: none given).
+        max_num_seqs: the most sequences at full context the budget holds, at most the one given
+            (the given one without a budget).
+    """
+
+    max_num_seqs: int
+    context: int
+    shared_prefix: int
+    block_size: int
+    needed_blocks: int
+    budget_blocks: int | None
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_blocks is None or self.budget_blocks >= self.needed_blocks
+
+
+def advise_pool(max_num_seqs: int, context: int, block_size: int, budget_tokens: int | None = None,
+                shared_prefix: int = 0) -> PoolAdvice:
+    """The KV budget ``max_num_seqs`` sequences of ``context`` tokens need, sharing a ``shared_prefix``, and
+    the most of them a budget of ``budget_tokens`` holds (module docstring).
+
+    Raises:
+        ValueError: a context of less than one token, or a shared prefix longer than the context.
+    """
+    if context < 1 or not 0 <= shared_prefix <= context:
+        raise ValueError(f"need 1 <= context and 0 <= shared prefix <= context, got {context} and {shared_prefix}")
+    shared = shared_prefix // block_size  # full blocks only: the prefix cache shares no partial block
+    own = blocks_for(context - shared * block_size, block_size)
+    budget = blocks_for(budget_tokens, block_size) if budget_tokens is not None else None
+    seqs = max_num_seqs if budget is None else min(max_num_seqs, max(budget - shared, 0) // own)
+    return PoolAdvice(seqs, context, shared_prefix, block_size, shared + max_num_seqs * own, budget)
+
+
+def format_pool_advice(a: PoolAdvice, asked: int, bytes_per_token: int | None = None) -> str:
+    """The pool advice as text (``asked``: the ``--max-num-seqs`` it was asked about)."""
+    need = a.needed_blocks * a.block_size
+    size = f" ({need * bytes_per_token / 2**20:,.0f} MiB at 2 bytes per element)" if bytes_per_token else ""
+    prefix = f", sharing a {a.shared_prefix}-token prefix" if a.shared_prefix else ""
+    lines = [f"KV pool: {asked} sequences of {a.context} tokens{prefix} need {a.needed_blocks} blocks of {a.block_size}: "
+             f"--kv-cache-tokens {need}{size}."]
+    if a.budget_blocks is not None and a.max_num_seqs == 0:
+        lines.append(f"The budget of {a.budget_blocks * a.block_size} tokens does not hold one sequence of {a.context} "
+                     "tokens (quanta serve refuses it).")
+    elif a.budget_blocks is not None and a.fits:
+        lines.append(f"The budget of {a.budget_blocks * a.block_size} tokens holds them: no preemption at full context.")
+    elif a.budget_blocks is not None:
+        lines.append(f"The budget of {a.budget_blocks * a.block_size} tokens holds {a.max_num_seqs} of them at full context; "
+                     f"past that the engine preempts and recomputes. Use --max-num-seqs {a.max_num_seqs}"
+                     f" or --kv-cache-tokens {need}.")
     return "\n".join(lines)

@@ -50,6 +50,7 @@ class _PresetNames:
 
 def add_commands(sub, register_once) -> None:
     """Add the three subparsers to ``sub`` (``register_once`` makes their flags refuse repeats)."""
+    from quanta.config import DEFAULT_BLOCK_SIZE
     from quanta.engine.policies.knobs import PREFILL_CAP
     from quanta.flags import add_dtype_flag
 
@@ -74,7 +75,8 @@ def add_commands(sub, register_once) -> None:
     prof.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     add_dtype_flag(prof, "compute dtype (default as serve)")
 
-    adv = sub.add_parser("advise", help="recommend the mixed prefill quantum from the expert shape")
+    adv = sub.add_parser("advise", help="recommend the mixed prefill quantum from the expert shape, "
+                         "and the KV budget for max-num-seqs sequences")
     register_once(adv)
     adv.add_argument("--model", help="model directory or GGUF (its config only is read)")
     adv.add_argument("--num-experts", type=int, help="E, routed experts (instead of --model)")
@@ -83,6 +85,15 @@ def add_commands(sub, register_once) -> None:
     adv.add_argument(PREFILL_CAP.flag, type=int, default=PREFILL_CAP.default,
                      help=f"the scheduler's prefill cap (default {PREFILL_CAP.default})")
     adv.add_argument("--profile", help="a profile JSON from quanta profile (default: this machine's cached profile of --model)")
+    pool = adv.add_argument_group("KV block pool: the budget max-num-seqs sequences of a context need")
+    pool.add_argument("--max-num-seqs", type=int, help="resident sequences to hold at full context")
+    pool.add_argument("--context", type=int, metavar="TOKENS", help="tokens per sequence, prompt plus output "
+                      "(e.g. quanta serve's --max-model-len)")
+    pool.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                      help="tokens every sequence's prompt starts with (held once by the prefix cache; default 0)")
+    pool.add_argument("--kv-cache-tokens", type=int, metavar="N", help="the budget to check (quanta serve's flag)")
+    pool.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                      help=f"KV positions per block (default {DEFAULT_BLOCK_SIZE})")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -98,12 +109,26 @@ def check_args(args: argparse.Namespace) -> None:
         given = (args.num_experts is not None) + (args.top_k is not None)
         if args.model and given:
             raise ValueError("give --model or --num-experts/--top-k, not both")
-        if not args.model and given != 2:
-            raise ValueError("give --model, or both --num-experts and --top-k")
+        _check_pool_args(args)
+        if not args.model and given != 2 and not (given == 0 and args.max_num_seqs is not None):
+            raise ValueError("give --model, or both --num-experts and --top-k (or only the KV pool flags)")
         if given and not 1 <= args.top_k <= args.num_experts:
             raise ValueError(f"need 1 <= --top-k <= --num-experts, got --top-k {args.top_k} --num-experts {args.num_experts}")
         if args.prefill_cap < 1 or (args.target is not None and args.target <= 0):
             raise ValueError("--prefill-cap and --target must be positive")
+
+
+def _check_pool_args(args: argparse.Namespace) -> None:
+    """``advise``'s KV pool flags: --max-num-seqs and --context together, positive; raises ValueError."""
+    pool = [args.max_num_seqs, args.context, args.kv_cache_tokens]
+    if any(v is not None for v in pool) and (args.max_num_seqs is None or args.context is None):
+        raise ValueError("the KV pool advice needs --max-num-seqs and --context")
+    if any(v is not None and v < 1 for v in pool):
+        raise ValueError("--max-num-seqs, --context and --kv-cache-tokens must be positive integers")
+    if args.block_size < 8 or args.block_size % 8:
+        raise ValueError(f"--block-size must be a positive multiple of 8, got {args.block_size}")
+    if args.context is not None and not 0 <= args.shared_prefix <= args.context:
+        raise ValueError(f"--shared-prefix must be between 0 and --context ({args.context}), got {args.shared_prefix}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 def _advise(args: argparse.Namespace) -> int:
     from quanta.moe.advisor import advise, cached_cost_report, format_advice, load_cost_report
 
-    name = None
+    name, cfg = None, None
     if args.model:
         from quanta.model.loader import load_config
 
@@ -137,8 +162,15 @@ def _advise(args: argparse.Namespace) -> int:
         e, k = (cfg.num_experts, cfg.num_experts_per_tok) if cfg.is_moe else (None, None)
     else:
         e, k = args.num_experts, args.top_k
-    report = load_cost_report(args.profile) if args.profile else (cached_cost_report(name) if name else None)
-    print(format_advice(advise(e, k, args.prefill_cap, args.target, report, name)))
+    if cfg is not None or e is not None:
+        report = load_cost_report(args.profile) if args.profile else (cached_cost_report(name) if name else None)
+        print(format_advice(advise(e, k, args.prefill_cap, args.target, report, name)))
+    if args.max_num_seqs is not None:
+        from quanta.moe.advisor import advise_pool, format_pool_advice
+
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 if cfg is not None else None
+        pool = advise_pool(args.max_num_seqs, args.context, args.block_size, args.kv_cache_tokens, args.shared_prefix)
+        print(("\n" if cfg is not None or e is not None else "") + format_pool_advice(pool, args.max_num_seqs, per_token))
     return 0
 
 

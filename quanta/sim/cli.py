@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 
 from quanta.flags import (
+    KV_DTYPE_ALIASES,
     SCHEDULER_FLAGS,
     add_dtype_flag,
+    add_kv_cache_flags,
     add_scheduler_flags,
     command_line,
     dtype_name,
@@ -51,6 +53,11 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--note", default="", help="a sentence for the report (e.g. how the workload was scaled)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="no prefix sharing across sequences (quanta serve --no-prefix-cache); default on, as quanta serve")
+    kv = p.add_argument_group("KV block pool (as quanta serve; default: a pool that never runs short)")
+    kv.add_argument("--max-model-len", type=positive_int, metavar="N",
+                    help="tokens per sequence, prompt plus output; longer requests fail as the server's 400 "
+                         "(default: the pool's size)")
+    add_kv_cache_flags(kv, "no cap; --kv-cache-memory needs the profile's KV geometry")
 
 
 def add_commands(sub, register_once) -> None:
@@ -236,11 +243,12 @@ def _simulate(args, parser, argv) -> int:
     for name, flags, sched in grid:
         if "auto" in (flags or []) or args.mixed_prefill_quantum == "auto":
             autos.append(f"{name}: mixed_prefill_quantum=auto ran as {sched.knobs['mixed_prefill_quantum']}")
+        pool = _pool(args, parser, profile, sched.max_num_seqs)
         runs = []
         for r in range(args.repeats):
             wr = Workload(**{**w.to_dict(), "seed": w.seed + r})
             runs.append(simulate(profile, sched, wr, tokens_per_word=args.tokens_per_word, max_duration=args.max_duration,
-                                 prefix_cache=args.prefix_cache))
+                                 pool=pool))
         conds.append(condition(name, runs, flags))
     baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
     note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
@@ -258,6 +266,30 @@ def _simulate(args, parser, argv) -> int:
         if not args.raw:
             output.write_json(_without_raw(doc), Path(args.out).with_name(Path(args.out).name + ".json"))
     return 0
+
+
+def _pool(args, parser, profile, max_num_seqs: int):
+    """The simulated KV pool of the budget flags (:func:`quanta.sim.pool.pool_from_flags`); else exit 2."""
+    from quanta.sim.pool import pool_from_flags
+    from quanta.sim.profile import ProfileError
+
+    if args.block_size < 8 or args.block_size % 8:
+        parser.error(f"--block-size must be a positive multiple of 8, got {args.block_size}")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        parser.error(f"--kv-cache-tokens must be a positive integer, got {args.kv_cache_tokens}")
+    try:
+        pool = pool_from_flags(profile, max_num_seqs, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                               kv_cache_tokens=args.kv_cache_tokens, kv_cache_dtype=KV_DTYPE_ALIASES[args.kv_cache_dtype],
+                               max_model_len=args.max_model_len, prefix_cache=args.prefix_cache)
+    except (ValueError, ProfileError) as exc:
+        parser.error(str(exc))
+    if args.max_model_len and pool.num_blocks is not None:  # quanta advise's check of the budget
+        from quanta.moe.advisor import advise_pool, format_pool_advice
+
+        advice = advise_pool(max_num_seqs, args.max_model_len, pool.block_size, pool.num_blocks * pool.block_size)
+        if not advice.fits:
+            print(format_pool_advice(advice, max_num_seqs), file=sys.stderr)
+    return pool
 
 
 def _without_raw(doc: dict) -> dict:

@@ -8,7 +8,10 @@ the prompt lengths the server reported (``usage.prompt_tokens``) and the send
 delays the client recorded (``sent - scheduled``) for the requests of measured
 repeat ``r``, in request order, and each request's output length (the
 ``max_tokens`` it was sent with; for a run whose outputs ended at EOS, what
-it produced). It then reports, per
+it produced), on the KV pool the server reported (``kv_cache_blocks``, block
+size, prefix cache and ``max_model_len`` of its ``/v1/config``; a server
+from before the block pool: the pool its serve flags give,
+:mod:`quanta.sim.pool`). It then reports, per
 condition, the measured median (IQR over repeats) and the simulated median of
 each figure and the relative error ``(simulated - measured) / measured``.
 
@@ -30,6 +33,7 @@ from quanta.analysis.report import aggregate, repeat_figures
 from quanta.analysis.server_trace import trace_entries
 from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
+from quanta.sim.pool import PoolSpec, pool_from_applied, pool_from_flags
 from quanta.sim.profile import Profile
 from quanta.sim.run import Simulation
 
@@ -133,13 +137,40 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
     from the condition's serve flags (``bench sweep``) or else the server's applied config (``bench run``)."""
     flags = cond.get("flags")
     sched = sched_config(flags, cond.get("applied")) if flags else applied_config(cond.get("applied"))
+    pool = condition_pool(profile, sched.max_num_seqs, flags, cond.get("applied"))
     runs = []
     for r, measured in enumerate(cond["runs"]):
         w = replace(workload, seed=workload.seed + r)
         outs = output_lengths(measured, exact=workload.output_dist != "eos")
         runs.append(Simulation(profile, sched, w, prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
-                               output_lengths=outs, max_duration=max_duration).run())
+                               output_lengths=outs, max_duration=max_duration, pool=pool).run())
     return runs
+
+
+def condition_pool(profile: Profile, max_num_seqs: int, flags: list[str] | None, applied: dict | None) -> PoolSpec:
+    """The KV pool a measured condition ran on: the one its server reported, else its serve flags' budget
+    (the prefix cache as the flags say; no flags and no report: quanta serve's default, prefix cache on).
+
+    Raises:
+        CompareError: serve flags whose budget the simulator cannot size (``--kv-cache-memory`` with a
+            profile that has no KV geometry).
+    """
+    reported = pool_from_applied(applied)
+    if reported is not None:
+        return reported
+    if not flags:
+        applied = applied or {}
+        return PoolSpec(prefix_cache=bool(applied.get("prefix_cache", True)), max_model_len=applied.get("max_model_len"))
+    from quanta.flags import configs_from_args, parse_serve_flags
+
+    engine = configs_from_args(parse_serve_flags(flags))[0]
+    try:
+        return pool_from_flags(profile, max_num_seqs, block_size=engine.block_size, kv_cache_memory=engine.kv_cache_memory,
+                               kv_cache_tokens=engine.kv_cache_tokens, kv_cache_dtype=engine.kv_cache_dtype,
+                               max_model_len=engine.max_model_len or (applied or {}).get("max_model_len"),
+                               prefix_cache=engine.prefix_cache)
+    except ValueError as exc:
+        raise CompareError(f"serve flags {' '.join(flags)!r}: {exc}") from exc
 
 
 def rel_error(simulated: float, measured: float) -> float:

@@ -31,11 +31,18 @@ class CostModelExecutor(Executor):
     (prompt done or a decode), else None; the step takes
     :meth:`Profile.step_cost` seconds of the virtual ``clock``, times a factor
     drawn from ``profile.step_noise`` (seeded by ``seed``) when the profile has one.
+
+    It charges exactly the plan's chunks: a prompt admitted past its cached
+    prefix starts there, and a preempted sequence's tokens come back as chunks
+    again. ``computed_tokens`` counts every token run, ``recomputed_tokens``
+    those at positions the sequence had computed before (after a preemption).
     """
 
     def __init__(self, profile: Profile, clock: VirtualClock, seed: int = 0) -> None:
         self.profile, self.clock = profile, clock
         self.rng = random.Random(seed)
+        self.computed_tokens = self.recomputed_tokens = 0
+        self._reached: dict[int, int] = {}  # seq_id -> positions computed at least once
 
     def cost(self, plan: StepPlan) -> float:
         """Predicted seconds of ``plan`` (sequences not yet advanced)."""
@@ -46,5 +53,14 @@ class CostModelExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         noise = self.rng.choice(self.profile.step_noise) if self.profile.step_noise else 1.0
         self.clock.t += self.cost(plan) * noise
+        for c in plan.chunks:
+            start, end = c.seq.num_computed_tokens, c.seq.num_computed_tokens + c.num_new_tokens
+            reached = self._reached.get(c.seq.seq_id, 0)
+            self.recomputed_tokens += max(0, min(reached, end) - start)
+            self.computed_tokens += c.num_new_tokens
+            self._reached[c.seq.seq_id] = max(reached, end)
         return StepResult([SIM_TOKEN if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None
                            for c in plan.chunks])
+
+    def release(self, seq_id: int) -> None:
+        self._reached.pop(seq_id, None)

@@ -21,6 +21,11 @@ untimed warm-up call, ``repeats`` times; the median is the profile value and
   (decode: ``B * context``; prefill at position 0: ``n (n - 1) / 2``), so
   :meth:`Profile.step_cost` of a measured plan reproduces its median.
 
+The KV cache is the one ``quanta serve`` builds by default
+(``--kv-cache-dtype auto``), and the profile records its geometry under
+``kv`` (layers, KV heads, head dim, dtype), so ``quanta simulate
+--kv-cache-memory`` can size the pool in blocks (:mod:`quanta.sim.pool`).
+
 The command line is :mod:`quanta.sim.cli`; fitting a profile to a server's
 trace instead is :mod:`quanta.sim.fit`.
 """
@@ -36,6 +41,7 @@ from quanta.engine.block_pool import blocks_for
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.scheduler import ScheduledChunk, StepPlan
 from quanta.engine.sequence import Sequence
+from quanta.model.attention import kv_format
 from quanta.sim.profile import Profile
 
 
@@ -123,10 +129,13 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
     Sizes in tokens; ``decode_contexts[0]`` is the context of the batch sweep.
     """
     from quanta.engine.model_executor import ModelExecutor
+    from quanta.launch import resolve_kv_dtype
 
     ctx0, p0 = decode_contexts[0], positions[0]
     max_len = max(max(positions) + max(chunks), max(decode_contexts) + 2) + 1
-    ex = ModelExecutor(loaded.model, max(batches) * blocks_for(max_len, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE)
+    kv_dtype = resolve_kv_dtype("auto", loaded.model.embed_tokens.weight.dtype)
+    ex = ModelExecutor(loaded.model, max(batches) * blocks_for(max_len, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE,
+                       kv_dtype=kv_dtype)
     spread: dict = {"decode": {}, "prefill": {}}
     dec, decode_ctx = _time_decode(ex, batches, decode_contexts, repeats, spread["decode"], say)
     overhead = _overhead(dec)
@@ -136,10 +145,16 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
     measured = {"chunks": chunks, "positions": positions, "batches": batches, "decode_contexts": decode_contexts,
                 "repeats": repeats}
     return Profile(prefill_points=points, decode_points=decode_points, overhead_s=overhead, prefill_ctx=prefill_ctx,
-                   decode_ctx=decode_ctx, mixed_decode_factor=1.0, meta=_meta(loaded, measured, spread))
+                   decode_ctx=decode_ctx, mixed_decode_factor=1.0, meta=_meta(loaded, measured, spread, kv_dtype))
 
 
-def _meta(loaded, measured: dict, spread: dict) -> dict:
+def kv_meta(config, kv_dtype) -> dict:
+    """A profile's ``kv`` block: the model's KV geometry and the cache dtype (:mod:`quanta.sim.pool`)."""
+    return {"num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim, "dtype": kv_format(kv_dtype).name}
+
+
+def _meta(loaded, measured: dict, spread: dict, kv_dtype) -> dict:
     from quanta.bench.output import machine
 
     return {
@@ -150,6 +165,7 @@ def _meta(loaded, measured: dict, spread: dict) -> dict:
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(), "model": str(getattr(loaded, "name", "") or "embedded SmolLM2-135M-Instruct"),
         "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "kv": kv_meta(loaded.config, kv_dtype),
         "measured": measured,
         "spread": spread,
     }

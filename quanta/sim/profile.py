@@ -20,6 +20,8 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
       "step_noise": {"factors": [...], "source": "..."},  # optional: each simulated step's cost is
                                                  # multiplied by a factor drawn uniformly from this list
+      "kv": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "bfloat16"},  # optional: the model's
+                                                 # KV geometry and cache dtype (quanta.sim.pool: --kv-cache-memory)
       "scheduler": {...},                        # knobs of the measured server (informative)
       "published": [...], "assumed": [...],      # which keys are published / assumed (shipped profiles)
       "spread": {...}                            # optional: measured spread (profile engine)
@@ -110,6 +112,9 @@ class Profile:
             raise ProfileError("prefill.moe needs integer num_experts and top_k >= 1")
         if self.step_noise is not None and (not self.step_noise or any(not (f > 0 and math.isfinite(f)) for f in self.step_noise)):
             raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
+        from quanta.sim.pool import kv_geometry
+
+        kv_geometry(self)
 
     def to_dict(self) -> dict:
         pre = {"axis": self.prefill_axis, "points": [list(p) for p in self.prefill_points],

@@ -28,8 +28,12 @@ exactly (the simulated tokens are never EOS, like ``--ignore-eos``), or, with
 tokens; entries <= 0 fall back). With ``send_delays``, request i reaches the
 engine that many seconds after its scheduled time (e.g. the bench client's
 measured ``sent - scheduled``: a burst's requests arrive spread over some
-milliseconds, not at one instant). ``prefix_cache``: the engine shares
-prompt prefixes' KV blocks across sequences as ``quanta serve`` does by default.
+milliseconds, not at one instant). KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
+the budget and prefix sharing ``quanta serve`` would have, so admission waits
+for blocks and a short pool preempts and recomputes as in the engine; without
+it, a pool that never runs short, with prefix sharing when ``prefix_cache``.
+A request longer than the pool's ``max_model_len`` fails as the server's 400.
+The run dict's ``kv_pool`` says what the pool did (:class:`~quanta.sim.pool.PoolStats`).
 """
 
 from __future__ import annotations
@@ -43,14 +47,13 @@ from dataclasses import dataclass, field
 from quanta.analysis.requests import RequestSample
 from quanta.bench import mooncake, probe, prompts, sessions
 from quanta.bench.workloads import PLANNED, SESSION_SHAPED, RequestSpec, Workload, plan, session_steps
-from quanta.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
-from quanta.engine.block_pool import BlockPool, blocks_for
+from quanta.config import SchedulerConfig
 from quanta.engine.engine import Engine
 from quanta.engine.sampling import SamplingParams
 from quanta.sim.executor import CostModelExecutor, VirtualClock
+from quanta.sim.pool import PoolSpec, PoolStats
 from quanta.sim.profile import Profile
 
-MAX_MODEL_LEN = 1 << 20
 #: prompt token ids are drawn below this (fits the embedded SmolLM2 vocabulary for validation runs)
 VOCAB = 32_000
 
@@ -73,7 +76,8 @@ class Simulation:
     def __init__(self, profile: Profile, sched: SchedulerConfig, w: Workload, *, tokens_per_word: float = 1.0,
                  max_duration: float = 3600.0, output_lengths: list[int] | None = None,
                  executor=None, clock=None, prefix_cache: bool = False,
-                 prompt_lengths: list[int] | None = None, send_delays: list[float] | None = None) -> None:
+                 prompt_lengths: list[int] | None = None, send_delays: list[float] | None = None,
+                 pool: PoolSpec | None = None) -> None:
         self.profile, self.sched, self.w = profile, sched, w
         self.tpw, self.max_duration = tokens_per_word, max_duration
         self.output_lengths = output_lengths or []
@@ -83,10 +87,12 @@ class Simulation:
         self.clock = clock or VirtualClock()
         self.executor = executor or CostModelExecutor(profile, self.clock, seed=w.seed)
         scheduler = sched.build()
-        if prefix_cache:  # the engine's prefix sharing, over a pool that never runs short
-            blocks = sched.max_num_seqs * blocks_for(MAX_MODEL_LEN, DEFAULT_BLOCK_SIZE)
-            scheduler.use_blocks(BlockPool(blocks, DEFAULT_BLOCK_SIZE))
-        self.engine = Engine(scheduler, self.executor, MAX_MODEL_LEN, clock=self.clock)
+        self.pool = pool or PoolSpec(prefix_cache=prefix_cache)
+        blocks = self.pool.build(sched.max_num_seqs)
+        scheduler.use_blocks(blocks, self.pool.prefix_cache)
+        self.pool_stats = PoolStats(blocks.num_blocks, blocks.block_size, self.pool.num_blocks is not None,
+                                    self.pool.prefix_cache, self.pool.model_len)
+        self.engine = Engine(scheduler, self.executor, self.pool.model_len, clock=self.clock)
         self.samples: list[RequestSample] = []
         self._pending: list[tuple[float, int, _Req]] = []
         self._order = itertools.count()
@@ -133,7 +139,13 @@ class Simulation:
             ids = mooncake.prompt_ids(tr, self.w.block_tokens(), self.w.seed, VOCAB)
         else:
             ids = [self.rng.randrange(1, VOCAB) for _ in range(r.prompt_len)]
-        seq = self.engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+        try:
+            seq = self.engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+        except ValueError as exc:  # longer than max_model_len: the server's 400
+            r.sample.error, r.sample.error_detail, r.sample.done = "http_400", str(exc), self.clock.t
+            if r.on_done:
+                r.on_done(r)
+            return
         r.seq_id = seq.seq_id
         r.sample.prompt_tokens = r.prompt_len
         r.sample.completion_tokens = 0
@@ -159,7 +171,12 @@ class Simulation:
             if self.clock.t > self.max_duration:
                 break
             if self.engine.has_work():
-                for out in self.engine.step():
+                steps = self.engine.trace.next_step
+                outputs = self.engine.step()
+                if self.engine.trace.next_step == steps:  # nothing fits and nothing runs: no step can ever come
+                    raise RuntimeError("the simulated engine has waiting requests but schedules no step")
+                self._observe_pool()
+                for out in outputs:
                     r = self._live.get(out.seq_id)
                     if r is None:
                         continue
@@ -189,7 +206,21 @@ class Simulation:
         trace = self.engine.trace.to_dicts()
         return {"samples": [s.to_dict() for s in self.samples], "trace": trace,
                 "metrics": compute_metrics(self.samples, trace, [], self.w.kind), "simulated": True,
-                "sim_calls": len(trace), "sim_seconds": self.clock.t}
+                "sim_calls": len(trace), "sim_seconds": self.clock.t, "kv_pool": self._pool_report()}
+
+    def _observe_pool(self) -> None:
+        blocks = self.engine.scheduler.blocks
+        self.pool_stats.observe(blocks.pool, blocks.num_cached)
+
+    def _pool_report(self) -> dict:
+        st, done = self.pool_stats, [s for s in self.samples if s.error is None and s.prompt_tokens]
+        st.preemptions = self.engine.scheduler.num_preemptions
+        st.prompt_tokens = sum(s.prompt_tokens for s in done)
+        st.cached_tokens = sum(s.cached_tokens or 0 for s in done)
+        st.prefix_hit_share = st.cached_tokens / st.prompt_tokens if st.prompt_tokens else None
+        st.computed_tokens = getattr(self.executor, "computed_tokens", 0)
+        st.recomputed_tokens = getattr(self.executor, "recomputed_tokens", 0)
+        return st.to_dict()
 
 
 # ---------------------------------------------------------------------- workloads
