@@ -107,6 +107,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     sw.add_argument("--interleave", action="store_true", help="keep every condition's server up and measure in rounds "
                     "(round r runs every condition once), so machine drift spreads over all conditions; "
                     "throughput ratios are then paired per round")
+    sw.add_argument("--ray", action="store_true", help="run the conditions in parallel as Ray tasks, one server per task, "
+                    "each pinned to its own cores (a local Ray unless --ray-address)")
+    sw.add_argument("--ray-address", metavar="ADDR", help="with --ray: an existing Ray cluster (e.g. ray://HEAD:10001 or auto)")
+    sw.add_argument("--ray-cores", type=positive_int, default=1, help="with --ray: logical CPUs per condition (default 1)")
     _workload_flags(sw)
     rep = bsub.add_parser("report", help="recompute figures and write the report from result JSON files")
     register_once(rep)
@@ -230,18 +234,42 @@ def _sweep(args, parser, argv) -> int:
              + (f"  [invalid: {c.invalid_reason}]" if c.invalid_reason else ""))
     if server:
         _say(server.describe())
+    _check_ray_flags(args, parser, server)
     if args.dry_run:
         return 0
     w = workload_from_args(args, parser)
     st = Settings(args.repeats, args.warmup, args.scrape, args.max_duration, args.request_timeout, args.progress,
                   args.endpoint, args.ignore_eos, server)
     with sigterm_unwinds():  # every started server is stopped; the caller's handler is back afterwards
-        results = run_sweep(conds, w, st, interleave=args.interleave, say=_say)
-    note = "; ".join(x for x in (args.note, server.describe() if server else "") if x)
+        if args.ray:
+            from quanta.bench.ray_sweep import RayStartError, run_sweep_ray
+
+            try:
+                results = run_sweep_ray(conds, w, st, cores=args.ray_cores, address=args.ray_address, say=_say)
+            except RayStartError as exc:
+                _say(f"quanta bench: error: {exc}")
+                return 1
+        else:
+            results = run_sweep(conds, w, st, interleave=args.interleave, say=_say)
+    ray_note = (f"conditions ran in parallel as Ray tasks, each pinned to {args.ray_cores} logical CPU(s)"
+                if args.ray else "")
+    note = "; ".join(x for x in (args.note, server.describe() if server else "", ray_note) if x)
     doc = output.document("sweep", command_line(argv), w, args.repeats, results, args.baseline or names[0], note)
     doc["interleaved"] = args.interleave
     _finish(doc, args, args.title or "quanta bench sweep")
     return 0 if any(r["valid"] for r in results) else 1
+
+
+def _check_ray_flags(args, parser, server) -> None:
+    """``--ray-address`` and ``--ray-cores`` need ``--ray``; ``--ray`` runs quanta servers, not interleaved."""
+    if not args.ray:
+        if args.ray_address or args.ray_cores != 1:
+            parser.error("--ray-address and --ray-cores need --ray")
+        return
+    if args.interleave:
+        parser.error("--ray runs the conditions in parallel; it does not take --interleave")
+    if server is not None:
+        parser.error("--ray starts quanta serve per condition; it does not take --server-cmd")
 
 
 def _report(args, parser) -> int:

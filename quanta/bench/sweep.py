@@ -236,19 +236,14 @@ def run_sweep(conds: list[Condition], w: Workload, st: Settings, *, interleave: 
     try:
         for i, (cond, res) in enumerate(zip(conds, results)):
             say(f"[{i + 1}/{len(conds)}] {cond.name}: {' '.join(cond.flags)}")
+            if not interleave:
+                measure_condition(cond, res, w, st, log_dir, say)
+                continue
             srv, target = bring_up(cond, w, st, log_dir, res)
             if srv is None:
                 say(f"  invalid: {res['invalid_reason']}")
                 continue
-            if interleave:
-                up.append((res, srv, target))
-                continue
-            try:
-                for r in range(st.repeats):
-                    one_repeat(res, target, w, st, r, say)
-            finally:
-                srv.stop()
-            res["valid"] = True
+            up.append((res, srv, target))
         for r in range(st.repeats if interleave else 0):
             say(f"round {r + 1}/{st.repeats}")
             for res, _, target in up:
@@ -260,9 +255,28 @@ def run_sweep(conds: list[Condition], w: Workload, st: Settings, *, interleave: 
             srv.stop()
         if tmp:
             tmp.cleanup()
+    return summarized(results)
+
+
+def summarized(results: list[dict]) -> list[dict]:
+    """``results`` with each valid condition's ``summary`` (median and IQR over its repeats) set."""
     for res in results:
         res["summary"] = aggregate(res["figures"]) if res["valid"] else None
     return results
+
+
+def measure_condition(cond: Condition, res: dict, w: Workload, st: Settings, log_dir: Path, say=print) -> None:
+    """Start ``cond``'s server, measure every repeat into ``res`` (its :func:`_new_result` dict), stop it."""
+    srv, target = bring_up(cond, w, st, log_dir, res)
+    if srv is None:
+        say(f"  invalid: {res['invalid_reason']}")
+        return
+    try:
+        for r in range(st.repeats):
+            one_repeat(res, target, w, st, r, say)
+    finally:
+        srv.stop()
+    res["valid"] = True
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ from quanta.model.llama import LlamaModel
 
 
 def default_decode_threads(cores: int | None = None) -> int:
-    """Intra-op threads for decode-sized steps: all cores but one (at least 1).
+    """Intra-op threads for decode-sized steps: all cores this process may run on (its affinity,
+    e.g. a ``taskset`` or a ``bench sweep --ray`` slot) but one, at least 1.
 
     A decode step is a few hundred tiny ops; with every core in torch's OpenMP
     pool, the HTTP server's event loop and a local client preempt a pool
@@ -31,7 +32,7 @@ def default_decode_threads(cores: int | None = None) -> int:
     int4 decode): one stream 35.5 -> 22.3 ms per token, 8 streams 81 -> 54 ms
     per step, with 1 thread instead of 2.
     """
-    cores = cores or os.cpu_count() or 1
+    cores = cores or len(os.sched_getaffinity(0)) or 1
     return max(1, cores - 1)
 
 

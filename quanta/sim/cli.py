@@ -60,6 +60,18 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     add_kv_cache_flags(kv, "no cap; --kv-cache-memory needs the profile's KV geometry")
 
 
+def _replica_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (several simulated servers behind one router, as quanta.cluster routes)")
+    g.add_argument("--replicas", metavar="N[,N...]",
+                   help="simulate N servers behind a router; a comma list runs each count as a condition (default: one "
+                        "server, no router)")
+    g.add_argument("--routing", default="prefix", metavar="POLICY[,POLICY...]",
+                   help="with --replicas: prefix, least-loaded or round-robin; a comma list runs each (default prefix)")
+    g.add_argument("--max-waiting", type=int, default=4,
+                   help="with --replicas and prefix routing: past this many waiting requests on the preferred replica, "
+                        "route to the least-loaded one (default 4)")
+
+
 def add_commands(sub, register_once) -> None:
     """Register ``simulate`` and ``profile-engine`` on the root CLI's subparsers."""
     sim = sub.add_parser("simulate", help="run a bench workload on the scheduler with a cost profile (virtual clock)")
@@ -75,6 +87,7 @@ def add_commands(sub, register_once) -> None:
     sim.add_argument("--also-profile", metavar="PROFILE",
                      help="--compare: a second profile (e.g. one measured another way) to report the same comparison with")
     _workload_flags(sim)
+    _replica_flags(sim)
     prof = sub.add_parser("profile-engine", help="measure the real engine's cost profile on this machine")
     register_once(prof)
     prof.add_argument("--out", required=True, help="profile JSON to write")
@@ -239,17 +252,26 @@ def _simulate(args, parser, argv) -> int:
         parser.error(f"--baseline {args.baseline!r} is not a condition of the grid ({', '.join(names)})")
     if args.out:
         writable_prefix(args.out, parser)
+    settings = _replica_settings(args, parser, w)
     conds, autos = [], []
     for name, flags, sched in grid:
         if "auto" in (flags or []) or args.mixed_prefill_quantum == "auto":
             autos.append(f"{name}: mixed_prefill_quantum=auto ran as {sched.knobs['mixed_prefill_quantum']}")
         pool = _pool(args, parser, profile, sched.max_num_seqs)
-        runs = []
-        for r in range(args.repeats):
-            wr = Workload(**{**w.to_dict(), "seed": w.seed + r})
-            runs.append(simulate(profile, sched, wr, tokens_per_word=args.tokens_per_word, max_duration=args.max_duration,
-                                 pool=pool))
-        conds.append(condition(name, runs, flags))
+        for replicas, routing in settings:
+            runs = []
+            for r in range(args.repeats):
+                wr = Workload(**{**w.to_dict(), "seed": w.seed + r})
+                kw = dict(tokens_per_word=args.tokens_per_word, max_duration=args.max_duration, pool=pool)
+                if replicas is None:
+                    runs.append(simulate(profile, sched, wr, **kw))
+                else:
+                    from quanta.sim.replicas import simulate_replicas
+
+                    runs.append(simulate_replicas(profile, sched, wr, replicas=replicas, routing=routing,
+                                                  max_waiting=args.max_waiting, **kw))
+            label = name if replicas is None else f"{name}, {replicas} x {routing}"
+            conds.append(condition(label, runs, flags))
     baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
     note = f"simulated with cost profile {args.profile} ({profile.meta.get('name', '')}): {profile.meta.get('source', '')}"
     note += "".join(f" {a}." for a in autos)
@@ -259,10 +281,22 @@ def _simulate(args, parser, argv) -> int:
     doc["profile"] = {"path": args.profile, "name": profile.meta.get("name"), "machine": profile.meta.get("machine"),
                       "model": profile.meta.get("model"), "source": profile.meta.get("source")}
     doc["prefix_cache"] = args.prefix_cache
+    if args.replicas:
+        doc["replicas"] = {"counts": sorted({n for n, _ in settings}), "routing": sorted({r for _, r in settings}),
+                           "max_waiting": args.max_waiting}
     print(output.headline(doc))
+    table = None
+    if args.replicas:
+        from quanta.sim.replicas import replica_table
+
+        table = replica_table(conds)
+        print("\n" + table)
     if args.out:
         for path in output.write_outputs(doc, Path(args.out), args.title or "quanta simulate", args.plots):
             print(f"wrote {path}", file=sys.stderr)
+        if table:
+            md = Path(args.out).with_name(Path(args.out).name + ".md")
+            md.write_text(md.read_text(encoding="utf-8") + "\n## Replicas\n\n" + table + "\n", encoding="utf-8")
         if not args.raw:
             output.write_json(_without_raw(doc), Path(args.out).with_name(Path(args.out).name + ".json"))
     return 0
@@ -290,6 +324,28 @@ def _pool(args, parser, profile, max_num_seqs: int):
         if not advice.fits:
             print(format_pool_advice(advice, max_num_seqs), file=sys.stderr)
     return pool
+
+
+def _replica_settings(args, parser, w) -> list[tuple[int | None, str | None]]:
+    """The (replicas, routing) pairs to simulate: ``[(None, None)]`` (one server, no router) without
+    ``--replicas``; else every count with every policy. Bad lists exit 2."""
+    if args.replicas is None:
+        if args.routing != "prefix" or args.max_waiting != 4:
+            parser.error("--routing and --max-waiting need --replicas")
+        return [(None, None)]
+    from quanta.cluster.routing import POLICIES
+    from quanta.sim.replicas import UNSUPPORTED
+
+    counts = _ints(args.replicas, "--replicas", parser)
+    policies = [x.strip() for x in args.routing.split(",") if x.strip()]
+    bad = [x for x in policies if x not in POLICIES]
+    if bad or not policies:
+        parser.error(f"--routing must be a comma list of {', '.join(POLICIES)}, got {args.routing!r}")
+    if args.max_waiting < 0:
+        parser.error(f"--max-waiting must be a non-negative integer, got {args.max_waiting}")
+    if w.kind in UNSUPPORTED:
+        parser.error(f"--replicas: the {w.kind} workload watches one engine; it does not run on replicas")
+    return [(n, r) for r in dict.fromkeys(policies) for n in counts]
 
 
 def _without_raw(doc: dict) -> dict:

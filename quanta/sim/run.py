@@ -132,16 +132,22 @@ class Simulation:
 
     def _submit(self, r: _Req) -> None:
         r.sample.sent = self.clock.t
+        self._add(r, self._prompt_ids(r), self.engine, self._live)
+
+    def _prompt_ids(self, r: _Req) -> list[int]:
         tr = r.trace_request
         if r.prompt_ids is not None:
-            ids = r.prompt_ids
-        elif tr is not None and r.prompt_len == tr.prompt_tokens:
-            ids = mooncake.prompt_ids(tr, self.w.block_tokens(), self.w.seed, VOCAB)
-        else:
-            ids = [self.rng.randrange(1, VOCAB) for _ in range(r.prompt_len)]
+            return r.prompt_ids
+        if tr is not None and r.prompt_len == tr.prompt_tokens:
+            return mooncake.prompt_ids(tr, self.w.block_tokens(), self.w.seed, VOCAB)
+        return [self.rng.randrange(1, VOCAB) for _ in range(r.prompt_len)]
+
+    def _add(self, r: _Req, ids: list[int], engine: Engine, live: dict[int, _Req]) -> None:
+        """Submit ``r`` with prompt ``ids`` to ``engine``; ``live`` maps its sequence id to it. A prompt
+        longer than the engine's max_model_len fails at once, as the server's 400."""
         try:
-            seq = self.engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
-        except ValueError as exc:  # longer than max_model_len: the server's 400
+            seq = engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+        except ValueError as exc:
             r.sample.error, r.sample.error_detail, r.sample.done = "http_400", str(exc), self.clock.t
             if r.on_done:
                 r.on_done(r)
@@ -149,7 +155,7 @@ class Simulation:
         r.seq_id = seq.seq_id
         r.sample.prompt_tokens = r.prompt_len
         r.sample.completion_tokens = 0
-        self._live[seq.seq_id] = r
+        live[seq.seq_id] = r
 
     def cancel(self, r: _Req, reason: str = "client_cancel") -> None:
         """The client stops reading ``r`` now (the engine aborts it). Like the bench client's, the
@@ -171,30 +177,46 @@ class Simulation:
             if self.clock.t > self.max_duration:
                 break
             if self.engine.has_work():
-                steps = self.engine.trace.next_step
-                outputs = self.engine.step()
-                if self.engine.trace.next_step == steps:  # nothing fits and nothing runs: no step can ever come
-                    raise RuntimeError("the simulated engine has waiting requests but schedules no step")
-                self._observe_pool()
-                for out in outputs:
-                    r = self._live.get(out.seq_id)
-                    if r is None:
-                        continue
-                    for tok in out.token_ids:
-                        r.sample.chunks.append([out.time, 1.0])
-                        r.output_ids.append(tok)
-                    r.sample.completion_tokens = out.num_output_tokens
-                    r.sample.cached_tokens = out.num_cached_tokens
-                    if out.finished:
-                        r.sample.done, r.sample.finish_reason = out.time, out.finish_reason
-                        self._live.pop(out.seq_id)
-                        if r.on_done:
-                            r.on_done(r)
+                self._deliver(self._engine_step(), self._live)
             elif self._pending:
                 self.clock.advance_to(self._pending[0][0])
             elif not self._hooks:
                 break
-        for r in list(self._live.values()) + [p[2] for p in self._pending]:
+        return self._finish(self.engine.trace.to_dicts(), self._live)
+
+    def _engine_step(self) -> list:
+        """One step of this simulation's engine, its pool observed.
+
+        Raises:
+            RuntimeError: the engine has work but schedules nothing (no step could ever come).
+        """
+        steps = self.engine.trace.next_step
+        outputs = self.engine.step()
+        if self.engine.trace.next_step == steps:
+            raise RuntimeError("the simulated engine has waiting requests but schedules no step")
+        self._observe_pool()
+        return outputs
+
+    def _deliver(self, outs, live: dict[int, _Req]) -> None:
+        """Record a step's outputs on the requests of ``live`` (by sequence id); end the finished ones."""
+        for out in outs:
+            r = live.get(out.seq_id)
+            if r is None:
+                continue
+            for tok in out.token_ids:
+                r.sample.chunks.append([out.time, 1.0])
+                r.output_ids.append(tok)
+            r.sample.completion_tokens = out.num_output_tokens
+            r.sample.cached_tokens = out.num_cached_tokens
+            if out.finished:
+                r.sample.done, r.sample.finish_reason = out.time, out.finish_reason
+                live.pop(out.seq_id)
+                if r.on_done:
+                    r.on_done(r)
+
+    def _finish(self, trace: list[dict], live: dict[int, _Req]) -> dict:
+        """The run dict, once the loop stopped: requests still ``live`` or pending fail with "deadline"."""
+        for r in list(live.values()) + [p[2] for p in self._pending]:
             if r.sample.done is None:
                 r.sample.error, r.sample.error_detail, r.sample.done = "deadline", "simulated past max_duration", self.clock.t
         while self.clock.t > self.max_duration and len(self.samples) < self.w.total_requests():
@@ -203,7 +225,6 @@ class Simulation:
             self.samples.append(s)
         from quanta.bench.runner import compute_metrics
 
-        trace = self.engine.trace.to_dicts()
         return {"samples": [s.to_dict() for s in self.samples], "trace": trace,
                 "metrics": compute_metrics(self.samples, trace, [], self.w.kind), "simulated": True,
                 "sim_calls": len(trace), "sim_seconds": self.clock.t, "kv_pool": self._pool_report()}
@@ -214,13 +235,17 @@ class Simulation:
 
     def _pool_report(self) -> dict:
         st, done = self.pool_stats, [s for s in self.samples if s.error is None and s.prompt_tokens]
-        st.preemptions = self.engine.scheduler.num_preemptions
+        self._count_pool(st)
         st.prompt_tokens = sum(s.prompt_tokens for s in done)
         st.cached_tokens = sum(s.cached_tokens or 0 for s in done)
         st.prefix_hit_share = st.cached_tokens / st.prompt_tokens if st.prompt_tokens else None
+        return st.to_dict()
+
+    def _count_pool(self, st: PoolStats) -> None:
+        """This engine's preemptions and computed tokens into ``st``."""
+        st.preemptions = self.engine.scheduler.num_preemptions
         st.computed_tokens = getattr(self.executor, "computed_tokens", 0)
         st.recomputed_tokens = getattr(self.executor, "recomputed_tokens", 0)
-        return st.to_dict()
 
 
 # ---------------------------------------------------------------------- workloads
