@@ -160,6 +160,18 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
 
 
+def release_load_memory() -> None:
+    """What a process that has loaded its model no longer needs: the GGUF readers' memory maps
+    (:func:`quanta.model.gguf_loader.forget_readers`), then the C heap's free pages."""
+    import gc
+
+    from quanta.model.gguf_loader import forget_readers
+
+    forget_readers()
+    gc.collect()
+    return_freed_heap()
+
+
 def return_freed_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``): a load frees the
     checkpoint's float32 tensors and the plain weights, which glibc would otherwise keep

@@ -343,3 +343,15 @@ def test_one_load_parses_the_gguf_header_once_and_a_rewritten_file_again(tmp_pat
     with copy.open("ab") as f:
         f.write(b"\0" * 32)  # same path, new size and mtime: parsed again
     assert _reader(copy) is not first
+
+
+def test_forget_readers_drops_the_parsed_headers(tmp_path):
+    import shutil
+
+    from quanta.model.gguf_loader import _reader, forget_readers
+
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(embedded_model_path(), copy)
+    first = _reader(copy)
+    forget_readers()
+    assert _reader(copy) is not first  # parsed again: the cache (and its memory map) was let go

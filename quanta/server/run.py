@@ -12,7 +12,7 @@ import uvloop
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.model_executor import default_decode_threads
-from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype
+from quanta.launch import build_engine, cpu_summary, load_model, release_load_memory, resolve_dtype
 from quanta.logs import uvicorn_log_config
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
@@ -51,6 +51,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     if chat_template is not None:  # before the server state reads it (the tool-call parser is chosen from it)
         loaded.tokenizer.hf.chat_template = chat_template
     engine = build_engine(loaded, engine_cfg, sched_cfg)
+    release_load_memory()
     engine.executor.decode_threads = default_decode_threads()  # leave a core to the event loop and local clients
     name = engine_cfg.served_model_name or loaded.name
     config = {
