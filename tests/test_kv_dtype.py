@@ -20,8 +20,8 @@ from slot_cache import SlotCache
 TOLERANCE = {"float16": 0.02, "bfloat16": 0.15, "q8_0": 0.4}
 #: between the C and PyTorch decode paths over the same cache dtype: their K/V differ in the last fp32 bits
 #: before rounding, which a bf16 rounding or a q8_0 step can turn into a whole unit of the format
-#: (measured 8e-3 bf16, 6e-3 q8_0, about 1e-3 fp16)
-PATHS = {"float16": 3e-3, "bfloat16": 2e-2, "q8_0": 2e-2}
+#: (measured 8e-3 bf16, about 1e-3 fp16; q8_0 6e-3 on AVX-512, 2.5e-2 with the AVX2 kernels)
+PATHS = {"float16": 3e-3, "bfloat16": 2e-2, "q8_0": 5e-2}
 
 
 @pytest.fixture(scope="module")
