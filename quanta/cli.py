@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             sched_cfg, _ = resolve_auto_from_model(engine_cfg.model, sched_cfg)
         except (OSError, ValueError) as exc:
             parser.error(f"--mixed-prefill-quantum auto: {exc}")
+    from quanta.cluster.app import RayStartError
     from quanta.engine.kv_budget import KVBudgetError
 
     try:
         return _run(args, engine_cfg, sched_cfg, chat_template)
-    except KVBudgetError as exc:  # known once the model's shape is: after the load, still one line
+    except (KVBudgetError, RayStartError) as exc:  # known once the model's shape (or Ray) is: after the load, still one line
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -86,7 +88,8 @@ def build_application(args: argparse.Namespace, engine_cfg, sched_cfg, options: 
         serve.deployment(ReplicaServer, name=f"replica-{i}", num_replicas=1, ray_actor_options=actor,
                          max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2,
                          graceful_shutdown_timeout_s=5).bind(
-            i, engine_cfg, sched_cfg, {**options, "host": args.host}, max(1, int(args.replica_cpus)), args.stats_interval, args.log_level, args.log_format)
+            i, engine_cfg, sched_cfg, {**options, "host": args.host}, max(1, int(args.replica_cpus)), args.stats_interval,
+            args.log_level, args.log_format)
         for i in range(args.replicas)]
     settings = {"model": engine_cfg.model, "chat_template": options.get("chat_template"), "routing": args.routing,
                 "max_waiting": args.routing_max_waiting, "block_size": engine_cfg.block_size,
@@ -112,19 +115,35 @@ def start_ray(address: str | None, replicas: int, replica_cpus: float) -> None:
     ray.init(address="local", num_cpus=max(cores, int(need + 0.999)), include_dashboard=False, logging_level=logging.WARNING)
 
 
+class RayStartError(RuntimeError):
+    """Ray could not be started or reached (``quanta serve`` says so in one line, exit code 2)."""
+
+
 def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict) -> int:
-    """Start (or join) Ray, deploy the application at ``--host``:``--port`` and serve until interrupted."""
+    """Start (or join) Ray, deploy the application at ``--host``:``--port`` and serve until SIGINT or SIGTERM.
+
+    Raises:
+        RayStartError: Ray did not start (or ``--ray-address`` did not answer).
+    """
+    import ray
     from ray import serve
 
-    start_ray(args.ray_address, args.replicas, args.replica_cpus)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_application(args, engine_cfg, sched_cfg, options), name="quanta", route_prefix="/")
-    log.info("serving %d replicas (routing %s) on http://%s:%d", args.replicas, args.routing, args.host, args.port)
     try:
+        start_ray(args.ray_address, args.replicas, args.replica_cpus)
+    except Exception as exc:  # Ray's own errors vary: a missing binary, a refused address, no room
+        raise RayStartError(f"Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally below stops what this process started
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args, engine_cfg, sched_cfg, options), name="quanta", route_prefix="/")
+        log.info("serving %d replicas (routing %s) on http://%s:%d", args.replicas, args.routing, args.host, args.port)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        if not args.ray_address:  # a cluster of our own: stop it whole
+            serve.shutdown()
+            ray.shutdown()
     return 0
