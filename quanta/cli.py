@@ -91,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, engine_cfg, sched_cfg, chat_template):
     """``serve`` or ``generate`` with validated configs."""
     if args.command == "serve":
-        options = {"max_request_bytes": args.max_request_bytes, "aliases": tuple(args.served_model_name[1:]),
-                   "tool_call_parser": args.tool_call_parser, "access": flags.access_policy(args),
-                   "max_connections": args.max_connections, "max_tokens_default": args.max_tokens_default,
-                   "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
-                   "chat_template": chat_template}
+        options = flags.server_options(args, chat_template)
         if args.replicas is not None:  # the only path that imports Ray
             from quanta.cluster.app import serve_cluster
 

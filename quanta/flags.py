@@ -369,6 +369,15 @@ def _keys(given: list[str] | None, flag: str, env_name: str) -> tuple[str, ...]:
     return keys
 
 
+def server_options(args: argparse.Namespace, chat_template: str | None) -> dict:
+    """``quanta serve``'s flags as :func:`quanta.server.run.build_server`'s keyword arguments (less ``host``)."""
+    return {"max_request_bytes": args.max_request_bytes, "aliases": tuple(args.served_model_name[1:]),
+            "tool_call_parser": args.tool_call_parser, "access": access_policy(args),
+            "max_connections": args.max_connections, "max_tokens_default": args.max_tokens_default,
+            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
+            "chat_template": chat_template}
+
+
 def access_policy(args: argparse.Namespace):
     """``--api-key`` (else ``$QUANTA_API_KEY``), ``--allowed-hosts``, ``--cors-origin`` and
     ``--admin-key`` (else ``$QUANTA_ADMIN_KEY``) as an AccessPolicy."""

@@ -9,6 +9,7 @@ installed or cannot start. Without ``--replicas`` nothing imports Ray.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -20,8 +21,14 @@ import anthropic
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from quanta.bench.server import start
+from quanta.cluster.forward import HTTPRequest, call_app
+from quanta.cluster.metrics import merge
 
 KEY, ADMIN_KEY = "cluster-test-key", "cluster-admin-key"
 RESTART_TIMEOUT_S = 120.0
@@ -41,6 +48,49 @@ def test_cluster_flags_need_replicas(flag):
     out = subprocess.run([sys.executable, "-m", "quanta.cli", "serve", *flag], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"quanta serve: error: {flag[0]} needs --replicas"]
+
+
+def test_metrics_merge_labels_every_replica_sample():
+    texts = {}
+    for replica in (0, 1):
+        registry = CollectorRegistry()
+        Counter("quanta:prompt_tokens", "Prefilled prompt tokens.", registry=registry).inc(10 + replica)
+        Histogram("quanta:ttft_seconds", "TTFT.", ["kind"], buckets=(0.1, 1.0), registry=registry).labels("a").observe(0.5)
+        texts[replica] = generate_latest(registry).decode()
+    merged = merge(texts)
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    tokens = {s.labels["replica"]: s.value for s in families["quanta:prompt_tokens"].samples if s.name.endswith("_total")}
+    assert tokens == {"0": 10.0, "1": 11.0}
+    buckets = [s for s in families["quanta:ttft_seconds"].samples if s.name.endswith("_bucket")]
+    assert sorted((s.labels["replica"], s.labels["le"], s.labels["kind"]) for s in buckets) == [
+        (r, le, "a") for r in ("0", "1") for le in ("+Inf", "0.1", "1.0")]
+    assert merged.count("# TYPE quanta:ttft_seconds histogram") == 1
+
+
+def test_call_app_stops_a_stream_its_reader_leaves():
+    ended = asyncio.Event()
+    app = FastAPI()
+
+    @app.post("/stream")
+    async def stream() -> StreamingResponse:
+        async def events():
+            try:
+                for i in range(10_000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.01)
+            finally:
+                ended.set()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def main() -> list:
+        parts = call_app(app, HTTPRequest("POST", "/stream", b"", (), b""))
+        got = [await anext(parts), await anext(parts), await anext(parts)]
+        await parts.aclose()
+        await asyncio.wait_for(ended.wait(), 5)
+        return got
+
+    start_part, *chunks = asyncio.run(main())
+    assert start_part.status == 200 and chunks == [b"data: 0\n\n", b"data: 1\n\n"]
 
 
 @pytest.fixture(scope="module")

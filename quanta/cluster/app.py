@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -99,6 +100,28 @@ def build_application(args: argparse.Namespace, engine_cfg, sched_cfg, options: 
     front = serve.deployment(FrontDeployment, name="front", num_replicas=1, ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=MAX_ONGOING_REQUESTS)
     return front.bind(replicas, settings)
+
+
+def build(args: dict):
+    """Ray Serve's application builder, for ``serve run`` and ``serve deploy`` config files:
+    ``serve run quanta.cluster.app:build flags="--replicas 2 --routing prefix"``.
+
+    ``flags`` are ``quanta serve``'s (``--replicas`` defaults to 2 here); ``--host``, ``--port`` and
+    ``--ray-address`` are Ray's business in this form (``serve run``'s own options, the config file's
+    ``http_options``).
+
+    Raises:
+        ValueError: flags ``quanta serve`` refuses, with its message.
+    """
+    from quanta import flags
+    from quanta.preflight import read_chat_template
+
+    ns = flags.parse_serve_flags(shlex.split(str(args.get("flags", ""))))
+    if ns.replicas is None:
+        ns.replicas = 2
+    engine_cfg, sched_cfg = flags.configs_from_args(ns)
+    chat_template = read_chat_template(ns.chat_template) if ns.chat_template else None
+    return build_application(ns, engine_cfg, sched_cfg, flags.server_options(ns, chat_template))
 
 
 def start_ray(address: str | None, replicas: int, replica_cpus: float) -> None:

@@ -13,6 +13,7 @@ server's. The front adds three things:
   route's error body; one that fails mid-stream ends the stream with the
   route's SSE error event (:func:`quanta.server.errors.stream_error_event`),
   never a silent cut or a hang. Other replicas' requests never notice.
+  Each forwarded response names its replica in ``x-quanta-replica``.
 - **Cluster routes.** ``GET /metrics``: every replica's series with a
   ``replica`` label (:mod:`quanta.cluster.metrics`); ``GET /v1/config``:
   replica 0's settings plus ``cluster`` (replica count, routing, each
@@ -45,6 +46,9 @@ log = logging.getLogger("quanta.cluster")
 
 #: one replica: a request in, its response's parts out (:func:`quanta.cluster.forward.call_app`'s stream)
 Replica = Callable[[HTTPRequest], AsyncIterator[ResponseStart | bytes]]
+
+#: response header naming the replica that answered a forwarded request
+REPLICA_HEADER = b"x-quanta-replica"
 
 #: routes the front answers itself from every replica's answer
 CLUSTER_PATHS = frozenset({"/metrics", "/v1/config", "/v1/trace", "/health"})
@@ -120,7 +124,7 @@ class Front:
             return JSONResponse(route_error_body(incoming.path, 503, message), status_code=503)
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
         response = StreamingResponse(self._body(replica, parts, incoming.path, sse), status_code=start.status)
-        response.raw_headers = list(start.headers)
+        response.raw_headers = [*start.headers, (REPLICA_HEADER, str(replica).encode())]
         return response
 
     async def _body(self, replica: int, parts: AsyncIterator, path: str, sse: bool) -> AsyncIterator[bytes]:

@@ -54,6 +54,8 @@ def merge(texts: dict[int, str]) -> str:
 def _family_of(sample: str, families: dict) -> str:
     """The declared family a sample belongs to (``x_total``, ``x_bucket``... to ``x``), else its own name."""
     name = _SAMPLE.match(sample).group(1)
+    if name in families:
+        return name
     for suffix in ("_total", "_created", "_bucket", "_count", "_sum"):
         if name.endswith(suffix) and name.removesuffix(suffix) in families:
             return name.removesuffix(suffix)
