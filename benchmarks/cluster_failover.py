@@ -40,7 +40,7 @@ def cpu_flags() -> str:
 
 async def follow(client: httpx.AsyncClient, base: str, index: int, first: asyncio.Event, row: dict) -> None:
     """Stream one chat completion; record its replica, events and end in ``row``."""
-    body = {"messages": [{"role": "user", "content": f"Story {index}: tell a long story."}], "max_tokens": 3000,
+    body = {"messages": [{"role": "user", "content": f"Story {index}: tell a long story."}], "max_tokens": 1500,
             "temperature": 0, "stream": True, "ignore_eos": True}
     row.update(stream=index, events=0, end="cut without an end (a hang or a silent cut)")
     async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
@@ -61,6 +61,14 @@ async def follow(client: httpx.AsyncClient, base: str, index: int, first: asynci
     first.set()
 
 
+async def both_healthy(client: httpx.AsyncClient, base: str) -> float:
+    """When ``/health`` next reports every replica (polled twice a second from a moment after the kill)."""
+    await asyncio.sleep(0.5)
+    while not all((await client.get(base + "/health")).json()["replicas"]):
+        await asyncio.sleep(0.5)
+    return time.monotonic()
+
+
 def replica_pids(base: str) -> list[int]:
     replicas = httpx.get(base + "/v1/config", timeout=60).json()["cluster"]["replica_configs"]
     return [replicas[str(i)]["replica"]["pid"] for i in range(len(replicas))]
@@ -78,10 +86,9 @@ async def run(base: str, streams: int, kill_after: float) -> tuple[list[dict], d
         await asyncio.sleep(kill_after)
         os.kill(pids[0], signal.SIGKILL)
         killed_at = time.monotonic()
+        healthy = asyncio.create_task(both_healthy(client, base))
         await asyncio.gather(*tasks)
-        while not all((await client.get(base + "/health")).json()["replicas"]):
-            await asyncio.sleep(0.5)
-        healthy_at = time.monotonic()
+        healthy_at = await healthy
         after = []
         for _ in range(2):  # least-loaded with nothing in flight: replica 0 (restarted) answers
             r = await client.post(base + "/v1/completions", json={"prompt": "One, two,", "max_tokens": 4, "temperature": 0})

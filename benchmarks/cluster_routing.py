@@ -30,10 +30,10 @@ import httpx
 from quanta.analysis.requests import RequestSample, request_latencies
 from quanta.bench.server import start
 
-#: the replayed workload (``quanta bench run`` flags): 4 sessions x 4 turns, a 1,500-word first turn,
-#: 200 words of tool output a turn, 32 output tokens a turn
-WORKLOAD = ["--workload", "replay", "--sessions", "4", "--turns", "4", "--prompt-words", "1500", "--tool-words", "200",
-            "--max-tokens", "32", "--stagger", "2", "--endpoint", "chat", "--repeats", "1", "--warmup", "0",
+#: the replayed workload (``quanta bench run`` flags): 4 sessions x 4 turns (twice), a 3,000-word first turn (a miss
+#: recomputes some 3,000 tokens, a hit about 150), 100 words of tool output and 16 output tokens a turn; twice
+WORKLOAD = ["--workload", "replay", "--sessions", "4", "--turns", "4", "--prompt-words", "3000", "--tool-words", "100",
+            "--max-tokens", "16", "--stagger", "4", "--endpoint", "chat", "--repeats", "2", "--warmup", "0",
             "--no-progress", "--no-plots", "--request-timeout", "600", "--max-duration", "900"]
 SERVE = ["--max-model-len", "4096", "--stats-interval", "0"]
 CONDITIONS = {"single": [], "prefix": ["--replicas", "2", "--routing", "prefix"],
@@ -64,7 +64,7 @@ def run_condition(name: str, out: Path) -> dict:
     finally:
         proc.stop()
     doc = json.loads((out / f"bench_{name}.json").read_text())
-    samples = doc["conditions"][0]["runs"][0]["samples"]
+    samples = [s for run in doc["conditions"][0]["runs"] for s in run["samples"]]
     return figures(name, samples, config.get("cluster"))
 
 
@@ -77,16 +77,18 @@ def figures(name: str, samples: list[dict], cluster: dict | None) -> dict:
     e2e = [request_latencies(s)["e2e"] for s in ok]
     return {"condition": name, "requests": len(parsed), "failed": len(parsed) - len(ok),
             "hit_share": sum(s.cached_tokens for s in cached) / max(1, sum(s.prompt_tokens for s in cached)),
+            "computed": sum(s.prompt_tokens - s.cached_tokens for s in cached), "ttft_mean": statistics.fmean(ttft) if ttft else math.nan,
             "ttft_p50": statistics.median(ttft) if ttft else math.nan, "ttft_p90": _percentile(ttft, 0.9),
             "e2e_p50": statistics.median(e2e) if e2e else math.nan, "e2e_max": max(e2e) if e2e else math.nan,
             "routed": cluster["routed"] if cluster else None}
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| condition | requests (failed) | prefix-hit share | TTFT p50 / p90, turns 2-4 (s) | end-to-end p50 / max (s) "
-            "| requests per replica |\n|---|---|---|---|---|---|\n")
+    head = ("| condition | requests (failed) | prefix-hit share | prompt tokens computed | TTFT mean / p50 / p90, turns 2-4 (s) "
+            "| end-to-end p50 / max (s) | requests per replica |\n|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r['condition']} | {r['requests']} ({r['failed']}) | {r['hit_share']:.1%} | {r['ttft_p50']:.2f} / {r['ttft_p90']:.2f} "
+        f"| {r['condition']} | {r['requests']} ({r['failed']}) | {r['hit_share']:.1%} | {r['computed']:,} "
+        f"| {r['ttft_mean']:.2f} / {r['ttft_p50']:.2f} / {r['ttft_p90']:.2f} "
         f"| {r['e2e_p50']:.2f} / {r['e2e_max']:.2f} | {' / '.join(map(str, r['routed'])) if r['routed'] else '-'} |\n"
         for r in rows)
 

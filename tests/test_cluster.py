@@ -138,6 +138,27 @@ def test_official_clients_keys_errors_and_metrics(cluster):
     assert running == ['quanta:num_requests_running{replica="0"}', 'quanta:num_requests_running{replica="1"}']
 
 
+def _running(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).text
+    return {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines() if line.startswith("quanta:num_requests_running{")}
+
+
+def test_client_that_leaves_frees_its_replica_slot(cluster):
+    body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", cluster.base_url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        replica = response.headers["x-quanta-replica"]
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert _running(cluster.base_url)[replica] == 1
+    deadline = time.monotonic() + 15
+    while _running(cluster.base_url)[replica] and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _running(cluster.base_url)[replica] == 0
+
+
 def _stream(client: openai.OpenAI, model: str, text: str, max_tokens: int, first: threading.Event, out: dict) -> None:
     try:
         stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], stream=True,
