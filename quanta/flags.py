@@ -252,7 +252,7 @@ def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
                             "(default: one server, no Ray)")
     serve.add_argument("--ray-address", metavar="ADDR",
                        help="with --replicas: the Ray cluster to deploy on, as ray.init takes it (default: start Ray on this machine)")
-    serve.add_argument("--routing", choices=POLICIES, default=None,
+    serve.add_argument("--routing", choices=POLICIES, default=None, metavar="POLICY",
                        help="with --replicas: which replica a request goes to: prefix (the one that holds the longest "
                             "prefix of its prompt, unless it has too many waiting), least-loaded, round-robin (default: prefix)")
     serve.add_argument("--routing-max-waiting", type=nonneg_int, default=None, metavar="N",
