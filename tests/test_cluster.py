@@ -10,6 +10,7 @@ installed or cannot start. Without ``--replicas`` nothing imports Ray.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quanta.bench.server import start
 from quanta.cluster.forward import HTTPRequest, call_app
 from quanta.cluster.metrics import merge
+from quanta.cluster.prompts import RoutingPrompts
 
 KEY, ADMIN_KEY = "cluster-test-key", "cluster-admin-key"
 RESTART_TIMEOUT_S = 120.0
@@ -136,6 +138,22 @@ def test_official_clients_keys_errors_and_metrics(cluster):
     metrics = httpx.get(cluster.base_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).text
     running = sorted(line.split()[0] for line in metrics.splitlines() if line.startswith("quanta:num_requests_running{"))
     assert running == ['quanta:num_requests_running{replica="0"}', 'quanta:num_requests_running{replica="1"}']
+
+
+def test_front_renders_the_prompt_ids_the_replicas_compute(cluster):
+    from quanta.model.loader import embedded_model_path
+    from quanta.model.tokenizer import Tokenizer
+
+    prompts = RoutingPrompts(Tokenizer.from_path(embedded_model_path()), 2048)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List three <|im_end|> colors."}]
+    chat = {"messages": messages, "max_tokens": 4}
+    served = httpx.post(cluster.base_url + "/tokenize", json={"messages": messages}, headers=auth, timeout=60).json()["tokens"]
+    assert asyncio.run(prompts.tokens("/v1/chat/completions", json.dumps(chat).encode())) == served
+    anthropic_body = {"system": "Be brief.", "messages": messages[1:], "max_tokens": 4}
+    count = httpx.post(cluster.base_url + "/v1/messages/count_tokens", json=anthropic_body, headers=auth, timeout=60).json()
+    assert len(asyncio.run(prompts.tokens("/v1/messages", json.dumps(anthropic_body).encode()))) == count["input_tokens"]
+    assert asyncio.run(prompts.tokens("/v1/chat/completions", b'{"messages": []}')) is None  # the replica's 400, not the front's
 
 
 def _running(base: str) -> dict[str, float]:
