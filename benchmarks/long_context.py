@@ -37,7 +37,6 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_llama_cpp import THREADS, build_llama_server, free_port, start, stop  # noqa: E402
-
 from quanta.bench.output import machine  # noqa: E402
 from quanta.launch import cpu_summary  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402

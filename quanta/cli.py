@@ -79,27 +79,29 @@ def main(argv: list[str] | None = None) -> int:
             sched_cfg, _ = resolve_auto_from_model(engine_cfg.model, sched_cfg)
         except (OSError, ValueError) as exc:
             parser.error(f"--mixed-prefill-quantum auto: {exc}")
+    from quanta.cluster.app import RayStartError
     from quanta.engine.kv_budget import KVBudgetError
 
     try:
         return _run(args, engine_cfg, sched_cfg, chat_template)
-    except KVBudgetError as exc:  # known once the model's shape is: after the load, still one line
+    except (KVBudgetError, RayStartError) as exc:  # known once the model's shape (or Ray) is: after the load, still one line
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
 def _run(args, engine_cfg, sched_cfg, chat_template):
     """``serve`` or ``generate`` with validated configs."""
     if args.command == "serve":
+        options = flags.server_options(args, chat_template)
+        if args.replicas is not None:  # the only path that imports Ray
+            from quanta.cluster.app import serve_cluster
+
+            log.info("starting %d replicas of %s on Ray ...", args.replicas, engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
+            return serve_cluster(args, engine_cfg, sched_cfg, options)
         from quanta.server.run import serve
 
         log.info("loading %s ...", engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
-        return serve(engine_cfg, sched_cfg, args.host, args.port, args.max_request_bytes,
-                     aliases=tuple(args.served_model_name[1:]), tool_call_parser=args.tool_call_parser,
-                     access=flags.access_policy(args), max_connections=args.max_connections,
-                     max_tokens_default=args.max_tokens_default,
-                     sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
-                     log_level=args.log_level, log_format=args.log_format, stats_interval=args.stats_interval,
-                     chat_template=chat_template)
+        return serve(engine_cfg, sched_cfg, args.host, args.port, log_level=args.log_level, log_format=args.log_format,
+                     stats_interval=args.stats_interval, **options)
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

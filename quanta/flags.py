@@ -246,6 +246,26 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="more Host header names to accept besides localhost, IP literals and --host ('*': any)")
     serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                        help="origin(s) web pages may call this server from (repeatable or a comma list; default: none)")
+    add_cluster_flags(serve)
+
+
+def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
+    """``quanta serve --replicas N`` and its companions (:mod:`quanta.cluster`; docs/CLUSTER.md)."""
+    from quanta.cluster.routing import POLICIES
+
+    serve.add_argument("--replicas", type=positive_int, metavar="N",
+                       help="serve N engine replicas behind this one endpoint as Ray Serve deployments "
+                            "(default: one server, no Ray)")
+    serve.add_argument("--ray-address", metavar="ADDR",
+                       help="with --replicas: the Ray cluster to deploy on, as ray.init takes it (default: start Ray on this machine)")
+    serve.add_argument("--routing", choices=POLICIES, default=None, metavar="POLICY",
+                       help="with --replicas: which replica a request goes to: prefix (the one that holds the longest "
+                            "prefix of its prompt, unless it has too many waiting), least-loaded, round-robin (default: prefix)")
+    serve.add_argument("--routing-max-waiting", type=nonneg_int, default=None, metavar="N",
+                       help="with --routing prefix: past N waiting requests on the preferred replica, the least-loaded "
+                            "one gets the request (default 4)")
+    serve.add_argument("--replica-cpus", type=positive_float, default=None, metavar="N",
+                       help="with --replicas: CPUs Ray reserves for each replica, and its threads (default 1)")
 
 
 def add_generate_flags(gen: argparse.ArgumentParser) -> None:
@@ -306,11 +326,28 @@ def _check_command_args(args: argparse.Namespace) -> None:
     if args.command == "serve":
         api_keys(args)
         admin_keys(args)
+        _check_cluster_args(args)
     if args.command == "generate":
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
         if not 0.0 <= args.temperature <= 2.0:
             raise ValueError(f"--temperature must be between 0 and 2, got {args.temperature}")
+
+
+#: the cluster flags' defaults, set once --replicas is given (None before: a flag given without it is refused)
+CLUSTER_DEFAULTS = {"routing": "prefix", "routing_max_waiting": 4, "replica_cpus": 1.0}
+
+
+def _check_cluster_args(args: argparse.Namespace) -> None:
+    """Cluster flags only with ``--replicas``; their defaults filled in when it is given."""
+    given = [f"--{name.replace('_', '-')}" for name in ("ray_address", *CLUSTER_DEFAULTS) if getattr(args, name) is not None]
+    if args.replicas is None:
+        if given:
+            raise ValueError(f"{given[0]} needs --replicas")
+        return
+    for name, default in CLUSTER_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -336,6 +373,15 @@ def _keys(given: list[str] | None, flag: str, env_name: str) -> tuple[str, ...]:
     if any(not key.strip() for key in keys):
         raise ValueError(f"{where}: every key must be non-empty, got {len(keys)} key(s) with an empty one")
     return keys
+
+
+def server_options(args: argparse.Namespace, chat_template: str | None) -> dict:
+    """``quanta serve``'s flags as :func:`quanta.server.run.build_server`'s keyword arguments (less ``host``)."""
+    return {"max_request_bytes": args.max_request_bytes, "aliases": tuple(args.served_model_name[1:]),
+            "tool_call_parser": args.tool_call_parser, "access": access_policy(args),
+            "max_connections": args.max_connections, "max_tokens_default": args.max_tokens_default,
+            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
+            "chat_template": chat_template}
 
 
 def access_policy(args: argparse.Namespace):

@@ -56,7 +56,7 @@ from quanta.server.anthropic_tools import chat_messages, tool_use_block, tool_us
 from quanta.server.chat import constrain
 from quanta.server.chat_tokens import text_ids
 from quanta.server.defaults import served_model, with_defaults
-from quanta.server.errors import APIError, anthropic_error_body
+from quanta.server.errors import ANTHROPIC_PREFIX, APIError, stream_error_event
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
@@ -227,7 +227,7 @@ class ToolBlocks:
 
 
 def _error_event(message: str) -> str:
-    return _event("error", anthropic_error_body(500, message))
+    return stream_error_event(ANTHROPIC_PREFIX, message)
 
 
 async def _collect(msg_id: str, model: str, stream: RequestStream, parser, cap: int) -> Response:

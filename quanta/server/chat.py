@@ -34,7 +34,7 @@ from quanta.engine.grammar import Grammar, GrammarError
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams, TokenLogprob
 from quanta.server.defaults import output_cap, served_model, with_defaults
-from quanta.server.errors import APIError, error_body
+from quanta.server.errors import APIError, stream_error_event
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
@@ -162,7 +162,7 @@ async def _sse(fmt: _Format, stream: RequestStream, include_usage: bool, records
 
 
 def _error_event(message: str) -> str:
-    return f"data: {json.dumps(error_body(500, message))}\n\n"
+    return stream_error_event("/v1/chat/completions", message)
 
 
 async def _chunks(fmt: _Format, stream: RequestStream, include_usage: bool, records: list | None):

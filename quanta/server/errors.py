@@ -17,6 +17,7 @@ own text (which can quote other users' input or server internals).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -49,6 +50,8 @@ ANTHROPIC_ERROR_TYPES = {
 
 #: Paths under this prefix answer with Anthropic's error body.
 ANTHROPIC_PREFIX = "/v1/messages"
+#: OpenAI's Responses route (its stream's events are numbered)
+RESPONSES_PATH = "/v1/responses"
 
 
 class APIError(Exception):
@@ -101,6 +104,18 @@ def route_error_body(path: str, status: int, message: str, param: str | None = N
     if path.startswith(ANTHROPIC_PREFIX):
         return anthropic_error_body(status, message)
     return error_body(status, message, param, code)
+
+
+def stream_error_event(path: str, message: str, sequence_number: int = 0) -> str:
+    """The SSE event that ends a stream of ``path`` which failed after its response began: Anthropic's
+    ``error`` event, the Responses API's ``error`` event (numbered ``sequence_number``, the count of events
+    before it), else a chat/completions chunk holding OpenAI's error body."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return f"event: error\ndata: {json.dumps(anthropic_error_body(500, message), ensure_ascii=False)}\n\n"
+    if path.startswith(RESPONSES_PATH):
+        payload = {"type": "error", "sequence_number": sequence_number, "code": "server_error", "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(error_body(500, message))}\n\n"
 
 
 def internal_error_message(error_id: str) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import uvicorn
 import uvloop
+from fastapi import FastAPI
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
@@ -25,13 +27,43 @@ from quanta.server.metrics import EngineMetrics
 log = logging.getLogger("quanta")
 
 
+@dataclass
+class BuiltServer:
+    """One server's parts: the app over a started engine thread, its live log and connection cap."""
+
+    app: FastAPI
+    async_engine: AsyncEngine
+    live: LiveLog
+    connections: int
+
+
 def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port: int,
-          max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
-          tool_call_parser: str | None = None, access: AccessPolicy | None = None,
-          max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-          sampling: dict | None = None, log_level: str = "info", log_format: str = "text",
-          stats_interval: float = DEFAULT_STATS_INTERVAL_S, chat_template: str | None = None) -> int:
+          log_level: str = "info", log_format: str = "text", stats_interval: float = DEFAULT_STATS_INTERVAL_S,
+          **options) -> int:
     """Serve until interrupted; returns the process exit code.
+
+    ``options``: those of :func:`build_server`; ``log_level`` and ``log_format``
+    (``text``/``json``) as :mod:`quanta.logs` set them up, for uvicorn's loggers too; ``stats_interval``: seconds
+    between stats lines (0: none; :mod:`quanta.server.live_log`, which also writes a line per finished request).
+    """
+    built = build_server(engine_cfg, sched_cfg, host, **options)
+    server = uvicorn.Server(uvicorn.Config(built.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                           http=guarded_protocol(built.connections),
+                                           log_config=uvicorn_log_config(log_format)))
+    try:
+        uvloop.run(_serve(server, built.live, stats_interval))
+    finally:
+        built.async_engine.stop()
+    return 0
+
+
+def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str,
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
+                 tool_call_parser: str | None = None, access: AccessPolicy | None = None,
+                 max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
+                 sampling: dict | None = None, chat_template: str | None = None) -> BuiltServer:
+    """Load the model, start the engine thread and build the app that serves it (``quanta serve``'s
+    server, and each replica's under :mod:`quanta.cluster`).
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
     ``aliases``: more model ids the routes accept; ``tool_call_parser``: a
@@ -40,9 +72,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     ``max_connections``: open connections at most (None: the default, within the open-file limit,
     :mod:`quanta.server.connections`); ``max_tokens_default``: the output cap of a request that names none
     (0: the room left); ``sampling``: ``--temperature`` / ``--top-p`` / ``--top-k`` (None: not given), over the
-    checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`); ``log_level`` and ``log_format``
-    (``text``/``json``) as :mod:`quanta.logs` set them up, for uvicorn's loggers too; ``stats_interval``: seconds
-    between stats lines (0: none; :mod:`quanta.server.live_log`, which also writes a line per finished request);
+    checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`);
     ``chat_template``: Jinja text that replaces the model's chat template (``--chat-template``).
     """
     connections = connection_cap(max_connections, raise_fd_limit())
@@ -95,13 +125,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     async_engine.start()
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
                                 aliases, tool_call_parser, access or AccessPolicy(bound_host=host)))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                                           http=guarded_protocol(connections), log_config=uvicorn_log_config(log_format)))
-    try:
-        uvloop.run(_serve(server, live, stats_interval))
-    finally:
-        async_engine.stop()
-    return 0
+    return BuiltServer(app, async_engine, live, connections)
 
 
 async def _serve(server: uvicorn.Server, live: LiveLog, stats_interval: float) -> None:

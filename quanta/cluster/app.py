@@ -1,0 +1,172 @@
+"""``quanta serve --replicas N``: N engine replicas as Ray Serve deployments behind one endpoint.
+
+The application is Ray Serve's usual shape for a model server (Ray's own
+``ray.serve.llm`` has the same: an ingress deployment in front of model
+deployments): deployment ``front`` (:class:`quanta.cluster.front.Front`,
+one replica, no CPU reserved) is the HTTP ingress at ``/`` on Ray Serve's
+proxy, and deployments ``replica-0`` ... ``replica-{N-1}``
+(:class:`quanta.cluster.replica.ReplicaServer`) hold one engine each, with
+``--replica-cpus`` CPUs reserved. Each replica is a deployment of its own
+(one Ray Serve replica each) so that the router's replica index is stable:
+when replica I dies, Ray Serve starts a new one under the same deployment and
+index, and quanta's own router (:mod:`quanta.cluster.routing`, the code the
+simulator runs too) keeps choosing by index.
+
+Ray is imported only here, and only ``quanta serve --replicas`` imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+
+from quanta.cluster.forward import HTTPRequest, ResponseStart
+
+log = logging.getLogger("quanta.cluster")
+
+#: requests one deployment replica takes at once before Ray Serve queues them (Ray's default, 5, would
+#: queue them in the front instead of the engine's scheduler)
+MAX_ONGOING_REQUESTS = 4096
+
+
+class FrontDeployment:
+    """The ingress deployment's class: builds a :class:`~quanta.cluster.front.Front` over the replicas' handles."""
+
+    def __init__(self, handles: list, settings: dict) -> None:
+        from quanta.cluster.front import Front
+        from quanta.cluster.prompts import RoutingPrompts
+        from quanta.cluster.routing import make_router
+        from quanta.logs import configure_logging
+        from quanta.model.loader import embedded_model_path
+        from quanta.model.tokenizer import Tokenizer
+
+        configure_logging(settings["log_level"], settings["log_format"])
+        tokenizer = Tokenizer.from_path(settings["model"] or embedded_model_path())
+        if settings["chat_template"] is not None:
+            tokenizer.hf.chat_template = settings["chat_template"]
+        router = make_router(settings["routing"], len(handles), block_size=settings["block_size"],
+                             max_waiting=settings["max_waiting"])
+        self.front = Front([_replica_call(h) for h in handles], router,
+                           RoutingPrompts(tokenizer, settings["max_model_len"]), settings["max_num_seqs"],
+                           settings["max_request_bytes"], settings["routing"])
+
+    async def __call__(self, request):
+        return await self.front(request)
+
+
+def _replica_call(handle):
+    """A :data:`quanta.cluster.front.Replica` over a deployment handle (the stream is cancelled if left unread)."""
+    streaming = handle.options(stream=True)
+
+    async def call(request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
+        parts = streaming.forward.remote(request)
+        finished = False
+        try:
+            async for part in parts:
+                yield part
+            finished = True
+        finally:
+            if not finished:
+                parts.cancel()
+
+    return call
+
+
+def build_application(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict):
+    """The Ray Serve application of ``quanta serve --replicas`` (``options``: :func:`build_server`'s)."""
+    from ray import serve
+
+    from quanta.cluster.replica import ReplicaServer
+
+    actor = {"num_cpus": args.replica_cpus}
+    replicas = [
+        serve.deployment(ReplicaServer, name=f"replica-{i}", num_replicas=1, ray_actor_options=actor,
+                         max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2,
+                         graceful_shutdown_timeout_s=5).bind(
+            i, engine_cfg, sched_cfg, {**options, "host": args.host}, max(1, int(args.replica_cpus)), args.stats_interval,
+            args.log_level, args.log_format)
+        for i in range(args.replicas)]
+    settings = {"model": engine_cfg.model, "chat_template": options.get("chat_template"), "routing": args.routing,
+                "max_waiting": args.routing_max_waiting, "block_size": engine_cfg.block_size,
+                "max_model_len": engine_cfg.max_model_len or 2**20, "max_num_seqs": sched_cfg.max_num_seqs,
+                "max_request_bytes": options.get("max_request_bytes"), "log_level": args.log_level,
+                "log_format": args.log_format}
+    front = serve.deployment(FrontDeployment, name="front", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=MAX_ONGOING_REQUESTS)
+    return front.bind(replicas, settings)
+
+
+def build(args: dict):
+    """Ray Serve's application builder, for ``serve run`` and ``serve deploy`` config files:
+    ``serve run quanta.cluster.app:build flags="--replicas 2 --routing prefix"``.
+
+    ``flags`` are ``quanta serve``'s (``--replicas`` defaults to 2 here); ``--host``, ``--port`` and
+    ``--ray-address`` are Ray's business in this form (``serve run``'s own options, the config file's
+    ``http_options``).
+
+    Raises:
+        ValueError: flags ``quanta serve`` refuses, with its message.
+    """
+    from quanta import flags
+    from quanta.preflight import read_chat_template
+
+    ns = flags.parse_serve_flags(shlex.split(str(args.get("flags", ""))))
+    if ns.replicas is None:
+        ns.replicas = 2
+    engine_cfg, sched_cfg = flags.configs_from_args(ns)
+    chat_template = read_chat_template(ns.chat_template) if ns.chat_template else None
+    return build_application(ns, engine_cfg, sched_cfg, flags.server_options(ns, chat_template))
+
+
+def start_ray(address: str | None, replicas: int, replica_cpus: float) -> None:
+    """Connect to the Ray cluster at ``address``, or start one on this machine with room for every replica."""
+    import ray
+
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    cores = os.cpu_count() or 1
+    need = replicas * replica_cpus
+    if need > cores:
+        log.warning("%d replicas x %g CPUs is more than this machine's %d cores: they share them", replicas, replica_cpus, cores)
+    ray.init(address="local", num_cpus=max(cores, int(need + 0.999)), include_dashboard=False, logging_level=logging.WARNING)
+
+
+class RayStartError(RuntimeError):
+    """Ray could not be started or reached (``quanta serve`` says so in one line, exit code 2)."""
+
+
+def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict) -> int:
+    """Start (or join) Ray, deploy the application at ``--host``:``--port`` and serve until SIGINT or SIGTERM.
+
+    Raises:
+        RayStartError: Ray did not start (or ``--ray-address`` did not answer).
+    """
+    import ray
+    from ray import serve
+
+    try:
+        start_ray(args.ray_address, args.replicas, args.replica_cpus)
+    except Exception as exc:  # Ray's own errors vary: a missing binary, a refused address, no room
+        raise RayStartError(f"Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally below stops what this process started
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args, engine_cfg, sched_cfg, options), name="quanta", route_prefix="/")
+        log.info("serving %d replicas (routing %s) on http://%s:%d", args.replicas, args.routing, args.host, args.port)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if not args.ray_address:  # a cluster of our own: stop it whole
+            serve.shutdown()
+            ray.shutdown()
+    return 0

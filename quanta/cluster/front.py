@@ -1,0 +1,194 @@
+"""The front of a cluster: one endpoint that routes each request to one of N replicas.
+
+Every request goes whole to one replica (:mod:`quanta.cluster.forward`), whose
+quanta app answers it: routes, keys, limits and error bodies are the single
+server's. The front adds three things:
+
+- **Routing.** A generation request's prompt ids
+  (:class:`quanta.cluster.prompts.RoutingPrompts`) and each replica's load go
+  to a :class:`quanta.cluster.routing.Router`; the load is what the front has
+  in flight on the replica: up to ``max_num_seqs`` of them running, the rest
+  waiting. Other requests go to the least-loaded replica.
+- **Failure.** A replica that fails before answering gives HTTP 503 with the
+  route's error body; one that fails mid-stream ends the stream with the
+  route's SSE error event (:func:`quanta.server.errors.stream_error_event`),
+  never a silent cut or a hang. Other replicas' requests never notice.
+  Each forwarded response names its replica in ``x-quanta-replica``.
+- **Cluster routes.** ``GET /metrics``: every replica's series with a
+  ``replica`` label (:mod:`quanta.cluster.metrics`); ``GET /v1/config``:
+  replica 0's settings plus ``cluster`` (replica count, routing, each
+  replica's settings); ``GET /v1/trace?replica=I``: that replica's step trace
+  (step numbers are per replica). ``GET /health`` is ok while any replica is.
+  Each of these asks the replicas with the client's own headers, so the
+  replicas' key checks apply; a refusal comes back as it is.
+
+Ray-free: the replicas are callables (:data:`Replica`), which
+:mod:`quanta.cluster.app` makes of Ray Serve deployment handles.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from quanta.cluster.forward import HTTPRequest, ResponseStart
+from quanta.cluster.metrics import merge
+from quanta.cluster.prompts import RoutingPrompts
+from quanta.cluster.routing import ReplicaLoad, Router, least_loaded
+from quanta.server.errors import internal_error_message, log_internal_error, route_error_body, stream_error_event
+
+log = logging.getLogger("quanta.cluster")
+
+#: one replica: a request in, its response's parts out (:func:`quanta.cluster.forward.call_app`'s stream)
+Replica = Callable[[HTTPRequest], AsyncIterator[ResponseStart | bytes]]
+
+#: response header naming the replica that answered a forwarded request
+REPLICA_HEADER = b"x-quanta-replica"
+
+#: routes the front answers itself from every replica's answer
+CLUSTER_PATHS = frozenset({"/metrics", "/v1/config", "/v1/trace", "/health"})
+
+
+@dataclass
+class Answer:
+    """A replica's whole answer to a small request."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+
+    def response(self) -> Response:
+        out = Response(self.body, status_code=self.status)
+        out.raw_headers = list(self.headers)
+        return out
+
+
+class Front:
+    """Routes requests over ``replicas`` with ``router`` (see the module's docstring).
+
+    Args:
+        replicas: one callable per replica, index = the router's replica index.
+        router: the routing policy, :func:`quanta.cluster.routing.make_router`'s.
+        prompts: renders bodies to prompt ids for the router.
+        max_num_seqs: a replica's running requests at most (``--max-num-seqs``), to split in-flight counts.
+        max_request_bytes: bodies are read up to one byte past this and forwarded so (the replica answers 413).
+    """
+
+    def __init__(self, replicas: Sequence[Replica], router: Router, prompts: RoutingPrompts, max_num_seqs: int,
+                 max_request_bytes: int | None, routing: str = "") -> None:
+        self.replicas, self.router, self.prompts = list(replicas), router, prompts
+        self.max_num_seqs, self.max_request_bytes, self.routing = max_num_seqs, max_request_bytes, routing
+        self.in_flight = [0] * len(self.replicas)
+        self.routed = [0] * len(self.replicas)
+
+    def loads(self) -> list[ReplicaLoad]:
+        """Each replica's load as the front sees it: its requests in flight, ``max_num_seqs`` of them running."""
+        return [ReplicaLoad(waiting=max(0, n - self.max_num_seqs), running=min(n, self.max_num_seqs)) for n in self.in_flight]
+
+    async def __call__(self, request: Request) -> Response:
+        incoming = await self._incoming(request)
+        if incoming.path in CLUSTER_PATHS:
+            return await self._cluster_route(incoming, request.query_params)
+        tokens = await self.prompts.tokens(incoming.path, incoming.body)
+        loads = self.loads()
+        replica = self.router.choose(tokens, loads) if tokens is not None else least_loaded(loads)
+        if tokens is not None:
+            self.router.routed(replica, tokens)
+            self.routed[replica] += 1
+        return await self._forward(replica, incoming)
+
+    async def _incoming(self, request: Request) -> HTTPRequest:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if self.max_request_bytes is not None and len(body) > self.max_request_bytes:
+                break  # enough for the replica's 413
+        client = (request.client.host, request.client.port) if request.client else None
+        return HTTPRequest(request.method, request.url.path, request.scope.get("query_string", b""),
+                           tuple(request.scope["headers"]), bytes(body), client)
+
+    async def _forward(self, replica: int, incoming: HTTPRequest) -> Response:
+        self.in_flight[replica] += 1
+        parts = aiter(self.replicas[replica](incoming))
+        try:
+            start = await anext(parts)
+        except Exception as exc:  # StopAsyncIteration too: no response at all
+            self.in_flight[replica] -= 1
+            await parts.aclose()
+            message = f"replica {replica} failed before answering; " + internal_error_message(log_internal_error("replica", exc))
+            return JSONResponse(route_error_body(incoming.path, 503, message), status_code=503)
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
+        response = StreamingResponse(self._body(replica, parts, incoming.path, sse), status_code=start.status)
+        response.raw_headers = [*start.headers, (REPLICA_HEADER, str(replica).encode())]
+        return response
+
+    async def _body(self, replica: int, parts: AsyncIterator, path: str, sse: bool) -> AsyncIterator[bytes]:
+        events = 0
+        try:
+            async for chunk in parts:
+                events += chunk.count(b"\n\n")
+                yield chunk
+        except Exception as exc:  # the replica died or was cut off mid-response
+            error_id = log_internal_error(f"replica {replica} stream", exc)
+            if sse:
+                message = f"replica {replica} stopped mid-stream; " + internal_error_message(error_id)
+                yield stream_error_event(path, message, events).encode()
+        finally:
+            self.in_flight[replica] -= 1
+            await parts.aclose()
+
+    async def _answer(self, replica: int, incoming: HTTPRequest) -> Answer | None:
+        """A replica's whole answer (None: it failed)."""
+        parts = aiter(self.replicas[replica](incoming))
+        try:
+            start = await anext(parts)
+            body = b"".join([chunk async for chunk in parts])
+        except Exception as exc:
+            log.warning("replica %d did not answer %s: %s", replica, incoming.path, exc)
+            return None
+        finally:
+            await parts.aclose()
+        return Answer(start.status, start.headers, body)
+
+    async def _cluster_route(self, incoming: HTTPRequest, query) -> Response:
+        if incoming.path == "/v1/trace":
+            return await self._trace(incoming, query.get("replica"))
+        answers = [await self._answer(i, incoming) for i in range(len(self.replicas))]
+        good = {i: a for i, a in enumerate(answers) if a is not None and a.status == 200}
+        refused = next((a for a in answers if a is not None and a.status != 200 and incoming.path != "/health"), None)
+        if refused is not None:  # a key check or a limit: the replicas' own answer
+            return refused.response()
+        if not good:
+            message = f"no replica answered {incoming.path}"
+            return JSONResponse(route_error_body(incoming.path, 503, message), status_code=503)
+        if incoming.path == "/metrics":
+            first = good[min(good)]
+            return Response(merge({i: a.body.decode() for i, a in good.items()}), status_code=200,
+                            headers={"content-type": _header(first, b"content-type") or "text/plain"})
+        if incoming.path == "/health":
+            return JSONResponse({"status": "ok", "replicas": [i in good for i in range(len(self.replicas))]})
+        return JSONResponse(self._config({i: json.loads(a.body) for i, a in good.items()}))
+
+    def _config(self, configs: dict[int, dict]) -> dict:
+        cluster = {"replicas": len(self.replicas), "routing": self.routing, "routed": self.routed,
+                   "in_flight": self.in_flight, "replica_configs": {str(i): c for i, c in configs.items()}}
+        return {**configs[min(configs)], "cluster": cluster}
+
+    async def _trace(self, incoming: HTTPRequest, replica: str | None) -> Response:
+        if replica is None or not replica.isdigit() or int(replica) >= len(self.replicas):
+            message = (f"replica: the step trace is per replica; GET /v1/trace?replica=I with I in "
+                       f"0..{len(self.replicas) - 1}")
+            return JSONResponse(route_error_body(incoming.path, 404, message, "replica"), status_code=404)
+        answer = await self._answer(int(replica), incoming)
+        if answer is None:
+            return JSONResponse(route_error_body(incoming.path, 503, f"replica {replica} did not answer"), status_code=503)
+        return answer.response()
+
+
+def _header(answer: Answer, name: bytes) -> str | None:
+    return next((v.decode() for k, v in answer.headers if k.lower() == name), None)

@@ -1,0 +1,221 @@
+"""``quanta serve --replicas 2``: two engine replicas on a local Ray behind one endpoint.
+
+One live cluster (the real CLI in a subprocess, ``--api-key``) serves the
+official openai and anthropic clients; a replica's process is killed
+mid-stream: its stream ends with an error event, the other's finishes, and
+Ray Serve starts a new one. Skipped, with Ray's own reason, where Ray is not
+installed or cannot start. Without ``--replicas`` nothing imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from quanta.bench.server import start
+from quanta.cluster.forward import HTTPRequest, call_app
+from quanta.cluster.metrics import merge
+from quanta.cluster.prompts import RoutingPrompts
+
+KEY, ADMIN_KEY = "cluster-test-key", "cluster-admin-key"
+RESTART_TIMEOUT_S = 120.0
+
+
+def test_serve_without_replicas_imports_no_ray():
+    code = ("import sys; from quanta.cli import build_parser; import quanta.server.run, quanta.cluster.routing, "
+            "quanta.cluster.front; build_parser().parse_args(['serve']); "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("flag", [["--routing", "round-robin"], ["--ray-address", "auto"], ["--replica-cpus", "2"]])
+def test_cluster_flags_need_replicas(flag):
+    out = subprocess.run([sys.executable, "-m", "quanta.cli", "serve", *flag], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"quanta serve: error: {flag[0]} needs --replicas"]
+
+
+def test_metrics_merge_labels_every_replica_sample():
+    texts = {}
+    for replica in (0, 1):
+        registry = CollectorRegistry()
+        Counter("quanta:prompt_tokens", "Prefilled prompt tokens.", registry=registry).inc(10 + replica)
+        Histogram("quanta:ttft_seconds", "TTFT.", ["kind"], buckets=(0.1, 1.0), registry=registry).labels("a").observe(0.5)
+        texts[replica] = generate_latest(registry).decode()
+    merged = merge(texts)
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    tokens = {s.labels["replica"]: s.value for s in families["quanta:prompt_tokens"].samples if s.name.endswith("_total")}
+    assert tokens == {"0": 10.0, "1": 11.0}
+    buckets = [s for s in families["quanta:ttft_seconds"].samples if s.name.endswith("_bucket")]
+    assert sorted((s.labels["replica"], s.labels["le"], s.labels["kind"]) for s in buckets) == [
+        (r, le, "a") for r in ("0", "1") for le in ("+Inf", "0.1", "1.0")]
+    assert merged.count("# TYPE quanta:ttft_seconds histogram") == 1
+
+
+def test_call_app_stops_a_stream_its_reader_leaves():
+    ended = asyncio.Event()
+    app = FastAPI()
+
+    @app.post("/stream")
+    async def stream() -> StreamingResponse:
+        async def events():
+            try:
+                for i in range(10_000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.01)
+            finally:
+                ended.set()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def main() -> list:
+        parts = call_app(app, HTTPRequest("POST", "/stream", b"", (), b""))
+        got = [await anext(parts), await anext(parts), await anext(parts)]
+        await parts.aclose()
+        await asyncio.wait_for(ended.wait(), 5)
+        return got
+
+    start_part, *chunks = asyncio.run(main())
+    assert start_part.status == 200 and chunks == [b"data: 0\n\n", b"data: 1\n\n"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[cluster]')")
+    flags = ["--replicas", "2", "--routing", "least-loaded", "--api-key", KEY, "--admin-key", ADMIN_KEY, "--stats-interval", "0",
+             "--max-model-len", "2048"]
+    log_dir = tmp_path_factory.mktemp("quanta-cluster")
+    try:
+        proc = start(flags, log_dir, timeout=240)
+    except RuntimeError as exc:
+        if "Ray could not start" in str(exc):
+            pytest.skip(f"Ray cannot start here: {str(exc).splitlines()[0]}")
+        raise
+    yield proc
+    proc.stop()
+
+
+def _replica_pids(base: str) -> list[int]:
+    config = httpx.get(base + "/v1/config", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).json()
+    replicas = config["cluster"]["replica_configs"]
+    return [replicas[str(i)]["replica"]["pid"] for i in range(config["cluster"]["replicas"])]
+
+
+def test_official_clients_keys_errors_and_metrics(cluster):
+    oa = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=KEY)
+    model = oa.models.list().data[0].id
+    chunks = list(oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                             max_tokens=8, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks)
+    ant = anthropic.Anthropic(base_url=cluster.base_url, api_key=KEY)
+    message = ant.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "Say hi."}])
+    assert message.content[0].text and message.usage.output_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as bad:  # the single server's 400, naming the field
+        oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=cluster.base_url, api_key="wrong").messages.create(
+            model=model, max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    refused = httpx.get(cluster.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"  # the replicas' own answer
+    metrics = httpx.get(cluster.base_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).text
+    running = sorted(line.split()[0] for line in metrics.splitlines() if line.startswith("quanta:num_requests_running{"))
+    assert running == ['quanta:num_requests_running{replica="0"}', 'quanta:num_requests_running{replica="1"}']
+
+
+def test_front_renders_the_prompt_ids_the_replicas_compute(cluster):
+    from quanta.model.loader import embedded_model_path
+    from quanta.model.tokenizer import Tokenizer
+
+    prompts = RoutingPrompts(Tokenizer.from_path(embedded_model_path()), 2048)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List three <|im_end|> colors."}]
+    chat = {"messages": messages, "max_tokens": 4}
+    served = httpx.post(cluster.base_url + "/tokenize", json={"messages": messages}, headers=auth, timeout=60).json()["tokens"]
+    assert asyncio.run(prompts.tokens("/v1/chat/completions", json.dumps(chat).encode())) == served
+    anthropic_body = {"system": "Be brief.", "messages": messages[1:], "max_tokens": 4}
+    count = httpx.post(cluster.base_url + "/v1/messages/count_tokens", json=anthropic_body, headers=auth, timeout=60).json()
+    assert len(asyncio.run(prompts.tokens("/v1/messages", json.dumps(anthropic_body).encode()))) == count["input_tokens"]
+    assert asyncio.run(prompts.tokens("/v1/chat/completions", b'{"messages": []}')) is None  # the replica's 400, not the front's
+
+
+def _running(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).text
+    return {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines() if line.startswith("quanta:num_requests_running{")}
+
+
+def test_client_that_leaves_frees_its_replica_slot(cluster):
+    body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", cluster.base_url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        replica = response.headers["x-quanta-replica"]
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert _running(cluster.base_url)[replica] == 1
+    deadline = time.monotonic() + 15
+    while _running(cluster.base_url)[replica] and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _running(cluster.base_url)[replica] == 0
+
+
+def _stream(client: openai.OpenAI, model: str, text: str, max_tokens: int, first: threading.Event, out: dict) -> None:
+    try:
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], stream=True,
+                                                max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            first.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                out["finish"] = chunk.choices[0].finish_reason
+    except openai.APIError as exc:
+        out["error"] = str(exc)
+    finally:
+        first.set()
+
+
+def test_killed_replica_errors_its_stream_and_is_replaced(cluster):
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key=KEY, timeout=120)
+    model = client.models.list().data[0].id
+    pids = _replica_pids(cluster.base_url)
+    long, short = {}, {}
+    started = [threading.Event(), threading.Event()]
+    # least-loaded with nothing in flight: the first stream goes to replica 0, the second to replica 1
+    threads = [threading.Thread(target=_stream, args=(client, model, "Count to ten.", 4000, started[0], long)),
+               threading.Thread(target=_stream, args=(client, model, "Name a color.", 64, started[1], short))]
+    threads[0].start()
+    assert started[0].wait(60)
+    threads[1].start()
+    assert started[1].wait(60)
+    os.kill(pids[0], signal.SIGKILL)
+    for t in threads:
+        t.join(90)
+    assert "stopped mid-stream" in long.get("error", ""), long
+    assert short == {"finish": "length"}, short
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while time.monotonic() < deadline:
+        health = httpx.get(cluster.base_url + "/health", timeout=30).json()
+        if all(health["replicas"]):
+            break
+        time.sleep(1)
+    new = _replica_pids(cluster.base_url)
+    assert new[1] == pids[1] and new[0] != pids[0]
+    reply = client.completions.create(model=model, prompt="One, two,", max_tokens=4, temperature=0)
+    assert reply.choices[0].text
