@@ -22,6 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from quanta.cluster.routing import DEFAULT_LOAD_TOKENS
 from quanta.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.logs import LOG_FORMATS, LOG_LEVELS
@@ -260,10 +261,14 @@ def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
                        help="with --replicas: the Ray cluster to deploy on, as ray.init takes it (default: start Ray on this machine)")
     serve.add_argument("--routing", choices=POLICIES, default=None, metavar="POLICY",
                        help="with --replicas: which replica a request goes to: prefix (the one that holds the longest "
-                            "prefix of its prompt, unless it has too many waiting), least-loaded, round-robin (default: prefix)")
+                            "prefix of its prompt, weighed against its queue), least-loaded, round-robin (default: prefix)")
     serve.add_argument("--routing-max-waiting", type=nonneg_int, default=None, metavar="N",
                        help="with --routing prefix: past N waiting requests on the preferred replica, the least-loaded "
                             "one gets the request (default 4)")
+    serve.add_argument("--routing-load-tokens", type=nonneg_int, default=None, metavar="N",
+                       help="with --routing prefix: the prompt tokens one request in flight on a replica is worth when the "
+                            "router weighs computing a prompt's uncached part against a replica's queue; 0: the longest "
+                            f"cached prefix always wins (default {DEFAULT_LOAD_TOKENS})"),
     serve.add_argument("--replica-cpus", type=positive_float, default=None, metavar="N",
                        help="with --replicas: CPUs Ray reserves for each replica, and its threads (default 1)")
 
@@ -335,7 +340,8 @@ def _check_command_args(args: argparse.Namespace) -> None:
 
 
 #: the cluster flags' defaults, set once --replicas is given (None before: a flag given without it is refused)
-CLUSTER_DEFAULTS = {"routing": "prefix", "routing_max_waiting": 4, "replica_cpus": 1.0}
+CLUSTER_DEFAULTS = {"routing": "prefix", "routing_max_waiting": 4, "routing_load_tokens": DEFAULT_LOAD_TOKENS,
+                    "replica_cpus": 1.0}
 
 
 def _check_cluster_args(args: argparse.Namespace) -> None:

@@ -102,7 +102,7 @@ INVALID = [
     (["serve", "--max-queue", "0"], ["--max-queue"]),
     (["serve", "--block-size", "12"], ["--block-size"]),
     (["serve", "--kv-cache-memory", "lots"], ["--kv-cache-memory"]),
-    (["serve", "--kv-cache-dtype", "q8_0"], ["--kv-cache-dtype"]),
+    (["serve", "--kv-cache-dtype", "q4_0"], ["--kv-cache-dtype"]),
     (["serve", "--kv-cache-tokens", "100", "--max-model-len", "512"], ["--kv-cache-tokens", "--max-model-len"]),
     (["serve", "--kv-cache-memory", "1GiB", "--kv-cache-tokens", "4096"], ["--kv-cache-memory", "--kv-cache-tokens"]),
     (["serve", "--max-queue", "-1"], ["--max-queue"]),

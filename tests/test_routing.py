@@ -22,8 +22,8 @@ def route(router, tokens, loads):
     return r
 
 
-def test_prefix_affinity_follows_the_longest_match_over_load():
-    router = make_router("prefix", 3, block_size=B, max_waiting=4)
+def test_pure_affinity_follows_the_longest_match_over_load():
+    router = make_router("prefix", 3, block_size=B, max_waiting=4, load_tokens=0)
     a, b = prompt("a", 4), prompt("b", 4)
     router.routed(2, a)
     router.routed(1, a[:2 * B])  # replica 1 holds a shorter run of a's blocks
@@ -43,7 +43,7 @@ def test_no_match_and_short_prompts_go_to_the_least_loaded():
 
 
 def test_prefix_falls_back_to_least_loaded_past_max_waiting():
-    router = make_router("prefix", 2, block_size=B, max_waiting=2)
+    router = make_router("prefix", 2, block_size=B, max_waiting=2, load_tokens=0)
     a = prompt("a", 4)
     router.routed(0, a)
     assert router.choose(a, [ReplicaLoad(2, 4), ReplicaLoad(0, 0)]) == 0  # at the bound: affinity holds
@@ -82,12 +82,12 @@ def test_memory_bound_forgets_least_recently_routed_first():
     router.routed(0, a)
     router.routed(0, b)  # 8 names > 6: two of a's go, its tail first
     assert router.held_blocks(0) == 6
-    assert router.match(a) == (2, [0])  # a's first two blocks survive, a run from block 0
-    assert router.match(b) == (4, [0])
+    assert router.depths(a) == (4, [2, 0])  # a's first two blocks survive, a run from block 0
+    assert router.depths(b) == (4, [4, 0])
     for i in range(50):
         router.routed(0, prompt(i, 3))
     assert router.held_blocks(0) == 6
-    assert router.match(a) == (0, [0, 1])
+    assert router.depths(a) == (4, [0, 0])
     assert len(router._holders) == 6  # forgotten names leave the shared index too
 
 
@@ -95,7 +95,7 @@ def test_sessions_stick_to_their_replica_under_prefix_and_spread_under_round_rob
     """Three sessions of growing prompts on two replicas (load: requests routed so far): prefix routing
     keeps each session where it began and spreads new sessions; round-robin moves each session."""
     def run(name):
-        router, history, count = make_router(name, 2, block_size=B), {}, [0, 0]
+        router, history, count = make_router(name, 2, block_size=B, load_tokens=0), {}, [0, 0]
         for turn in range(4):
             for s in range(3):
                 r = route(router, prompt(s, 2 + 3 * turn), [ReplicaLoad(0, c) for c in count])
@@ -115,3 +115,33 @@ def test_bad_arguments():
         make_router("prefix", 0)
     with pytest.raises(ValueError, match="expected the loads of 2 replicas, got 3"):
         make_router("prefix", 2).choose([1], idle(3))
+
+
+def test_a_shared_prefix_spills_to_another_replica_once_the_queue_outweighs_it():
+    """Sessions whose prompts share 12 blocks (96 tokens) and differ in 1: each in-flight request is worth
+    32 tokens, so the holder takes new sessions until 3 are in flight (its cost 8 + 3 x 32 = 104 >= 104,
+    the other's cost to compute the whole prompt); from then on both hold the prefix and cost is load."""
+    router = make_router("prefix", 2, block_size=B, load_tokens=32)
+    shared = prompt("system", 12)
+    loads = [0, 0]
+    chosen = []
+    for s in range(6):
+        r = route(router, shared + prompt(("user", s), 1), [ReplicaLoad(0, n) for n in loads])
+        loads[r] += 1
+        chosen.append(r)
+    assert chosen == [0, 0, 0, 1, 1, 1]  # the 4th ties at 104 and goes to the less loaded; then 1 holds it too
+    pure = make_router("prefix", 2, block_size=B, load_tokens=0)
+    loads = [0, 0]
+    for s in range(6):
+        r = route(pure, shared + prompt(("user", s), 1), [ReplicaLoad(0, n) for n in loads])
+        loads[r] += 1
+    assert loads == [6, 0]  # pure affinity never spills before max_waiting
+
+
+def test_cost_counts_the_tokens_a_replica_would_compute():
+    router = PrefixRouter(2, block_size=B, load_tokens=10)
+    a = prompt("a", 6)
+    router.routed(0, a[:4 * B])  # replica 0 holds 4 of a's 6 blocks
+    assert router.depths(a) == (6, [4, 0])
+    assert router.choose(a, [ReplicaLoad(0, 1), ReplicaLoad(0, 0)]) == 0  # 16 + 10 < 48
+    assert router.choose(a, [ReplicaLoad(0, 4), ReplicaLoad(0, 0)]) == 1  # 16 + 40 > 48

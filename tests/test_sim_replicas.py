@@ -72,7 +72,7 @@ def test_simulate_cli_runs_each_count_and_policy_and_reports_the_split(tmp_path,
 
 @pytest.mark.parametrize("extra, message", [
     (["--routing", "random", "--replicas", "2"], "--routing must be a comma list of prefix, least-loaded, round-robin"),
-    (["--routing", "round-robin"], "--routing and --max-waiting need --replicas"),
+    (["--routing", "round-robin"], "--routing, --max-waiting and --load-tokens need --replicas"),
     (["--replicas", "0"], "--replicas must be a comma list of positive integers"),
     (["--replicas", "2", "--workload", "probe"], "the probe workload watches one engine"),
 ])

@@ -51,7 +51,7 @@ class FrontDeployment:
         if settings["chat_template"] is not None:
             tokenizer.hf.chat_template = settings["chat_template"]
         router = make_router(settings["routing"], len(handles), block_size=settings["block_size"],
-                             max_waiting=settings["max_waiting"])
+                             max_waiting=settings["max_waiting"], load_tokens=settings["load_tokens"])
         self.front = Front([_replica_call(h) for h in handles], router,
                            RoutingPrompts(tokenizer, settings["max_model_len"]), settings["max_num_seqs"],
                            settings["max_request_bytes"], settings["routing"])
@@ -93,7 +93,7 @@ def build_application(args: argparse.Namespace, engine_cfg, sched_cfg, options: 
             args.log_level, args.log_format)
         for i in range(args.replicas)]
     settings = {"model": engine_cfg.model, "chat_template": options.get("chat_template"), "routing": args.routing,
-                "max_waiting": args.routing_max_waiting, "block_size": engine_cfg.block_size,
+                "max_waiting": args.routing_max_waiting, "load_tokens": args.routing_load_tokens, "block_size": engine_cfg.block_size,
                 "max_model_len": engine_cfg.max_model_len or 2**20, "max_num_seqs": sched_cfg.max_num_seqs,
                 "max_request_bytes": options.get("max_request_bytes"), "log_level": args.log_level,
                 "log_format": args.log_format}

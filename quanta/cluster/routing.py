@@ -11,12 +11,17 @@ replica is gone) and record that instead.
   ``block_size``-token blocks of the prompts routed to it: the chain hashes of
   :func:`quanta.engine.prefix_cache.block_hashes` (namespace None), so block
   ``i``'s name stands for every token up to its end, as the replicas' own
-  prefix caches name blocks. A prompt goes to the replica holding the longest
-  run of its blocks from the start; ties and no match go to the least loaded
-  of the tied (of all replicas when none matches). Load bound: when that
-  replica has more than ``max_waiting`` requests waiting, the prompt goes to
-  the least-loaded replica instead (sglang's balance threshold, in one
-  number). Memory bound: at most ``max_blocks`` names per replica (default
+  prefix caches name blocks. A prompt goes to the replica of least cost:
+  the prompt tokens it would compute (those past the run of the prompt's
+  blocks it holds from the start) plus ``load_tokens`` for each request it
+  has in flight (waiting or running), so a long shared prefix (a coding
+  agent's system prompt and tools) draws sessions to the replica that holds
+  it until that replica's queue outweighs computing the prefix again
+  elsewhere; ties go to the least loaded of the tied. ``load_tokens = 0`` is
+  pure affinity (the longest match wins whatever the load). Load bound: when
+  the chosen replica has more than ``max_waiting`` requests waiting, the
+  prompt goes to the least-loaded replica instead (sglang's balance
+  threshold, in one number). Memory bound: at most ``max_blocks`` names per replica (default
   :data:`DEFAULT_MAX_BLOCKS`, about 2 million tokens of 32-token blocks, some
   20 MB of names per replica), least recently routed forgotten first; a
   prompt's blocks are touched last block first, so a prefix outlives its
@@ -41,6 +46,8 @@ from quanta.engine.prefix_cache import block_hashes
 
 #: names kept per replica by the prefix router (x 32 tokens a block: about 2M tokens)
 DEFAULT_MAX_BLOCKS = 65_536
+#: prompt tokens one request in flight on a replica is worth to the prefix router
+DEFAULT_LOAD_TOKENS = 2048
 POLICIES = ("prefix", "least-loaded", "round-robin")
 
 
@@ -101,12 +108,12 @@ class PrefixRouter:
     """Prefix affinity with a load bound and a memory bound (see the module's docstring)."""
 
     def __init__(self, replicas: int, *, block_size: int = 32, max_waiting: int = 4,
-                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
-        if block_size < 1 or max_waiting < 0 or max_blocks < 1:
-            raise ValueError(f"need block_size >= 1, max_waiting >= 0, max_blocks >= 1; got {block_size}, "
-                             f"{max_waiting}, {max_blocks}")
+                 max_blocks: int = DEFAULT_MAX_BLOCKS, load_tokens: int = DEFAULT_LOAD_TOKENS) -> None:
+        if block_size < 1 or max_waiting < 0 or max_blocks < 1 or load_tokens < 0:
+            raise ValueError(f"need block_size >= 1, max_waiting >= 0, max_blocks >= 1, load_tokens >= 0; got "
+                             f"{block_size}, {max_waiting}, {max_blocks}, {load_tokens}")
         self.replicas, self.block_size = replicas, block_size
-        self.max_waiting, self.max_blocks = max_waiting, max_blocks
+        self.max_waiting, self.max_blocks, self.load_tokens = max_waiting, max_blocks, load_tokens
         self._held: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]  # LRU first
         self._holders: dict[bytes, set[int]] = {}
 
@@ -114,21 +121,24 @@ class PrefixRouter:
         """Block names the router keeps for ``replica`` (at most ``max_blocks``)."""
         return len(self._held[replica])
 
-    def match(self, prompt_tokens: Sequence[int]) -> tuple[int, list[int]]:
-        """The longest run of the prompt's blocks from its start that some replica holds, in blocks,
-        and the replicas holding that run (all replicas when it is 0)."""
-        candidates, depth = set(range(self.replicas)), 0
-        for name in block_hashes(prompt_tokens, self.block_size, None):
-            holders = candidates & self._holders.get(name, set())
-            if not holders:
+    def depths(self, prompt_tokens: Sequence[int]) -> tuple[int, list[int]]:
+        """The prompt's full blocks, and how many of them from its start each replica holds."""
+        names = block_hashes(prompt_tokens, self.block_size, None)
+        depth, alive = [0] * self.replicas, set(range(self.replicas))
+        for k, name in enumerate(names):
+            alive &= self._holders.get(name, set())
+            if not alive:
                 break
-            candidates, depth = holders, depth + 1
-        return depth, sorted(candidates)
+            for i in alive:
+                depth[i] = k + 1
+        return len(names), depth
 
     def choose(self, prompt_tokens: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         _check_loads(loads, self.replicas)
-        _, holders = self.match(prompt_tokens)
-        preferred = least_loaded(loads, holders)
+        blocks, depth = self.depths(prompt_tokens)
+        cost = [(blocks - depth[i]) * self.block_size + self.load_tokens * (load.waiting + load.running)
+                for i, load in enumerate(loads)]
+        preferred = least_loaded(loads, [i for i, c in enumerate(cost) if c == min(cost)])
         if loads[preferred].waiting > self.max_waiting:
             return least_loaded(loads)
         return preferred
@@ -156,7 +166,8 @@ def _check_loads(loads: Sequence[ReplicaLoad], replicas: int) -> None:
         raise ValueError(f"expected the loads of {replicas} replicas, got {len(loads)}")
 
 
-def make_router(name: str, replicas: int, *, block_size: int = 32, max_waiting: int = 4) -> Router:
+def make_router(name: str, replicas: int, *, block_size: int = 32, max_waiting: int = 4,
+                load_tokens: int = DEFAULT_LOAD_TOKENS) -> Router:
     """The router of policy ``name`` (one of :data:`POLICIES`) over ``replicas`` replicas.
 
     Raises:
@@ -165,7 +176,7 @@ def make_router(name: str, replicas: int, *, block_size: int = 32, max_waiting: 
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     if name == "prefix":
-        return PrefixRouter(replicas, block_size=block_size, max_waiting=max_waiting)
+        return PrefixRouter(replicas, block_size=block_size, max_waiting=max_waiting, load_tokens=load_tokens)
     if name == "least-loaded":
         return LeastLoadedRouter(replicas)
     if name == "round-robin":

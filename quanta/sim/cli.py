@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from quanta.cluster.routing import DEFAULT_LOAD_TOKENS
 from quanta.flags import (
     KV_DTYPE_ALIASES,
     SCHEDULER_FLAGS,
@@ -70,6 +71,9 @@ def _replica_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=4,
                    help="with --replicas and prefix routing: past this many waiting requests on the preferred replica, "
                         "route to the least-loaded one (default 4)")
+    g.add_argument("--load-tokens", type=int, default=DEFAULT_LOAD_TOKENS,
+                   help="with --replicas and prefix routing: the prompt tokens one request in flight on a replica is worth "
+                        f"against computing a prompt's uncached part (quanta serve --routing-load-tokens; default {DEFAULT_LOAD_TOKENS})")
 
 
 def add_commands(sub, register_once) -> None:
@@ -269,7 +273,7 @@ def _simulate(args, parser, argv) -> int:
                     from quanta.sim.replicas import simulate_replicas
 
                     runs.append(simulate_replicas(profile, sched, wr, replicas=replicas, routing=routing,
-                                                  max_waiting=args.max_waiting, **kw))
+                                                  max_waiting=args.max_waiting, load_tokens=args.load_tokens, **kw))
             label = name if replicas is None else f"{name}, {replicas} x {routing}"
             conds.append(condition(label, runs, flags))
     baseline = args.baseline or (conds[0]["name"] if args.sweep else None)
@@ -283,7 +287,7 @@ def _simulate(args, parser, argv) -> int:
     doc["prefix_cache"] = args.prefix_cache
     if args.replicas:
         doc["replicas"] = {"counts": sorted({n for n, _ in settings}), "routing": sorted({r for _, r in settings}),
-                           "max_waiting": args.max_waiting}
+                           "max_waiting": args.max_waiting, "load_tokens": args.load_tokens}
     print(output.headline(doc))
     table = None
     if args.replicas:
@@ -330,8 +334,8 @@ def _replica_settings(args, parser, w) -> list[tuple[int | None, str | None]]:
     """The (replicas, routing) pairs to simulate: ``[(None, None)]`` (one server, no router) without
     ``--replicas``; else every count with every policy. Bad lists exit 2."""
     if args.replicas is None:
-        if args.routing != "prefix" or args.max_waiting != 4:
-            parser.error("--routing and --max-waiting need --replicas")
+        if args.routing != "prefix" or args.max_waiting != 4 or args.load_tokens != DEFAULT_LOAD_TOKENS:
+            parser.error("--routing, --max-waiting and --load-tokens need --replicas")
         return [(None, None)]
     from quanta.cluster.routing import POLICIES
     from quanta.sim.replicas import UNSUPPORTED
@@ -343,6 +347,8 @@ def _replica_settings(args, parser, w) -> list[tuple[int | None, str | None]]:
         parser.error(f"--routing must be a comma list of {', '.join(POLICIES)}, got {args.routing!r}")
     if args.max_waiting < 0:
         parser.error(f"--max-waiting must be a non-negative integer, got {args.max_waiting}")
+    if args.load_tokens < 0:
+        parser.error(f"--load-tokens must be a non-negative integer, got {args.load_tokens}")
     if w.kind in UNSUPPORTED:
         parser.error(f"--replicas: the {w.kind} workload watches one engine; it does not run on replicas")
     return [(n, r) for r in dict.fromkeys(policies) for n in counts]
