@@ -143,11 +143,11 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     cfg, state = load_checkpoint(model_path)
     model = LlamaModel(cfg)
     model.load_hf_state_dict(state)
+    del state  # the float32 checkpoint: freed before the conversion and packing add their copies
     model.to(dtype).eval()
     model.pack_weights()
     model.quantize_weights(*forms)
     model.drop_plain_weights()
-    del state
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:
