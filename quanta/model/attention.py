@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+#: q8_0: values a block, bytes a block (an fp16 scale and 32 int8)
+Q8_GROUP, Q8_BYTES = 32, 34
+
 
 @dataclass(frozen=True)
 class KVFormat:
@@ -52,7 +55,6 @@ class KVFormat:
         return head_dim // Q8_GROUP * Q8_BYTES if self.name == "q8_0" else head_dim
 
 
-Q8_GROUP, Q8_BYTES = 32, 34
 KV_FORMATS = {f.name: f for f in (KVFormat("float32", torch.float32, 0), KVFormat("bfloat16", torch.bfloat16, 1),
                                   KVFormat("float16", torch.float16, 2), KVFormat("q8_0", torch.uint8, 3))}
 
