@@ -33,14 +33,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from quanta.config import DEFAULT_BLOCK_SIZE
+from quanta.config import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES
 from quanta.engine.block_pool import BlockPool, blocks_for
 from quanta.engine.kv_budget import num_blocks
-from quanta.model.attention import KV_FORMATS, bytes_per_block
 from quanta.sim.profile import Profile, ProfileError
 
 #: the simulated engine's length limit when nothing bounds it (tokens)
 UNBOUNDED_LEN = 1 << 20
+#: element formats a profile's ``kv`` block may name (``--kv-cache-dtype``'s, less ``auto``)
+KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
 #: keys of a cost profile's ``kv`` block
 KV_KEYS = ("num_layers", "num_kv_heads", "head_dim")
 
@@ -77,14 +78,16 @@ def kv_geometry(profile: Profile) -> dict | None:
     if kv is None:
         return None
     if not isinstance(kv, dict) or not all(isinstance(kv.get(k), int) and kv[k] >= 1 for k in KV_KEYS) \
-            or kv.get("dtype") not in KV_FORMATS:
+            or kv.get("dtype") not in KV_DTYPES:
         raise ProfileError(f"kv needs positive integer {', '.join(KV_KEYS)} and a dtype among "
-                           f"{', '.join(KV_FORMATS)}, got {kv!r}")
+                           f"{', '.join(KV_DTYPES)}, got {kv!r}")
     return kv
 
 
 def block_bytes(kv: dict, block_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one block (keys and values of every layer) for geometry ``kv``; ``auto``: the profile's dtype."""
+    from quanta.model.attention import bytes_per_block  # torch: only for a budget in bytes
+
     dtype = kv["dtype"] if kv_cache_dtype == "auto" else kv_cache_dtype
     return bytes_per_block(kv["num_layers"], kv["num_kv_heads"], block_size, kv["head_dim"], dtype)
 
