@@ -83,11 +83,14 @@ def figures(name: str, samples: list[dict], cluster: dict | None) -> dict:
             "routed": cluster["routed"] if cluster else None}
 
 
-def table(rows: list[dict]) -> str:
-    head = ("| condition | requests (failed) | prefix-hit share | prompt tokens computed | TTFT mean / p50 / p90, turns 2-4 (s) "
-            "| end-to-end p50 / max (s) | requests per replica |\n|---|---|---|---|---|---|---|\n")
+def table(rows: list[dict], source: bool = False) -> str:
+    """Markdown, one row per condition; ``source``: a column of each row's ``source`` (measured or simulated)."""
+    head = (f"| condition | {'source | ' if source else ''}requests (failed) | prefix-hit share | prompt tokens computed "
+            f"| TTFT mean / p50 / p90, turns 2-4 (s) | end-to-end p50 / max (s) | requests per replica |\n"
+            f"|---|{'---|' if source else ''}---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r['condition']} | {r['requests']} ({r['failed']}) | {r['hit_share']:.1%} | {r['computed']:,} "
+        f"| {r['condition']} | {r['source'] + ' | ' if source else ''}{r['requests']} ({r['failed']}) "
+        f"| {r['hit_share']:.1%} | {r['computed']:,} "
         f"| {r['ttft_mean']:.2f} / {r['ttft_p50']:.2f} / {r['ttft_p90']:.2f} "
         f"| {r['e2e_p50']:.2f} / {r['e2e_max']:.2f} | {' / '.join(map(str, r['routed'])) if r['routed'] else '-'} |\n"
         for r in rows)

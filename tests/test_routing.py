@@ -145,3 +145,15 @@ def test_cost_counts_the_tokens_a_replica_would_compute():
     assert router.depths(a) == (6, [4, 0])
     assert router.choose(a, [ReplicaLoad(0, 1), ReplicaLoad(0, 0)]) == 0  # 16 + 10 < 48
     assert router.choose(a, [ReplicaLoad(0, 4), ReplicaLoad(0, 0)]) == 1  # 16 + 40 > 48
+
+
+def test_front_config_reports_prefix_routings_settings():
+    from quanta.cluster.front import Front
+
+    def config(router, routing):
+        front = Front([None, None], router, None, max_num_seqs=8, max_request_bytes=None, routing=routing)
+        return front._config({0: {"model": "m"}, 1: {"model": "m"}})["cluster"]
+
+    prefix = config(PrefixRouter(2, max_waiting=3, load_tokens=512), "prefix")
+    assert (prefix["routing"], prefix["max_waiting"], prefix["load_tokens"]) == ("prefix", 3, 512)
+    assert "load_tokens" not in config(make_router("round-robin", 2), "round-robin")

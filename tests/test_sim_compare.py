@@ -9,6 +9,7 @@ gives +100% ITL and -50% rates.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,7 @@ from quanta import cli
 from quanta.bench import output
 from quanta.bench.workloads import Workload
 from quanta.sim import Profile
-from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, sched_config, summary
+from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, markdown_table, sched_config, summary
 from quanta.sim.run import Simulation, condition
 
 
@@ -199,3 +200,33 @@ def test_unwritable_out_is_refused_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["simulate", "--profile", str(p1), "--num-requests", "2", "--out", str(blocker / "x")])
     assert info.value.code == 2 and "--out: cannot create" in capsys.readouterr().err
+
+
+def test_a_cluster_condition_is_replayed_on_replicas_behind_its_router():
+    from quanta.sim.compare import replica_settings, simulate_condition
+    from quanta.sim.replicas import simulate_replicas
+
+    w = Workload(kind="replay", sessions=4, turns=3, prompt_words=200, tool_words=20, max_tokens=8, stagger=0.5)
+    sched = sched_config(["--scheduler", "batched", "--max-num-seqs", "4"])
+    applied = {"scheduler": "batched", "max_num_seqs": 4, "mixed_prefill_quantum": 2048, "prefill_quantum": 2048,
+               "prefill_cap": 4096, "prefix_cache": True,
+               "cluster": {"replicas": 2, "routing": "prefix", "routed": [0, 0]}}  # a front before load_tokens
+    assert replica_settings(applied) == {"replicas": 2, "routing": "prefix", "max_waiting": 4, "load_tokens": 0}
+    measured = simulate_replicas(prof(), sched, w, replicas=2, routing="prefix", load_tokens=0, prefix_cache=True)
+    cond = condition("prefix", [measured])
+    cond["applied"] = applied
+    (sim,) = simulate_condition(prof(), cond, w, 3600.0)
+    assert sim["replicas"]["requests"] == measured["replicas"]["requests"] and min(sim["replicas"]["requests"]) > 0
+    assert [s["cached_tokens"] for s in sim["samples"]] == [s["cached_tokens"] for s in measured["samples"]]
+    # a cluster's bench result has no server trace: its trace figures are missing, the rest compared
+    cond["figures"] = [{k: v for k, v in f.items() if k not in ("prefill_rate", *STEPS)} for f in cond["figures"]]
+    (r,) = compare(prof(), [("cluster.json", output.document("run", "test", w, 1, [cond], None))])
+    assert r["rel_error"]["throughput"] == pytest.approx(0.0, abs=1e-9) and math.isnan(r["rel_error"]["prefill_rate"])
+    assert "/ - |" in markdown_table([r]) and "vs -/-/- |" in markdown_table([r])
+    applied["cluster"]["routing"] = "round-robin"
+    (rr,) = simulate_condition(prof(), cond, w, 3600.0)
+    assert rr["replicas"]["routing"] == "round-robin"
+    assert rr["metrics"]["client"]["prefix_hit_share"] < sim["metrics"]["client"]["prefix_hit_share"]
+    applied["cluster"]["replicas"] = "two"
+    with pytest.raises(CompareError, match="cluster settings"):
+        simulate_condition(prof(), cond, w, 3600.0)

@@ -16,8 +16,9 @@ server's. The front adds three things:
   Each forwarded response names its replica in ``x-quanta-replica``.
 - **Cluster routes.** ``GET /metrics``: every replica's series with a
   ``replica`` label (:mod:`quanta.cluster.metrics`); ``GET /v1/config``:
-  replica 0's settings plus ``cluster`` (replica count, routing, each
-  replica's settings); ``GET /v1/trace?replica=I``: that replica's step trace
+  replica 0's settings plus ``cluster`` (replica count, routing, prefix
+  routing's ``max_waiting`` and ``load_tokens``, requests routed to and in
+  flight on each replica, each replica's settings); ``GET /v1/trace?replica=I``: that replica's step trace
   (step numbers are per replica). ``GET /health`` is ok while any replica is.
   Each of these asks the replicas with the client's own headers, so the
   replicas' key checks apply; a refusal comes back as it is.
@@ -39,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from quanta.cluster.forward import HTTPRequest, ResponseStart
 from quanta.cluster.metrics import merge
 from quanta.cluster.prompts import RoutingPrompts
-from quanta.cluster.routing import ReplicaLoad, Router, least_loaded
+from quanta.cluster.routing import PrefixRouter, ReplicaLoad, Router, least_loaded
 from quanta.server.errors import internal_error_message, log_internal_error, route_error_body, stream_error_event
 
 log = logging.getLogger("quanta.cluster")
@@ -177,6 +178,8 @@ class Front:
     def _config(self, configs: dict[int, dict]) -> dict:
         cluster = {"replicas": len(self.replicas), "routing": self.routing, "routed": self.routed,
                    "in_flight": self.in_flight, "replica_configs": {str(i): c for i, c in configs.items()}}
+        if isinstance(self.router, PrefixRouter):  # its load bound and load weight (quanta simulate --compare reads them)
+            cluster |= {"max_waiting": self.router.max_waiting, "load_tokens": self.router.load_tokens}
         return {**configs[min(configs)], "cluster": cluster}
 
     async def _trace(self, incoming: HTTPRequest, replica: str | None) -> Response:

@@ -11,7 +11,9 @@ repeat ``r``, in request order, and each request's output length (the
 it produced), on the KV pool the server reported (``kv_cache_blocks``, block
 size, prefix cache and ``max_model_len`` of its ``/v1/config``; a server
 from before the block pool: the pool its serve flags give,
-:mod:`quanta.sim.pool`). It then reports, per
+:mod:`quanta.sim.pool`); a cluster (``quanta serve --replicas N``, whose
+``/v1/config`` has ``cluster``) on N simulated replicas behind its router
+(:mod:`quanta.sim.replicas`), each with that pool. It then reports, per
 condition, the measured median (IQR over repeats) and the simulated median of
 each figure and the relative error ``(simulated - measured) / measured``.
 
@@ -138,13 +140,34 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
     flags = cond.get("flags")
     sched = sched_config(flags, cond.get("applied")) if flags else applied_config(cond.get("applied"))
     pool = condition_pool(profile, sched.max_num_seqs, flags, cond.get("applied"))
+    cluster = replica_settings(cond.get("applied"))
     runs = []
     for r, measured in enumerate(cond["runs"]):
         w = replace(workload, seed=workload.seed + r)
-        outs = output_lengths(measured, exact=workload.output_dist != "eos")
-        runs.append(Simulation(profile, sched, w, prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
-                               output_lengths=outs, max_duration=max_duration, pool=pool).run())
+        kw = dict(prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured), max_duration=max_duration,
+                  output_lengths=output_lengths(measured, exact=workload.output_dist != "eos"), pool=pool)
+        if cluster is None:
+            runs.append(Simulation(profile, sched, w, **kw).run())
+        else:
+            from quanta.sim.replicas import simulate_replicas
+
+            runs.append(simulate_replicas(profile, sched, w, **cluster, **kw))
     return runs
+
+
+def replica_settings(applied: dict | None) -> dict | None:
+    """The replica count and router settings of a measured cluster (``quanta serve --replicas``: its
+    ``/v1/config`` has ``cluster``), as :func:`~quanta.sim.replicas.simulate_replicas` takes them; None for
+    one server. A front that did not report ``max_waiting`` / ``load_tokens`` predates them: the load bound
+    was 4 and prefix routing pure affinity (``load_tokens`` 0)."""
+    cluster = (applied or {}).get("cluster")
+    if not cluster:
+        return None
+    try:
+        return {"replicas": int(cluster["replicas"]), "routing": str(cluster["routing"]),
+                "max_waiting": int(cluster.get("max_waiting", 4)), "load_tokens": int(cluster.get("load_tokens", 0))}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CompareError(f"the server's cluster settings cannot be simulated: {exc}") from exc
 
 
 def condition_pool(profile: Profile, max_num_seqs: int, flags: list[str] | None, applied: dict | None) -> PoolSpec:
@@ -233,9 +256,10 @@ def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: 
     """One comparison row from per-repeat figures (:func:`repeat_figures`) of both sides:
     ``measured`` / ``simulated`` hold ``(median, p25, p75)`` per figure, ``rel_error`` the error of the medians."""
     keys = [k for k, _, _ in FIGURES] + list(STEPS)
-    meas, sim = aggregate(measured), aggregate(simulated)
+    missing = (math.nan, math.nan, math.nan)  # a figure one side lacks (a cluster's run has no server trace)
+    meas, sim = ({k: a.get(k, missing) for k in keys} for a in (aggregate(measured), aggregate(simulated)))
     return {"source": source, "condition": name, "flags": flags, "workload": w.describe(),
-            "measured": {k: meas.get(k) for k in keys}, "simulated": {k: sim.get(k) for k in keys},
+            "measured": meas, "simulated": sim,
             "rel_error": {k: rel_error(sim[k][0], meas[k][0]) for k, _, _ in FIGURES}}
 
 
@@ -252,11 +276,13 @@ def summary(rows: list[dict]) -> dict:
 def _cell(row: dict, key: str, scale: float) -> str:
     m, lo, hi = row["measured"][key]
     s = row["simulated"][key][0]
+    if math.isnan(m):
+        return f"{s * scale:.1f} / -"
     return f"{s * scale:.1f} / {m * scale:.1f} ({lo * scale:.1f}-{hi * scale:.1f}) {row['rel_error'][key]:+.0%}"
 
 
 def _steps(row: dict, which: str) -> str:
-    return "/".join(f"{row[which][k][0]:g}" for k in STEPS)
+    return "/".join("-" if math.isnan(row[which][k][0]) else f"{row[which][k][0]:g}" for k in STEPS)
 
 
 def markdown_table(rows: list[dict]) -> str:
