@@ -22,7 +22,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from quanta.cluster.routing import DEFAULT_LOAD_TOKENS
 from quanta.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.logs import LOG_FORMATS, LOG_LEVELS
@@ -268,7 +267,7 @@ def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--routing-load-tokens", type=nonneg_int, default=None, metavar="N",
                        help="with --routing prefix: the prompt tokens one request in flight on a replica is worth when the "
                             "router weighs computing a prompt's uncached part against a replica's queue; 0: the longest "
-                            f"cached prefix always wins (default {DEFAULT_LOAD_TOKENS})"),
+                            "cached prefix always wins (default: the mean length of the prompts routed so far)"),
     serve.add_argument("--replica-cpus", type=positive_float, default=None, metavar="N",
                        help="with --replicas: CPUs Ray reserves for each replica, and its threads (default 1)")
 
@@ -340,7 +339,7 @@ def _check_command_args(args: argparse.Namespace) -> None:
 
 
 #: the cluster flags' defaults, set once --replicas is given (None before: a flag given without it is refused)
-CLUSTER_DEFAULTS = {"routing": "prefix", "routing_max_waiting": 4, "routing_load_tokens": DEFAULT_LOAD_TOKENS,
+CLUSTER_DEFAULTS = {"routing": "prefix", "routing_max_waiting": 4, "routing_load_tokens": None,
                     "replica_cpus": 1.0}
 
 

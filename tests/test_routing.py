@@ -157,3 +157,20 @@ def test_front_config_reports_prefix_routings_settings():
     prefix = config(PrefixRouter(2, max_waiting=3, load_tokens=512), "prefix")
     assert (prefix["routing"], prefix["max_waiting"], prefix["load_tokens"]) == ("prefix", 3, 512)
     assert "load_tokens" not in config(make_router("round-robin", 2), "round-robin")
+
+
+def test_the_default_price_of_a_queued_request_is_the_mean_routed_prompt():
+    """Coding agents: 10 shared blocks and 2 of their own (96 tokens), so the mean prompt is 96 tokens and a
+    second session on the holder (cost 16 + 96) outweighs computing the whole prompt on the idle replica
+    (96): sessions alternate, and both replicas hold the shared prefix after two sessions."""
+    router = make_router("prefix", 2, block_size=B)
+    assert router.load_price(prompt("x", 3)) == 3 * B  # nothing routed yet: the prompt's own length
+    shared, loads, chosen = prompt("system", 10), [0, 0], []
+    for s in range(4):
+        r = route(router, shared + prompt(("user", s), 2), [ReplicaLoad(0, n) for n in loads])
+        loads[r] += 1
+        chosen.append(r)
+    assert chosen == [0, 1, 0, 1]
+    assert router.load_price([]) == 12 * B
+    router.routed(0, prompt("long", 28))  # a 224-token prompt: the mean is now (4 x 96 + 224) / 5
+    assert router.load_price([]) == (4 * 12 * B + 28 * B) // 5

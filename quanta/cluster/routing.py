@@ -14,7 +14,9 @@ replica is gone) and record that instead.
   prefix caches name blocks. A prompt goes to the replica of least cost:
   the prompt tokens it would compute (those past the run of the prompt's
   blocks it holds from the start) plus ``load_tokens`` for each request it
-  has in flight (waiting or running), so a long shared prefix (a coding
+  has in flight (waiting or running; None, the default: the mean length of
+  the prompts routed so far, so the price of a queued request follows the
+  workload's own prompts), so a long shared prefix (a coding
   agent's system prompt and tools) draws sessions to the replica that holds
   it until that replica's queue outweighs computing the prefix again
   elsewhere; ties go to the least loaded of the tied. ``load_tokens = 0`` is
@@ -46,8 +48,6 @@ from quanta.engine.prefix_cache import block_hashes
 
 #: names kept per replica by the prefix router (x 32 tokens a block: about 2M tokens)
 DEFAULT_MAX_BLOCKS = 65_536
-#: prompt tokens one request in flight on a replica is worth to the prefix router
-DEFAULT_LOAD_TOKENS = 2048
 POLICIES = ("prefix", "least-loaded", "round-robin")
 
 
@@ -108,14 +108,15 @@ class PrefixRouter:
     """Prefix affinity with a load bound and a memory bound (see the module's docstring)."""
 
     def __init__(self, replicas: int, *, block_size: int = 32, max_waiting: int = 4,
-                 max_blocks: int = DEFAULT_MAX_BLOCKS, load_tokens: int = DEFAULT_LOAD_TOKENS) -> None:
-        if block_size < 1 or max_waiting < 0 or max_blocks < 1 or load_tokens < 0:
+                 max_blocks: int = DEFAULT_MAX_BLOCKS, load_tokens: int | None = None) -> None:
+        if block_size < 1 or max_waiting < 0 or max_blocks < 1 or (load_tokens is not None and load_tokens < 0):
             raise ValueError(f"need block_size >= 1, max_waiting >= 0, max_blocks >= 1, load_tokens >= 0; got "
                              f"{block_size}, {max_waiting}, {max_blocks}, {load_tokens}")
         self.replicas, self.block_size = replicas, block_size
         self.max_waiting, self.max_blocks, self.load_tokens = max_waiting, max_blocks, load_tokens
         self._held: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]  # LRU first
         self._holders: dict[bytes, set[int]] = {}
+        self._routed_tokens = self._routed_prompts = 0
 
     def held_blocks(self, replica: int) -> int:
         """Block names the router keeps for ``replica`` (at most ``max_blocks``)."""
@@ -136,14 +137,26 @@ class PrefixRouter:
     def choose(self, prompt_tokens: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         _check_loads(loads, self.replicas)
         blocks, depth = self.depths(prompt_tokens)
-        cost = [(blocks - depth[i]) * self.block_size + self.load_tokens * (load.waiting + load.running)
+        price = self.load_price(prompt_tokens)
+        cost = [(blocks - depth[i]) * self.block_size + price * (load.waiting + load.running)
                 for i, load in enumerate(loads)]
         preferred = least_loaded(loads, [i for i, c in enumerate(cost) if c == min(cost)])
         if loads[preferred].waiting > self.max_waiting:
             return least_loaded(loads)
         return preferred
 
+    def load_price(self, prompt_tokens: Sequence[int]) -> int:
+        """Prompt tokens one request in flight is worth: ``load_tokens``, else the mean length of the
+        prompts routed so far (this prompt's own length before any)."""
+        if self.load_tokens is not None:
+            return self.load_tokens
+        if not self._routed_prompts:
+            return len(prompt_tokens)
+        return self._routed_tokens // self._routed_prompts
+
     def routed(self, replica: int, prompt_tokens: Sequence[int]) -> None:
+        self._routed_tokens += len(prompt_tokens)
+        self._routed_prompts += 1
         held = self._held[replica]
         for name in reversed(block_hashes(prompt_tokens, self.block_size, None)):
             if name in held:
@@ -167,7 +180,7 @@ def _check_loads(loads: Sequence[ReplicaLoad], replicas: int) -> None:
 
 
 def make_router(name: str, replicas: int, *, block_size: int = 32, max_waiting: int = 4,
-                load_tokens: int = DEFAULT_LOAD_TOKENS) -> Router:
+                load_tokens: int | None = None) -> Router:
     """The router of policy ``name`` (one of :data:`POLICIES`) over ``replicas`` replicas.
 
     Raises:

@@ -19,7 +19,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from quanta.cluster.routing import DEFAULT_LOAD_TOKENS
 from quanta.flags import (
     KV_DTYPE_ALIASES,
     SCHEDULER_FLAGS,
@@ -71,9 +70,10 @@ def _replica_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=4,
                    help="with --replicas and prefix routing: past this many waiting requests on the preferred replica, "
                         "route to the least-loaded one (default 4)")
-    g.add_argument("--load-tokens", type=int, default=DEFAULT_LOAD_TOKENS,
+    g.add_argument("--load-tokens", type=int, default=None,
                    help="with --replicas and prefix routing: the prompt tokens one request in flight on a replica is worth "
-                        f"against computing a prompt's uncached part (quanta serve --routing-load-tokens; default {DEFAULT_LOAD_TOKENS})")
+                        "against computing a prompt's uncached part (quanta serve --routing-load-tokens; default: the mean length of "
+                        "the prompts routed so far)")
 
 
 def add_commands(sub, register_once) -> None:
@@ -334,7 +334,7 @@ def _replica_settings(args, parser, w) -> list[tuple[int | None, str | None]]:
     """The (replicas, routing) pairs to simulate: ``[(None, None)]`` (one server, no router) without
     ``--replicas``; else every count with every policy. Bad lists exit 2."""
     if args.replicas is None:
-        if args.routing != "prefix" or args.max_waiting != 4 or args.load_tokens != DEFAULT_LOAD_TOKENS:
+        if args.routing != "prefix" or args.max_waiting != 4 or args.load_tokens is not None:
             parser.error("--routing, --max-waiting and --load-tokens need --replicas")
         return [(None, None)]
     from quanta.cluster.routing import POLICIES
@@ -347,7 +347,7 @@ def _replica_settings(args, parser, w) -> list[tuple[int | None, str | None]]:
         parser.error(f"--routing must be a comma list of {', '.join(POLICIES)}, got {args.routing!r}")
     if args.max_waiting < 0:
         parser.error(f"--max-waiting must be a non-negative integer, got {args.max_waiting}")
-    if args.load_tokens < 0:
+    if args.load_tokens is not None and args.load_tokens < 0:
         parser.error(f"--load-tokens must be a non-negative integer, got {args.load_tokens}")
     if w.kind in UNSUPPORTED:
         parser.error(f"--replicas: the {w.kind} workload watches one engine; it does not run on replicas")

@@ -159,13 +159,13 @@ def replica_settings(applied: dict | None) -> dict | None:
     """The replica count and router settings of a measured cluster (``quanta serve --replicas``: its
     ``/v1/config`` has ``cluster``), as :func:`~quanta.sim.replicas.simulate_replicas` takes them; None for
     one server. A front that did not report ``max_waiting`` / ``load_tokens`` predates them: the load bound
-    was 4 and prefix routing pure affinity (``load_tokens`` 0)."""
+    was 4 and prefix routing pure affinity (``load_tokens`` 0); a reported None is the mean-prompt price."""
     cluster = (applied or {}).get("cluster")
     if not cluster:
         return None
     try:
         return {"replicas": int(cluster["replicas"]), "routing": str(cluster["routing"]),
-                "max_waiting": int(cluster.get("max_waiting", 4)), "load_tokens": int(cluster.get("load_tokens", 0))}
+                "max_waiting": int(cluster.get("max_waiting", 4)), "load_tokens": cluster.get("load_tokens", 0)}
     except (KeyError, TypeError, ValueError) as exc:
         raise CompareError(f"the server's cluster settings cannot be simulated: {exc}") from exc
 

@@ -26,7 +26,7 @@ import heapq
 import math
 
 from quanta.bench.workloads import Workload
-from quanta.cluster.routing import DEFAULT_LOAD_TOKENS, ReplicaLoad, make_router
+from quanta.cluster.routing import ReplicaLoad, make_router
 from quanta.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
 from quanta.sim.executor import CostModelExecutor, VirtualClock
 from quanta.sim.profile import Profile
@@ -40,7 +40,7 @@ class ReplicaSimulation(Simulation):
     """A workload on ``replicas`` simulated servers behind a ``routing`` router."""
 
     def __init__(self, profile: Profile, sched: SchedulerConfig, w: Workload, *, replicas: int, routing: str,
-                 max_waiting: int = 4, load_tokens: int = DEFAULT_LOAD_TOKENS, **kw) -> None:
+                 max_waiting: int = 4, load_tokens: int | None = None, **kw) -> None:
         if w.kind in UNSUPPORTED:
             raise ValueError(f"workload {w.kind} watches one engine; it does not run on replicas")
         super().__init__(profile, sched, w, **kw)
@@ -125,7 +125,7 @@ class ReplicaSimulation(Simulation):
 
 
 def simulate_replicas(profile: Profile, sched: SchedulerConfig, w: Workload, *, replicas: int, routing: str,
-                      max_waiting: int = 4, load_tokens: int = DEFAULT_LOAD_TOKENS, **kw) -> dict:
+                      max_waiting: int = 4, load_tokens: int | None = None, **kw) -> dict:
     """Run workload ``w`` on ``replicas`` simulated servers behind a ``routing`` router (see the module)."""
     return ReplicaSimulation(profile, sched, w, replicas=replicas, routing=routing, max_waiting=max_waiting,
                              load_tokens=load_tokens, **kw).run()
