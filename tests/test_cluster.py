@@ -95,6 +95,42 @@ def test_call_app_stops_a_stream_its_reader_leaves():
     assert start_part.status == 200 and chunks == [b"data: 0\n\n", b"data: 1\n\n"]
 
 
+def test_a_replica_that_does_not_answer_counts_as_down_on_health(monkeypatch):
+    """Ray Serve holds a call to a dead replica until its replacement loads: /health asks every replica at
+    once and gives each CLUSTER_ROUTE_TIMEOUT_S, so it answers at once with the silent one down."""
+    from quanta.cluster import front as front_module
+    from quanta.cluster.forward import ResponseStart
+    from quanta.cluster.routing import make_router
+
+    async def alive(incoming):
+        yield ResponseStart(200, ((b"content-type", b"application/json"),))
+        yield b'{"status": "ok"}'
+
+    async def silent(incoming):
+        await asyncio.Event().wait()
+        yield b""
+
+    monkeypatch.setattr(front_module, "CLUSTER_ROUTE_TIMEOUT_S", 0.2)
+    front = front_module.Front([silent, alive, silent], make_router("least-loaded", 3), None, 8, None, "least-loaded")
+
+    async def health():
+        t0 = time.monotonic()
+        response = await front._cluster_route(HTTPRequest("GET", "/health", b"", (), b""), {})
+        return response, time.monotonic() - t0
+
+    response, took = asyncio.run(health())
+    assert response.status_code == 200 and json.loads(response.body)["replicas"] == [False, True, False]
+    assert took < 1.0  # asked together: one timeout, not one per silent replica
+
+
+def test_an_unreachable_ray_address_is_refused_before_ray_waits_on_it():
+    from quanta.cluster.app import check_reachable
+
+    with pytest.raises(ConnectionError, match="nothing answers at 127.0.0.1:1"):
+        check_reachable("127.0.0.1:1", timeout=2)
+    check_reachable("auto")  # Ray's own forms are Ray's to resolve
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[cluster]')")

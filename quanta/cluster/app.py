@@ -22,6 +22,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -129,6 +130,7 @@ def start_ray(address: str | None, replicas: int, replica_cpus: float) -> None:
     import ray
 
     if address:
+        check_reachable(address)
         ray.init(address=address, logging_level=logging.WARNING)
         return
     cores = os.cpu_count() or 1
@@ -136,6 +138,23 @@ def start_ray(address: str | None, replicas: int, replica_cpus: float) -> None:
     if need > cores:
         log.warning("%d replicas x %g CPUs is more than this machine's %d cores: they share them", replicas, replica_cpus, cores)
     ray.init(address="local", num_cpus=max(cores, int(need + 0.999)), include_dashboard=False, logging_level=logging.WARNING)
+
+
+def check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Refuse a ``host:port`` or ``ray://host:port`` address nothing listens at (``ray.init`` would wait on
+    it without end); ``auto`` and other forms are left to Ray.
+
+    Raises:
+        ConnectionError: no connection within ``timeout`` seconds.
+    """
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or "/" in hostport:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {address} ({exc})") from exc
 
 
 class RayStartError(RuntimeError):

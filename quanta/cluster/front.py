@@ -29,6 +29,7 @@ Ray-free: the replicas are callables (:data:`Replica`), which
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -53,6 +54,9 @@ REPLICA_HEADER = b"x-quanta-replica"
 
 #: routes the front answers itself from every replica's answer
 CLUSTER_PATHS = frozenset({"/metrics", "/v1/config", "/v1/trace", "/health"})
+#: seconds a replica has to answer one of those, asked all at once (Ray Serve holds a call to a dead
+#: replica until its replacement has loaded: that replica then counts as down)
+CLUSTER_ROUTE_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -143,15 +147,19 @@ class Front:
             self.in_flight[replica] -= 1
             await parts.aclose()
 
-    async def _answer(self, replica: int, incoming: HTTPRequest) -> Answer | None:
-        """A replica's whole answer (None: it failed)."""
+    async def _answer(self, replica: int, incoming: HTTPRequest, timeout: float | None = None) -> Answer | None:
+        """A replica's whole answer (None: it failed, or gave none within ``timeout`` seconds)."""
+        try:
+            return await asyncio.wait_for(self._whole(replica, incoming), timeout)
+        except Exception as exc:  # TimeoutError included: a dead replica's calls wait for its replacement
+            log.warning("replica %d did not answer %s: %s", replica, incoming.path, exc or type(exc).__name__)
+            return None
+
+    async def _whole(self, replica: int, incoming: HTTPRequest) -> Answer:
         parts = aiter(self.replicas[replica](incoming))
         try:
             start = await anext(parts)
             body = b"".join([chunk async for chunk in parts])
-        except Exception as exc:
-            log.warning("replica %d did not answer %s: %s", replica, incoming.path, exc)
-            return None
         finally:
             await parts.aclose()
         return Answer(start.status, start.headers, body)
@@ -159,7 +167,7 @@ class Front:
     async def _cluster_route(self, incoming: HTTPRequest, query) -> Response:
         if incoming.path == "/v1/trace":
             return await self._trace(incoming, query.get("replica"))
-        answers = [await self._answer(i, incoming) for i in range(len(self.replicas))]
+        answers = await asyncio.gather(*(self._answer(i, incoming, CLUSTER_ROUTE_TIMEOUT_S) for i in range(len(self.replicas))))
         good = {i: a for i, a in enumerate(answers) if a is not None and a.status == 200}
         refused = next((a for a in answers if a is not None and a.status != 200 and incoming.path != "/health"), None)
         if refused is not None:  # a key check or a limit: the replicas' own answer
