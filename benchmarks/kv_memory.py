@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import THREADS, build_llama_server, free_port, start, stop  # noqa: E402
+from peer_llama_cpp import THREADS, build_llama_server, free_port, start, stop, write_result  # noqa: E402
 from quanta.bench.output import machine  # noqa: E402
 from quanta.launch import cpu_summary  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402
@@ -132,9 +131,7 @@ def main() -> int:
                             workdir / f"{name}.log"))
     text = render(rows, info, args.sequences, args.tokens)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    write_result(args.out, text, {"machine": info, "rows": rows})
     return 0
 
 

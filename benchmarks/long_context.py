@@ -26,7 +26,6 @@ import json
 import os
 import random
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +35,16 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import THREADS, build_llama_server, free_port, start, stop  # noqa: E402
+from peer_llama_cpp import (  # noqa: E402
+    THREADS,
+    build_llama_server,
+    free_port,
+    start,
+    startup_line,
+    stop,
+    summarize,
+    write_result,
+)
 from quanta.bench.output import machine  # noqa: E402
 from quanta.launch import cpu_summary  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402
@@ -63,10 +71,6 @@ def one_request(url: str, context: int, seed: int) -> dict:
         raise RuntimeError(f"{url}: {len(times)} tokens streamed for a {context}-token context")
     return {"prefill_tok_s": len(prompt) / times[0], "decode_ms": (times[-1] - times[0]) / (len(times) - 1) * 1e3,
             "tokens": len(times)}
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
 
 def render(results: dict, info: dict, args) -> str:
@@ -135,14 +139,10 @@ def main() -> int:
                     print(f"  round {rnd + 1} {server} {c}: {got}", file=sys.stderr)
             finally:
                 stop(proc)
-    lines = [ln for ln in (workdir / "quanta.log").read_text().splitlines() if "kernels:" in ln and "scheduler=" in ln] \
-        if "quanta" in servers else []
-    info["quanta_startup"] = lines[-1].split("INFO quanta: ", 1)[-1] if lines else ""
+    info["quanta_startup"] = startup_line(workdir / "quanta.log") if "quanta" in servers else ""
     text = render(results, info, args)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=2))
+    write_result(args.out, text, {"machine": info, "results": results})
     return 0
 
 

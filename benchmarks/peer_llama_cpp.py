@@ -193,22 +193,27 @@ def main() -> int:
                 stop(proc)
     info = {**machine(), "cpu_flags": cpu_summary(), "llama_cpp_python": LLAMA_CPP_PYTHON,
             "llama_server_args": LLAMA_ARGS, "quanta_args": QUANTA_ARGS + shlex.split(args.quanta_args),
-            "llama_server_binary": str(binary), "quanta_startup": _startup_line(workdir / "quanta.log"),
+            "llama_server_binary": str(binary), "quanta_startup": startup_line(workdir / "quanta.log"),
             "env": {k: v for k, v in os.environ.items() if k in ENV_KNOBS}}
     table = render(results, info, args.rounds)
     print(table)
     print(f"bench results (quanta's carry its server trace, for quanta profile-engine --from-bench): {workdir}")
     if len(cmds) < 2 or len(workloads) < len(WORKLOADS):
         return 0  # a partial look: the committed results stay those of a whole run
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(table)
     record = {"date": datetime.now(UTC).isoformat(), "machine": info, "rounds": args.rounds,
               "results": {w: {s: summarize(v) for s, v in r.items()} for w, r in results.items()}}
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    write_result(args.out, table, record)
     return 0
 
 
-def _startup_line(log: Path) -> str:
+def write_result(out: Path, table: str, record: dict) -> None:
+    """``out``.md (the table) and ``out``.json (the record), the folder made if missing."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+
+
+def startup_line(log: Path) -> str:
     """quanta's startup line naming dtype, quantization, kernels and threads."""
     lines = [ln for ln in log.read_text().splitlines() if "kernels:" in ln and "scheduler=" in ln]
     return lines[-1].split("INFO quanta: ", 1)[-1] if lines else ""
