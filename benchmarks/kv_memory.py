@@ -4,7 +4,7 @@ Each server is started alone, then holds ``--sequences`` sequences of ``--tokens
 that many streaming ``/v1/completions`` requests sent together, each a distinct prompt of random
 token ids (no prefix in common, so nothing is shared) of ``tokens - 16`` ids and 16 tokens out
 (``ignore_eos``). The table gives the server process's resident memory (``VmRSS`` of
-``/proc/PID/status``) after start and after every request ended, and its peak (``VmHWM``).
+``/proc/PID/status``) after start and 1 s after every request ended, and its peak (``VmHWM``).
 quanta's pool keeps a finished request's blocks (its prefix cache) and never returns pages, so
 "after" is the memory with the context held; llama-server allocates and clears its whole KV
 cache at start.
@@ -12,7 +12,8 @@ cache at start.
 Configurations (``--configs``, default all): ``llama-f16`` (``-np S -c S*T``, its default f16 KV),
 ``llama-q8_0`` (``--cache-type-k q8_0 --cache-type-v q8_0 -fa on``: llama.cpp quantizes V only
 with flash attention), ``quanta-auto`` (``--max-num-seqs S --max-model-len T``, ``--kv-cache-dtype
-auto``), ``quanta-q8_0``. Usage (never in CI; ~3-5 min a configuration on 2 cores):
+auto``), ``quanta-q8_0``, and both with ``--prompt-weights form`` (``quanta-form``,
+``quanta-q8_0-form``: no reference copy of the projections). Usage (never in CI; ~3-5 min a configuration on 2 cores):
 ``python benchmarks/kv_memory.py [--sequences 8 --tokens 4096] [--out benchmarks/results/kv_memory]``.
 The ``llama-server`` binary is ``peer_llama_cpp.py``'s cached build.
 """
@@ -38,6 +39,9 @@ from quanta.launch import cpu_summary  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402
 
 OUT_TOKENS = 16
+#: seconds between the last response and the "holding" reading (quanta hands its heap's free pages
+#: back once its engine is idle; the same wait for every server)
+SETTLE_S = 1.0
 
 
 def configs(sequences: int, tokens: int) -> dict[str, list[str]]:
@@ -49,6 +53,8 @@ def configs(sequences: int, tokens: int) -> dict[str, list[str]]:
         "llama-q8_0": [*llama, "--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "-fa", "on"],
         "quanta-auto": quanta,
         "quanta-q8_0": [*quanta, "--kv-cache-dtype", "q8_0"],
+        "quanta-form": [*quanta, "--prompt-weights", "form"],
+        "quanta-q8_0-form": [*quanta, "--kv-cache-dtype", "q8_0", "--prompt-weights", "form"],
     }
 
 
@@ -87,6 +93,7 @@ def measure(name: str, cmd: list[str], port: int, sequences: int, tokens: int, l
         time.sleep(2)
         started = memory(proc.pid)
         seconds = asyncio.run(fill(f"http://127.0.0.1:{port}", sequences, tokens))
+        time.sleep(SETTLE_S)
         held = memory(proc.pid)
     finally:
         stop(proc)

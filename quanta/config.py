@@ -96,6 +96,9 @@ def _checked_knobs(declared: tuple[Knob, ...], policy: str, max_num_seqs: int, g
 #: the forms are :data:`quanta.model.quant.FORMS`)
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "q4_1", "q8_0")
 
+#: values of ``--prompt-weights``: what prompt rows multiply by (:mod:`quanta.model.linear`)
+PROMPT_WEIGHTS = ("reference", "form")
+
 
 #: ``--kv-cache-dtype`` values (:func:`quanta.launch.resolve_kv_dtype`)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
@@ -132,6 +135,9 @@ class EngineConfig:
             multiple of 8.
         kv_cache_memory / kv_cache_tokens: the KV pool's budget in bytes or in
             tokens (at most one; neither: :mod:`quanta.engine.kv_budget`'s default).
+        prompt_weights: ``reference`` (keep the dequantized weights, oneDNN-packed, for prompt
+            rows) or ``form`` (keep only the projections' q4_1 / q8_0 forms and rebuild each
+            weight from its form per prompt call: less memory, slower prefill).
         kv_cache_dtype: the KV cache's elements: ``auto``, ``float32``,
             ``bfloat16``, ``float16`` or ``q8_0`` (:func:`quanta.launch.resolve_kv_dtype`).
     """
@@ -148,6 +154,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_tokens: int | None = None
     kv_cache_dtype: str = "auto"
+    prompt_weights: str = "reference"
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):
@@ -156,6 +163,8 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-dtype must be auto, fp32, bf16, fp16 or q8_0, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.prompt_weights not in PROMPT_WEIGHTS:
+            raise ValueError(f"--prompt-weights must be reference or form, got {self.prompt_weights!r}")
         if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:
             raise ValueError("give --kv-cache-memory or --kv-cache-tokens, not both")
         for name in ("max_model_len", "max_queue", "kv_cache_memory", "kv_cache_tokens"):

@@ -26,7 +26,8 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def generate_cli(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, prompt: str, max_tokens: int, temperature: float, chat: bool) -> int:
     """Print the completion of ``prompt``; returns the exit code (2 for a bad request)."""
-    loaded = load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype), engine_cfg.quantization, engine_cfg.native_decode)
+    loaded = load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype), engine_cfg.quantization, engine_cfg.native_decode,
+                        engine_cfg.prompt_weights)
     engine = build_engine(loaded, engine_cfg, sched_cfg)
     try:
         ids = prompt_ids(loaded.tokenizer, prompt, chat)

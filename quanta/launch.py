@@ -121,7 +121,8 @@ def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[s
     return (fp16 if name == "fp16" else name), head
 
 
-def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none", native_decode: bool = True) -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none", native_decode: bool = True,
+               prompt_weights: str = "reference") -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
 
     ``quantization`` (see :func:`resolve_quantization`) adds a decode form of
@@ -129,10 +130,13 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     prompt rows.
     ``native_decode`` runs all-decode steps with the C glue of
     :mod:`quanta.model.native_decode` where the model and machine allow.
+    ``prompt_weights="form"`` frees the reference of every projection with a q4_1 / q8_0 form
+    (:meth:`~quanta.model.llama.LlamaModel.drop_reference_weights`).
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: an unsupported architecture or checkpoint layout, or an unknown quantization.
+        ValueError: an unsupported architecture or checkpoint layout, an unknown quantization, or
+            ``prompt_weights="form"`` where no projection has a q4_1 / q8_0 form.
     """
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
@@ -148,6 +152,9 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     model.pack_weights()
     model.quantize_weights(*forms)
     model.drop_plain_weights()
+    if prompt_weights == "form" and not model.drop_reference_weights():
+        raise ValueError(f"--prompt-weights form needs q4_1 or q8_0 forms of the projections; --quantization "
+                         f"{quantization} gave {model.describe_kernels()}")
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:

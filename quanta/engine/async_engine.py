@@ -70,10 +70,14 @@ class AsyncEngine:
         on_output: called on the engine thread with each output (metrics).
     """
 
-    def __init__(self, engine: Engine, max_queue: int | None = None, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, engine: Engine, max_queue: int | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+                 on_idle: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.on_output = on_output
+        #: called on the engine thread each time the engine runs out of work (the server hands the
+        #: C heap's free pages back: a burst's activations would otherwise stay resident)
+        self.on_idle = on_idle
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[int, _Submit] = {}
         self._thread = threading.Thread(target=self._run, name="quanta-engine", daemon=True)
@@ -195,10 +199,16 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            busy = False
             while not self._stopping:
                 self._drain_commands(block=not self.engine.has_work())
                 if self.engine.has_work():
                     self._step()
+                    busy = True
+                elif busy:
+                    busy = False
+                    if self.on_idle is not None:
+                        self.on_idle()
         except BaseException as exc:  # the engine thread must report, not vanish
             error_id = uuid.uuid4().hex[:12]
             log.exception("engine loop failed (error id %s)", error_id)

@@ -16,6 +16,12 @@ many there are. Decode rows (generated tokens) take the layer's
 take the packed reference. oneDNN takes a one-row call down another path, so
 one row is padded to two. ``tests/test_batch_invariance.py`` checks every
 kernel row by row against larger calls.
+
+Without a reference (``--prompt-weights form``, :meth:`PackedLinear.drop_reference`), a layer
+with a C form (q4_1 / q8_0) keeps only that form; each prompt call rebuilds the weight from it
+(:meth:`~quanta.model.quant.QuantizedWeight.dense`, one pass over the weight) and multiplies as
+a reference would: bf16 through ``F.linear`` (oneDNN, the packed kernel's bits at every row
+count), float32 through a freshly packed weight (MKL's ``F.linear`` is not row-invariant).
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     if decode and form is not None:
         out = form(x)
         return out if bias is None else out + bias
+    if weight is None and packed is None and form is not None:  # no reference kept: rebuilt from the form
+        weight = form.dense(x.dtype)
+        if weight.dtype == torch.float32:
+            weight, packed = None, torch.ops.mkldnn._reorder_linear_weight(weight)
     if packed is None:
         return F.linear(x, weight, bias)
     if x.shape[0] == 1:  # oneDNN's one-row path sums in another order
@@ -65,6 +75,8 @@ class PackedLinear(nn.Linear):
 
     packed: torch.Tensor | None = None
     form: QuantizedWeight | None = None
+    #: the dtype of the reference weight (what ``weight`` reads after :meth:`drop_reference`)
+    reference_dtype: torch.dtype = torch.float32
 
     def pack(self) -> bool:
         """Pack the current weight (call after loading and dtype conversion); True if packed."""
@@ -80,12 +92,27 @@ class PackedLinear(nn.Linear):
         del self.weight
         return True
 
+    def drop_reference(self) -> bool:
+        """Free the reference weight, plain and packed, where a C form (q4_1 / q8_0) holds it
+        (True if freed): prompt rows are then multiplied by the weight rebuilt from the form at
+        each call, and ``weight`` reads that rebuilt weight."""
+        if self.form is None or not self.form.native:
+            return False
+        self.reference_dtype = (self.packed if self.packed is not None else self.weight).dtype
+        self.packed = None
+        if "weight" in self._parameters:
+            del self.weight
+        return True
+
     def __getattr__(self, name: str):
-        packed = self.__dict__.get("packed")
-        if name == "weight" and packed is not None:
-            return packed.to_dense()
+        if name == "weight":
+            packed, form = self.__dict__.get("packed"), self.__dict__.get("form")
+            if packed is not None:
+                return packed.to_dense()
+            if form is not None and form.native:
+                return form.dense(self.reference_dtype)
         return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        weight = None if self.packed is not None else self.weight  # the packed one is used
+        weight = self._parameters.get("weight") if self.packed is None else None  # else the packed one
         return linear(x, weight, self.bias, self.packed, self.form, decode)

@@ -228,6 +228,14 @@ class LlamaModel(nn.Module):
             freed += 1
         return freed
 
+    def drop_reference_weights(self) -> int:
+        """Free the reference weight of every projection a C form holds
+        (:meth:`PackedLinear.drop_reference`): prompt rows then multiply by the weight rebuilt
+        from the form (``--prompt-weights form``). The embedding stays (read as a table), and a
+        tied head already reads its form. Call after :meth:`quantize_weights`. Returns how many
+        projections were freed."""
+        return sum(m.drop_reference() for m in self.modules() if isinstance(m, PackedLinear))
+
     def quantize_weights(self, projection: str | None, lm_head: str | None, fine_projections: bool = False) -> dict[str, int]:
         """Attach the decode form of the projections and of the LM head (see :mod:`quanta.model.quant`).
 
@@ -271,10 +279,12 @@ class LlamaModel(nn.Module):
         ``projections=q4_1 lm_head=q8_0 reference=float32-onednn-packed``."""
         def form(kind: str | None) -> str:
             return kind if kind and self.quantized.get(kind) else "reference"
-        packed = self._tied_head_packed is not None or any(
-            isinstance(m, PackedLinear) and m.packed is not None for m in self.modules())
+        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
+        packed = self._tied_head_packed is not None or any(m.packed is not None for m in linears)
         dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
         ref = f"{dtype}-onednn-packed" if packed else f"{dtype}-F.linear"
+        if linears and all(m.packed is None and "weight" not in m._parameters for m in linears):
+            ref = f"{dtype}-rebuilt-from-form"
         return f"projections={form(self.weight_forms[0])} lm_head={form(self.weight_forms[1])} reference={ref}"
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -95,6 +95,19 @@ class QuantizedWeight:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, INT4_GROUP, self.scales)
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
+    @property
+    def native(self) -> bool:
+        """Whether quanta's C kernels multiply this form (q4_1 / q8_0)."""
+        return self.kind in NATIVE_FORMS
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The ``[N, K]`` weight this form represents, in ``dtype`` (bf16 or float32): rebuilt by
+        the C library for q4_1 / q8_0 (:func:`quanta.model.native.forms.dense`), else converted
+        from :meth:`dequantize`."""
+        if self.native:
+            return native_forms.dense(self.kind, self.data, self.scales, dtype)
+        return self.dequantize().to(dtype)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight this form represents (for tests and checks)."""
         if self.kind == "fp16":

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.model_executor import default_decode_threads
-from quanta.launch import build_engine, cpu_summary, load_model, release_load_memory, resolve_dtype
+from quanta.launch import build_engine, cpu_summary, load_model, release_load_memory, resolve_dtype, return_freed_heap
 from quanta.logs import uvicorn_log_config
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
@@ -77,7 +77,8 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
-    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode)
+    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode,
+                        engine_cfg.prompt_weights)
     if chat_template is not None:  # before the server state reads it (the tool-call parser is chosen from it)
         loaded.tokenizer.hf.chat_template = chat_template
     engine = build_engine(loaded, engine_cfg, sched_cfg)
@@ -110,7 +111,7 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
              config["dtype"],
              "on" if engine_cfg.prefix_cache else "off",
              engine_cfg.quantization, loaded.kernels, config["cpu_flags"], config["decode_threads"], config["prefill_threads"])
-    async_engine = AsyncEngine(engine, engine_cfg.max_queue)
+    async_engine = AsyncEngine(engine, engine_cfg.max_queue, on_idle=return_freed_heap)
     metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting, engine_cfg.prefix_cache,
                             async_engine.kv_blocks)
     metrics.live = live = LiveLog(lambda: async_engine.num_running, lambda: async_engine.num_waiting,

@@ -20,7 +20,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c", "pool.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c", "dequant.c", "pool.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "pool.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
 LIBS = ("-lmvec", "-lm", "-lpthread")
@@ -36,6 +36,7 @@ _SIGNATURES = {
     "pool_threads": (),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
+    "block_dense": (_I, _I, _I, _P, _P, _P, _I),
 }
 
 _RESULTS = {"attention_scratch": _L, "pool_threads": _I}

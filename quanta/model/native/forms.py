@@ -89,6 +89,17 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def dense(kind: str, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight that ``data`` and ``scales`` hold, in ``dtype`` (bf16, else float32),
+    rebuilt by the C library (``dequant.c``): what a prompt chunk multiplies by where the
+    reference weight is not kept. Equal to :func:`dequantize` up to float32 rounding."""
+    g, b = data.shape[:2]
+    out = torch.empty(g * 8, b * BLOCK, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    native.load().block_dense(4 if kind == "q4_1" else 8, g * 8, b * BLOCK, data.data_ptr(), scales.data_ptr(),
+                              out.data_ptr(), int(out.dtype == torch.bfloat16))
+    return out
+
+
 def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 ``[N, K]`` weight that ``data`` and ``scales`` hold."""
     g, b = data.shape[:2]
