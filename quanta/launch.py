@@ -202,7 +202,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> KVFormat:
 def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int, max_num_seqs: int) -> int:
     """Blocks of the KV pool for ``engine_cfg``'s budget (:func:`quanta.engine.kv_budget.num_blocks`)."""
     cfg = loaded.config
-    dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.embed_tokens.weight.dtype)
+    dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.dtype)
     block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, engine_cfg.block_size, cfg.head_dim, dtype)
     return num_blocks(block_bytes, engine_cfg.block_size, max_len, max_num_seqs, engine_cfg.kv_cache_memory,
                       engine_cfg.kv_cache_tokens)
@@ -221,7 +221,7 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
     num_blocks = kv_cache_blocks(loaded, engine_cfg, max_len, sched_cfg.max_num_seqs)
-    kv_dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.embed_tokens.weight.dtype)
+    kv_dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.dtype)
     executor = ModelExecutor(loaded.model, num_blocks, engine_cfg.block_size, kv_dtype=kv_dtype)
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
     scheduler = sched_cfg.build()

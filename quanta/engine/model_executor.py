@@ -67,7 +67,7 @@ class ModelExecutor(Executor):
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
         cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         self.model = model
         self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, kv_dtype or dtype)
         self.sampler = Sampler()

@@ -20,6 +20,7 @@ from torch import nn
 
 from quanta.model.attention import AttentionBatch, attend
 from quanta.model.config import ModelConfig
+from quanta.model.form_embedding import FormEmbedding
 from quanta.model.linear import PackedLinear, linear, pack_weight
 from quanta.model.moe import ExpertStats, MoEBlock, RoutedExperts, expert_stats
 from quanta.model.quant import NATIVE_FORMS, QuantizedWeight, quantize
@@ -231,10 +232,20 @@ class LlamaModel(nn.Module):
     def drop_reference_weights(self) -> int:
         """Free the reference weight of every projection a C form holds
         (:meth:`PackedLinear.drop_reference`): prompt rows then multiply by the weight rebuilt
-        from the form (``--prompt-weights form``). The embedding stays (read as a table), and a
-        tied head already reads its form. Call after :meth:`quantize_weights`. Returns how many
-        projections were freed."""
-        return sum(m.drop_reference() for m in self.modules() if isinstance(m, PackedLinear))
+        from the form (``--prompt-weights form``). A tied head's q8_0 form also replaces the
+        embedding table (:class:`~quanta.model.form_embedding.FormEmbedding`). Call after
+        :meth:`quantize_weights`. Returns how many projections were freed."""
+        freed = sum(m.drop_reference() for m in self.modules() if isinstance(m, PackedLinear))
+        form = self._tied_head_form
+        if freed and form is not None and form.kind == "q8_0" and isinstance(self.embed_tokens, nn.Embedding):
+            self.embed_tokens = FormEmbedding(form, self.dtype)
+        return freed
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations and reference weights are computed in."""
+        emb = self.embed_tokens
+        return emb.dtype if isinstance(emb, FormEmbedding) else emb.weight.dtype
 
     def quantize_weights(self, projection: str | None, lm_head: str | None, fine_projections: bool = False) -> dict[str, int]:
         """Attach the decode form of the projections and of the LM head (see :mod:`quanta.model.quant`).
@@ -281,7 +292,7 @@ class LlamaModel(nn.Module):
             return kind if kind and self.quantized.get(kind) else "reference"
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         packed = self._tied_head_packed is not None or any(m.packed is not None for m in linears)
-        dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.")
         ref = f"{dtype}-onednn-packed" if packed else f"{dtype}-F.linear"
         if linears and all(m.packed is None and "weight" not in m._parameters for m in linears):
             ref = f"{dtype}-rebuilt-from-form"

@@ -69,7 +69,7 @@ class NativeDecoder:
 
     def __init__(self, model) -> None:
         cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         reason = unsupported_reason(cfg, dtype)
         if reason:
             raise ValueError(f"native decode does not support {reason}")

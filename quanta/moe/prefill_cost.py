@@ -176,7 +176,7 @@ def measure_prefill_cost(loaded, quanta=DEFAULT_QUANTA, prompt_tokens: int = 819
         "model": model_shape(loaded),
         "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": _loadavg()},
         "method": {"prompt_tokens": prompt_tokens, "repeats": repeats,
-                   "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                   "dtype": str(loaded.model.dtype).removeprefix("torch."),
                    "scheduler": "batched, max_num_seqs=1, prefill_quantum=Q, prefill_cap=max(prompt, Q)",
                    "timing": "sum of trace step durations (time.monotonic around Executor.execute) / prompt tokens",
                    "moe_timing": "wall time of the MoE blocks (router to output, perf_counter), "

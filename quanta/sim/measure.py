@@ -133,7 +133,7 @@ def measure(loaded, chunks: list[int], positions: list[int], batches: list[int],
 
     ctx0, p0 = decode_contexts[0], positions[0]
     max_len = max(max(positions) + max(chunks), max(decode_contexts) + 2) + 1
-    kv_dtype = resolve_kv_dtype("auto", loaded.model.embed_tokens.weight.dtype)
+    kv_dtype = resolve_kv_dtype("auto", loaded.model.dtype)
     ex = ModelExecutor(loaded.model, max(batches) * blocks_for(max_len, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE,
                        kv_dtype=kv_dtype)
     spread: dict = {"decode": {}, "prefill": {}}
@@ -164,7 +164,7 @@ def _meta(loaded, measured: dict, spread: dict, kv_dtype) -> dict:
                    "overhead = intercept of the decode step cost vs batch size"),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(), "model": str(getattr(loaded, "name", "") or "embedded SmolLM2-135M-Instruct"),
-        "dtype": str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "kv": kv_meta(loaded.config, kv_dtype),
         "measured": measured,
         "spread": spread,
