@@ -81,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--mixed-prefill-quantum auto: {exc}")
     from quanta.cluster.app import RayStartError
     from quanta.engine.kv_budget import KVBudgetError
+    from quanta.launch import PromptWeightsError
 
     try:
         return _run(args, engine_cfg, sched_cfg, chat_template)
-    except (KVBudgetError, RayStartError) as exc:  # known once the model's shape (or Ray) is: after the load, still one line
+    except (KVBudgetError, RayStartError, PromptWeightsError) as exc:  # known after the load: still one line
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 

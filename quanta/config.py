@@ -165,6 +165,9 @@ class EngineConfig:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.prompt_weights not in PROMPT_WEIGHTS:
             raise ValueError(f"--prompt-weights must be reference or form, got {self.prompt_weights!r}")
+        if self.prompt_weights == "form" and self.quantization not in ("auto", "q4_1", "q8_0"):
+            raise ValueError(f"--prompt-weights form needs --quantization auto, q4_1 or q8_0 (the forms it keeps), "
+                             f"got {self.quantization}")
         if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:
             raise ValueError("give --kv-cache-memory or --kv-cache-tokens, not both")
         for name in ("max_model_len", "max_queue", "kv_cache_memory", "kv_cache_tokens"):

@@ -22,7 +22,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from quanta.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_POLICY, PROMPT_WEIGHTS, QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
+from quanta.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_POLICY,
+    PROMPT_WEIGHTS,
+    QUANTIZATION_CHOICES,
+    EngineConfig,
+    SchedulerConfig,
+)
 from quanta.engine.policies import KNOBS, POLICIES, takers
 from quanta.logs import LOG_FORMATS, LOG_LEVELS
 from quanta.preflight import check_model_path

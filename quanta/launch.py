@@ -121,6 +121,10 @@ def resolve_quantization(name: str, path: Path, bf16_reference: bool) -> tuple[s
     return (fp16 if name == "fp16" else name), head
 
 
+class PromptWeightsError(ValueError):
+    """``--prompt-weights form`` where the loaded model has no q4_1 / q8_0 form to keep."""
+
+
 def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none", native_decode: bool = True,
                prompt_weights: str = "reference") -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
@@ -153,7 +157,7 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     model.quantize_weights(*forms)
     model.drop_plain_weights()
     if prompt_weights == "form" and not model.drop_reference_weights():
-        raise ValueError(f"--prompt-weights form needs q4_1 or q8_0 forms of the projections; --quantization "
+        raise PromptWeightsError(f"--prompt-weights form needs q4_1 or q8_0 forms of the projections; --quantization "
                          f"{quantization} gave {model.describe_kernels()}")
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"

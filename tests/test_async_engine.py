@@ -133,3 +133,22 @@ def test_requests_being_prepared_count_against_max_queue_once():
     finally:
         eng.stop()
     assert counts == (0, 1) and after == 0 and tokens == [7] and preparing_again == 1
+
+
+def test_on_idle_runs_once_each_time_the_engine_runs_out_of_work():
+    calls = []
+    eng = AsyncEngine(Engine(SchedulerConfig("batched", 1).build(), FlakyExecutor(), max_model_len=64),
+                      on_idle=lambda: calls.append(time.monotonic()))
+    eng.start()
+    try:
+        time.sleep(0.6)
+        assert calls == []  # never busy yet
+        for turn in (1, 2):
+            assert asyncio.run(asyncio.wait_for(_collect(eng, [1, 2, 3], 3), 10)) == [7, 7, 7]
+            deadline = time.monotonic() + 5
+            while len(calls) < turn and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.6)  # an idle engine waits on its queue without calling again
+            assert len(calls) == turn
+    finally:
+        eng.stop()
