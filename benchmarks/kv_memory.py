@@ -4,7 +4,8 @@ Each server is started alone, then holds ``--sequences`` sequences of ``--tokens
 that many streaming ``/v1/completions`` requests sent together, each a distinct prompt of random
 token ids (no prefix in common, so nothing is shared) of ``tokens - 16`` ids and 16 tokens out
 (``ignore_eos``). The table gives the server process's resident memory (``VmRSS`` of
-``/proc/PID/status``) after start and 1 s after every request ended, and its peak (``VmHWM``).
+``/proc/PID/status``) after start and 1 s after every request ended, and its peak (``VmHWM``); a
+server that answers a fill request with an error has the error's message in the table instead.
 quanta's pool keeps a finished request's blocks (its prefix cache) and never returns pages, so
 "after" is the memory with the context held; llama-server allocates and clears its whole KV
 cache at start.
@@ -65,6 +66,10 @@ def command(name: str, flags: list[str], port: int, binary: Path, gguf: Path) ->
             "--port", str(port), *flags]
 
 
+class Refused(Exception):
+    """The server answered a fill request with an error (e.g. a context past what it allows)."""
+
+
 def memory(pid: int) -> dict[str, float]:
     """``VmRSS`` and ``VmHWM`` of a process, in GB (10^9 bytes)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
@@ -78,7 +83,8 @@ async def fill(url: str, sequences: int, tokens: int) -> float:
         prompt = [rng.randrange(1000, 40000) for _ in range(tokens - OUT_TOKENS)]
         body = {"model": model, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "ignore_eos": True}
         r = await client.post(f"{url}/v1/completions", json=body)
-        r.raise_for_status()
+        if r.status_code >= 400:
+            raise Refused(r.json().get("error", {}).get("message", r.text))
 
     t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=3600) as client:
@@ -92,13 +98,16 @@ def measure(name: str, cmd: list[str], port: int, sequences: int, tokens: int, l
     try:
         time.sleep(2)
         started = memory(proc.pid)
-        seconds = asyncio.run(fill(f"http://127.0.0.1:{port}", sequences, tokens))
+        try:
+            seconds, refused = asyncio.run(fill(f"http://127.0.0.1:{port}", sequences, tokens)), None
+        except Refused as exc:
+            seconds, refused = None, str(exc)
         time.sleep(SETTLE_S)
         held = memory(proc.pid)
     finally:
         stop(proc)
-    row = {"config": name, "after_start_gb": started["VmRSS"], "holding_gb": held["VmRSS"], "peak_gb": held["VmHWM"],
-           "fill_s": seconds, "flags": cmd[cmd.index("--port") + 2:]}
+    row = {"config": name, "after_start_gb": started["VmRSS"], "holding_gb": None if refused else held["VmRSS"],
+           "peak_gb": held["VmHWM"], "fill_s": seconds, "refused": refused, "flags": cmd[cmd.index("--port") + 2:]}
     print(f"  {name}: {row}", file=sys.stderr)
     return row
 
@@ -111,8 +120,10 @@ def render(rows: list[dict], info: dict, sequences: int, tokens: int) -> str:
            "- GB = 10^9 bytes of VmRSS / VmHWM of the server process", "",
            "| configuration | flags | after start | holding the context | peak | fill time |", "|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['config']} | `{' '.join(r['flags'])}` | {r['after_start_gb']:.2f} GB | {r['holding_gb']:.2f} GB "
-                   f"| {r['peak_gb']:.2f} GB | {r['fill_s']:.0f} s |")
+        held = f"refused: {r['refused']}" if r.get("refused") else f"{r['holding_gb']:.2f} GB"
+        fill = "-" if r["fill_s"] is None else f"{r['fill_s']:.0f} s"
+        out.append(f"| {r['config']} | `{' '.join(r['flags'])}` | {r['after_start_gb']:.2f} GB | {held} "
+                   f"| {r['peak_gb']:.2f} GB | {fill} |")
     return "\n".join(out) + "\n"
 
 

@@ -174,6 +174,13 @@ def test_official_clients_keys_errors_and_metrics(cluster):
     metrics = httpx.get(cluster.base_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).text
     running = sorted(line.split()[0] for line in metrics.splitlines() if line.startswith("quanta:num_requests_running{"))
     assert running == ['quanta:num_requests_running{replica="0"}', 'quanta:num_requests_running{replica="1"}']
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    trace = httpx.get(cluster.base_url + "/v1/trace?replica=1", headers=admin, timeout=30)
+    assert trace.status_code == 200, trace.text
+    for query, status in (("", 400), ("?replica=abc", 400), ("?replica=-1", 400), ("?replica=2", 404)):
+        wrong = httpx.get(cluster.base_url + "/v1/trace" + query, headers=admin, timeout=30)
+        assert wrong.status_code == status, (query, wrong.text)
+        assert wrong.json()["error"]["param"] == "replica"
 
 
 def test_front_renders_the_prompt_ids_the_replicas_compute(cluster):

@@ -194,7 +194,8 @@ class Front:
         if replica is None or not replica.isdigit() or int(replica) >= len(self.replicas):
             message = (f"replica: the step trace is per replica; GET /v1/trace?replica=I with I in "
                        f"0..{len(self.replicas) - 1}")
-            return JSONResponse(route_error_body(incoming.path, 404, message, "replica"), status_code=404)
+            status = 404 if replica is not None and replica.isdigit() else 400  # no such replica, or no index at all
+            return JSONResponse(route_error_body(incoming.path, status, message, "replica"), status_code=status)
         answer = await self._answer(int(replica), incoming)
         if answer is None:
             return JSONResponse(route_error_body(incoming.path, 503, f"replica {replica} did not answer"), status_code=503)
