@@ -246,13 +246,15 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
         const void *cache = pass ? j->v_cache : j->k_cache;
         for (int64_t t = lo; t < hi; t += ATT_TILE) {
             int64_t n = hi - t < reach ? hi - t : reach;
-            for (int64_t u = 0; u < n; u++) {
-                int64_t at = page_offset(&pg, t + u);
-                if (j->cache_kind == KV_F32) {
-                    rows[u] = (const float *)cache + at;
-                } else {
-                    load_kv(cache, j->cache_kind, at, dim, tile + u * dim);
-                    rows[u] = tile + u * dim;
+            for (int64_t u = 0; u < n;) { /* a block's positions are consecutive rows: one lookup a block */
+                int64_t at = page_offset(&pg, t + u), run = pg.block_size - (t + u) % pg.block_size;
+                for (int64_t end = u + (run < n - u ? run : n - u); u < end; u++, at += pg.row) {
+                    if (j->cache_kind == KV_F32) {
+                        rows[u] = (const float *)cache + at;
+                    } else {
+                        load_kv(cache, j->cache_kind, at, dim, tile + u * dim);
+                        rows[u] = tile + u * dim;
+                    }
                 }
             }
             for (int i = 0; i < R; i++) {
