@@ -110,11 +110,11 @@ def one_round(url: str, tokens: int, decoders: int, context: int, seed: int) -> 
     return row
 
 
-def cell(rows: list[dict], key: str) -> str:
+def cell(rows: list[dict], key: str, say_refusal: bool = False) -> str:
     vals = [r[key] for r in rows if r[key] is not None]
     if not vals:
         refusals = {r["refused"] for r in rows if r["refused"]}
-        return f"refused: {refusals.pop()}" if refusals else "-"
+        return f"refused: {refusals.pop()}" if refusals and say_refusal else "-"
     s = summarize(vals)
     return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
 
@@ -133,7 +133,7 @@ def render(results: dict, info: dict, args) -> str:
            "|---|---|---|---|---|"]
     for tokens, per in results.items():
         for server, rows in per.items():
-            out.append(f"| {tokens:,} | {server} | {cell(rows, 'probe_tok_s')} | {cell(rows, 'max_gap_ms')} "
+            out.append(f"| {tokens:,} | {server} | {cell(rows, 'probe_tok_s', True)} | {cell(rows, 'max_gap_ms')} "
                        f"| {cell(rows, 'median_gap_ms')} |")
     return "\n".join(out) + "\n"
 
