@@ -183,8 +183,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-weights", choices=PROMPT_WEIGHTS, default="reference",
                    help="what prompt rows multiply by: reference = the dequantized weights, kept packed for oneDNN "
                         "(fastest prefill), form = only the projections' q4_1 / q8_0 forms are kept and each prompt "
-                        "matmul rebuilds its weight from them (0.2 GB less for the embedded model in bf16, 0.4 GB in "
-                        "fp32; slower prefill; needs --quantization with a q4_1 or q8_0 form) (default: reference)")
+                        "matmul rebuilds its weight from them (~0.25 GB less for the embedded model in bf16, ~0.5 GB "
+                        "in fp32; slower prefill of short prompts; needs --quantization with a q4_1 or q8_0 form) (default: reference)")
     p.add_argument("--native-decode", choices=("on", "off"), default="on",
                    help="run decode steps with quanta's C code between the matmuls (norms, RoPE, attention, SwiGLU) "
                         "where the model allows; off = PyTorch ops throughout (default: on)")

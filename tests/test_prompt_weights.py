@@ -80,6 +80,18 @@ def test_the_answers_are_the_references(pair):
     assert got == _answers(ref, prompts)
 
 
+def test_sampling_never_rebuilds_the_embedding_table(pair, monkeypatch):
+    _, lean = pair
+
+    def rebuilt(self):
+        raise AssertionError("the whole embedding table was rebuilt")
+
+    monkeypatch.setattr(FormEmbedding, "weight", property(rebuilt))
+    hidden = torch.randn(2, lean.config.hidden_size).to(lean.model.dtype)
+    assert lean.model.compute_logits(hidden).shape == (2, lean.config.vocab_size)
+    assert len(_answers(lean, [[5, 6, 7, 8]])[0]) == 12  # prefill, then decode steps, sampling each
+
+
 def test_a_model_without_a_c_form_is_refused():
     with pytest.raises(PromptWeightsError, match="--prompt-weights form needs q4_1 or q8_0"):
         load_model(None, torch.float32, "int8", prompt_weights="form")

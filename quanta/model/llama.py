@@ -204,7 +204,8 @@ class LlamaModel(nn.Module):
             hidden = hidden.float()  # exact; the C kernel then writes float32 logits, not bf16-rounded ones
         if self.lm_head is not None:
             return self.lm_head(hidden, True).float()
-        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed, form, True).float()
+        weight = None if form is not None else self.embed_tokens.weight  # a form: the table is never read
+        return linear(hidden, weight, None, self._tied_head_packed, form, True).float()
 
     def pack_weights(self) -> int:
         """Pre-pack bf16 projection weights for oneDNN (see :mod:`quanta.model.linear`).
