@@ -1,4 +1,4 @@
-"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, and ``pool.c``, the
+"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, ``dequant.c``, and ``pool.c``, the
 two-thread fork-join they split their work over) for this CPU.
 
 The sources are compiled once per (source, compiler, CPU flags) with
