@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import THREADS, build_llama_server, free_port, start, stop, write_result  # noqa: E402
+from peer_llama_cpp import THREADS, build_llama_server, free_port, server_command, start, stop, write_result  # noqa: E402
 from quanta.bench.output import machine  # noqa: E402
 from quanta.launch import cpu_summary  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402
@@ -57,13 +57,6 @@ def configs(sequences: int, tokens: int) -> dict[str, list[str]]:
         "quanta-form": [*quanta, "--prompt-weights", "form"],
         "quanta-q8_0-form": [*quanta, "--kv-cache-dtype", "q8_0", "--prompt-weights", "form"],
     }
-
-
-def command(name: str, flags: list[str], port: int, binary: Path, gguf: Path) -> list[str]:
-    if name.startswith("llama"):
-        return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
-    return [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
-            "--port", str(port), *flags]
 
 
 class Refused(Exception):
@@ -145,7 +138,7 @@ def main() -> int:
     rows = []
     for name in picked:
         port = free_port()
-        rows.append(measure(name, command(name, table[name], port, binary, gguf), port, args.sequences, args.tokens,
+        rows.append(measure(name, server_command(name, table[name], port, binary, gguf), port, args.sequences, args.tokens,
                             workdir / f"{name}.log"))
     text = render(rows, info, args.sequences, args.tokens)
     print(text)

@@ -39,6 +39,8 @@ from peer_llama_cpp import (  # noqa: E402
     THREADS,
     build_llama_server,
     free_port,
+    int_list,
+    server_command,
     start,
     startup_line,
     stop,
@@ -77,7 +79,7 @@ def render(results: dict, info: dict, args) -> str:
     out = [f"# Long context: quanta vs llama-server ({info['date'][:10]})", "",
            f"- machine: {info['cpu']}, {info['logical_cores']} cores; flags `{info['cpu_flags']}`; "
            f"1-minute load before: {info['load']:.1f}",
-           f"- command: `python benchmarks/long_context.py --contexts {args.contexts} --rounds {args.rounds}"
+           f"- command: `python benchmarks/long_context.py --contexts {','.join(map(str, args.contexts))} --rounds {args.rounds}"
            f"{' --quanta-args ' + shlex.quote(args.quanta_args) if args.quanta_args else ''}`",
            f"- llama-server `{' '.join(info['llama_args'])}`; quanta `{' '.join(info['quanta_args'])}`",
            f"- quanta: {info['quanta_startup']}",
@@ -104,16 +106,13 @@ def render(results: dict, info: dict, args) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="2048,8192", help="comma list of context lengths (tokens)")
+    ap.add_argument("--contexts", type=int_list, default=[2048, 8192], help="comma list of context lengths (tokens)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--servers", default="llama-server,quanta")
     ap.add_argument("--quanta-args", default="", help="extra flags for quanta serve")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "long_context")
     args = ap.parse_args()
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        ap.error(f"--contexts must be a comma list of integers, got {args.contexts!r}")
+    contexts = args.contexts
     if min(contexts) <= OUT_TOKENS + 1:
         ap.error(f"--contexts: each context must exceed {OUT_TOKENS + 1} tokens")
     room = max(contexts) + OUT_TOKENS
@@ -121,17 +120,15 @@ def main() -> int:
     llama_args = ["-t", str(THREADS), "-np", "1", "-c", str(room)]
     quanta_args = ["--max-num-seqs", "1", "--max-model-len", str(room), *shlex.split(args.quanta_args)]
     ports = {"llama-server": free_port(), "quanta": free_port()}
-    cmds = {"llama-server": lambda: [str(build_llama_server()), "-m", str(gguf), "--host", "127.0.0.1",
-                                     "--port", str(ports["llama-server"]), *llama_args],
-            "quanta": lambda: [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
-                               "--port", str(ports["quanta"]), *quanta_args]}
-    servers = [s for s in args.servers.split(",") if s in cmds]
+    servers = [s for s in args.servers.split(",") if s in ports]
+    binary = build_llama_server() if "llama-server" in servers else None
+    cmds = {s: server_command(s, llama_args if s == "llama-server" else quanta_args, ports[s], binary, gguf) for s in servers}
     info = {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0],
             "llama_args": llama_args, "quanta_args": quanta_args}
     results: dict[int, dict[str, list[dict]]] = {c: {s: [] for s in servers} for c in contexts}
     for rnd in range(args.rounds):
         for server in servers if rnd % 2 == 0 else servers[::-1]:
-            proc = start(cmds[server](), ports[server], workdir / f"{server}.log")
+            proc = start(cmds[server], ports[server], workdir / f"{server}.log")
             try:
                 for c in contexts:
                     got = one_request(f"http://127.0.0.1:{ports[server]}", c, seed=rnd * 1000 + c)

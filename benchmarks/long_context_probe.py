@@ -35,7 +35,17 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import THREADS, build_llama_server, free_port, start, stop, summarize, write_result  # noqa: E402
+from peer_llama_cpp import (  # noqa: E402
+    THREADS,
+    build_llama_server,
+    free_port,
+    int_list,
+    server_command,
+    start,
+    stop,
+    summarize,
+    write_result,
+)
 from quanta.bench.output import machine  # noqa: E402
 from quanta.launch import cpu_summary  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402
@@ -123,7 +133,8 @@ def render(results: dict, info: dict, args) -> str:
     out = [f"# A long cold prompt while {args.decoders} sessions decode at {args.decode_context:,} tokens ({info['date'][:10]})", "",
            f"- machine: {info['cpu']}, {info['logical_cores']} cores; flags `{info['cpu_flags']}`; "
            f"1-minute load before: {info['load']:.1f}",
-           f"- command: `python benchmarks/long_context_probe.py --probe-tokens {args.probe_tokens} --decoders {args.decoders} "
+           f"- command: `python benchmarks/long_context_probe.py --probe-tokens {','.join(map(str, args.probe_tokens))} "
+           f"--decoders {args.decoders} "
            f"--decode-context {args.decode_context} --rounds {args.rounds}"
            f"{' --quanta-args ' + shlex.quote(args.quanta_args) if args.quanta_args else ''}`",
            f"- llama-server `{' '.join(info['llama_args'])}`; quanta `{' '.join(info['quanta_args'])}`",
@@ -140,7 +151,7 @@ def render(results: dict, info: dict, args) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--probe-tokens", default="8000,16000", help="comma list of probe prompt lengths")
+    ap.add_argument("--probe-tokens", type=int_list, default=[8000, 16000], help="comma list of probe prompt lengths")
     ap.add_argument("--decoders", type=int, default=3)
     ap.add_argument("--decode-context", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
@@ -148,29 +159,24 @@ def main() -> int:
     ap.add_argument("--quanta-args", default="", help="extra flags for quanta serve")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "long_context_probe")
     args = ap.parse_args()
-    try:
-        sizes = [int(c) for c in args.probe_tokens.split(",")]
-    except ValueError:
-        ap.error(f"--probe-tokens must be a comma list of integers, got {args.probe_tokens!r}")
-    if min(sizes) < 1 or args.decoders < 1 or args.decode_context < 2:
-        ap.error("--probe-tokens, --decoders and --decode-context must be positive")
+    sizes = args.probe_tokens
+    if args.decoders < 1 or args.decode_context < 2:
+        ap.error("--decoders and --decode-context must be positive")
     room, slots = max(max(sizes), args.decode_context) + ROOM, args.decoders + 1
     gguf, workdir = embedded_model_path(), Path(tempfile.mkdtemp(prefix="quanta-probe-"))
     llama_args = ["-t", str(THREADS), "-np", str(slots), "-c", str(slots * room)]
     quanta_args = ["--max-num-seqs", str(slots), "--max-model-len", str(room), *shlex.split(args.quanta_args)]
     ports = {"llama-server": free_port(), "quanta": free_port()}
-    cmds = {"llama-server": lambda: [str(build_llama_server()), "-m", str(gguf), "--host", "127.0.0.1",
-                                     "--port", str(ports["llama-server"]), *llama_args],
-            "quanta": lambda: [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
-                               "--port", str(ports["quanta"]), *quanta_args]}
-    servers = [s for s in args.servers.split(",") if s in cmds]
+    servers = [s for s in args.servers.split(",") if s in ports]
+    binary = build_llama_server() if "llama-server" in servers else None
+    cmds = {s: server_command(s, llama_args if s == "llama-server" else quanta_args, ports[s], binary, gguf) for s in servers}
     info = {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0],
             "llama_args": llama_args, "quanta_args": quanta_args}
     results: dict[int, dict[str, list[dict]]] = {n: {s: [] for s in servers} for n in sizes}
     for rnd in range(args.rounds):
         for server in servers if rnd % 2 == 0 else servers[::-1]:
             for n in sizes:  # a fresh server for each probe: no decoder or cache left from the last
-                proc = start(cmds[server](), ports[server], workdir / f"{server}.log")
+                proc = start(cmds[server], ports[server], workdir / f"{server}.log")
                 try:
                     row = one_round(f"http://127.0.0.1:{ports[server]}", n, args.decoders, args.decode_context,
                                     seed=rnd * 10_000 + n)

@@ -96,6 +96,26 @@ def build_llama_server() -> Path:
     return BINARY
 
 
+def server_command(server: str, flags: list[str], port: int, binary: Path | None, gguf: Path) -> list[str]:
+    """The command line serving ``gguf`` on 127.0.0.1:``port`` with ``flags``: ``llama-server``
+    (``binary``) for a name starting with ``llama``, else ``quanta serve``."""
+    if server.startswith("llama"):
+        return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
+    return [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            *flags]
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: ``"2048,8192"`` -> ``[2048, 8192]``, each positive."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return values
+
+
 def free_port() -> int:
     import socket
 
@@ -174,9 +194,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="quanta-peer-"))
     ports = {"llama-server": free_port(), "quanta": free_port()}
     cmds = {
-        "llama-server": [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(ports["llama-server"]), *LLAMA_ARGS],
-        "quanta": [sys.executable, "-m", "quanta.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
-                   "--port", str(ports["quanta"]), *QUANTA_ARGS, *shlex.split(args.quanta_args)],
+        "llama-server": server_command("llama-server", LLAMA_ARGS, ports["llama-server"], binary, gguf),
+        "quanta": server_command("quanta", [*QUANTA_ARGS, *shlex.split(args.quanta_args)], ports["quanta"], binary, gguf),
     }
     cmds = {name: cmd for name, cmd in cmds.items() if name in args.servers.split(",")}
     results: dict[str, dict[str, list[float]]] = {w: {s: [] for s in cmds} for w in workloads}

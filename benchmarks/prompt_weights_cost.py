@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import summarize, write_result  # noqa: E402
+from peer_llama_cpp import int_list, summarize, write_result  # noqa: E402
 from quanta.bench.output import machine  # noqa: E402
 from quanta.config import EngineConfig, SchedulerConfig  # noqa: E402
 from quanta.engine.sampling import SamplingParams  # noqa: E402
@@ -40,17 +40,14 @@ def prefill_seconds(engine, prompt: list[int]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="512,2048,8192", help="comma list of prompt lengths")
+    ap.add_argument("--tokens", type=int_list, default=[512, 2048, 8192], help="comma list of prompt lengths")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: the server's default here")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prompt_weights_cost")
     args = ap.parse_args()
-    try:
-        sizes = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        ap.error(f"--tokens must be a comma list of integers, got {args.tokens!r}")
-    if min(sizes) < 1 or args.rounds < 1:
-        ap.error("--tokens and --rounds must be positive")
+    sizes = args.tokens
+    if args.rounds < 1:
+        ap.error("--rounds must be positive")
     dtype = resolve_dtype(dtype_name(args.dtype) if args.dtype else None)
     cfg = EngineConfig(max_model_len=max(sizes) + 64, prefix_cache=False)
     engines = {m: build_engine(load_model(None, dtype, "auto", prompt_weights=m), cfg, SchedulerConfig(max_num_seqs=1))
@@ -67,7 +64,7 @@ def main() -> int:
     out = [f"# Prefill with --prompt-weights form against reference ({info['date'][:10]})", "",
            f"- machine: {info['cpu']}, {info['logical_cores']} cores; flags `{info['cpu_flags']}`; dtype {info['dtype']}; "
            f"1-minute load before: {info['load']:.1f}",
-           f"- command: `python benchmarks/prompt_weights_cost.py --tokens {args.tokens} --rounds {args.rounds}"
+           f"- command: `python benchmarks/prompt_weights_cost.py --tokens {','.join(map(str, sizes))} --rounds {args.rounds}"
            f"{' --dtype ' + args.dtype if args.dtype else ''}`",
            f"- in-process, one cold prompt alone, the two engines alternating; median (min-max) of {args.rounds} rounds", "",
            "| prompt tokens | reference tok/s | form tok/s | form / reference |", "|---|---|---|---|"]
