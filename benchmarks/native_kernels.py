@@ -6,11 +6,13 @@ Compiles two small C drivers (``benchmarks/native/matmul.c``, ``attention.c``) a
 
 - q4_1 with 8-bit activations (the projections) and q8_0 with 15-bit ones (the LM head) over
   the embedded model's 30 layers of projection shapes, at 1 / 2 / 4 / 8 rows (ms per pass);
-- attention_decode for 8 rows of the embedded model's head layout over 30 layers, at 64 / 300 /
-  1,000 cached positions, float32 and bf16 caches (ms per pass).
+- attention_decode for the embedded model's head layout over 30 layers, each layer its own paged
+  cache (so a pass reads the caches from memory, as a decode step does): 8 rows at 64 / 300 /
+  1,000 cached positions and 1 row at 8,192, float32, bf16 and q8_0 caches (ms per pass).
 
-Each driver prints the best of 15-20 passes; the table gives the median (min-max) of those over
-the repeats, with the machine and CPU flags. Usage:
+Each driver prints the best of 10-20 passes (the attention driver also a hash of its output, so
+two builds can be checked to agree bit for bit); the table gives the median (min-max) of those
+over the repeats, with the machine and CPU flags. Usage:
 ``python benchmarks/native_kernels.py [--repeats 5] [--threads 1]``. To compare two versions,
 run it on each checkout in turn (not in CI: it is a benchmark).
 """
@@ -33,7 +35,8 @@ from quanta.model import native
 
 HERE = Path(__file__).parent / "native"
 MATMUL = [("q4_1, 8-bit activations", ["4", "0"]), ("q8_0, 15-bit activations", ["8", "1"])]
-CONTEXTS = (64, 300, 1000)
+ATTENTION = ((8, 64), (8, 300), (8, 1000), (1, 8192))  # (rows, cached positions)
+CACHES = (("float32", 0), ("bf16", 1), ("q8_0", 3))
 
 
 def build(driver: str, march: str, out: Path) -> Path:
@@ -75,14 +78,15 @@ def main() -> int:
             for name, kind in MATMUL:
                 runs = times([str(exe), str(args.threads), *kind], args.repeats)
                 print(f"| {name}, 30 layers | {march} | " + " | ".join(cell([r[i] for r in runs]) for i in range(4)) + " |")
-        print("\n| attention_decode, 8 rows x 30 layers | -march | " + " | ".join(f"{c} positions" for c in CONTEXTS) + " |")
-        print("|---|---|" + "---|" * len(CONTEXTS))
+        print("\n| attention_decode, 30 layers | -march | " +
+              " | ".join(f"{r} row{'s' if r > 1 else ''} x {c:,} positions" for r, c in ATTENTION) + " |")
+        print("|---|---|" + "---|" * len(ATTENTION))
         for march in ("native", "haswell"):
             exe = build("attention", march, Path(tmp))
-            for bf16 in (0, 1):
-                cells = [cell([r[0] for r in times([str(exe), str(args.threads), str(c), str(bf16)], args.repeats)])
-                         for c in CONTEXTS]
-                print(f"| {'bf16' if bf16 else 'float32'} cache | {march} | " + " | ".join(cells) + " |")
+            for name, kind in CACHES:
+                cells = [cell([r[0] for r in times([str(exe), str(args.threads), str(c), str(kind), str(rows), "10"],
+                                                   args.repeats)]) for rows, c in ATTENTION]
+                print(f"| {name} cache | {march} | " + " | ".join(cells) + " |")
     return 0
 
 

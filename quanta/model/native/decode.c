@@ -58,8 +58,9 @@ static void rope(float *x, int heads, int dim, const float *cos_t, const float *
     }
 }
 
-/* Cache positions a tile of attend_block reads at once. */
-#define ATT_TILE 64
+/* Cache positions a tile of attend_block reads at once; tiles start at multiples of it, so with
+ * the default --block-size (32) a tile is one block of the pool. */
+#define ATT_TILE 32
 
 /* Lane u: the sum of s[u]'s 8 lanes (3 levels of hadd instead of a horizontal sum per vector). */
 static inline __m256 hsum8(const __m256 *s) {
@@ -138,24 +139,47 @@ static inline __attribute__((always_inline)) void group_score8(const float *q, i
     }
 }
 
+/* Heads tile_values sums together, and the 8-float vectors of each head's output it holds in
+ * registers: 3 x 8 accumulators of AVX-512's 32 registers, 3 x 4 of AVX2's 16. */
+#define VALUE_HEADS 3
+#if defined(__AVX512VL__)
+#define VALUE_VECS 8
+#else
+#define VALUE_VECS 4
+#endif
+
+/* out_h[0..dim) += sum_{u < n} p[h][u] vals[u] for nh heads (nh <= VALUE_HEADS; p row stride `ld`;
+ * out_h = out + h (dim + 2)), 8 * VALUE_VECS output elements at a time in registers: each value
+ * vector is loaded once for the nh heads, and every element is summed position by position in
+ * order, so its bits do not depend on nh. */
+static inline __attribute__((always_inline)) void heads_values(const float *p, int64_t ld, int nh, int dim,
+                                                               const float *const *vals, int64_t n, float *out) {
+    for (int c0 = 0; c0 < dim; c0 += 8 * VALUE_VECS) {
+        int nv = dim - c0 >= 8 * VALUE_VECS ? VALUE_VECS : (dim - c0) / 8;
+        __m256 acc[VALUE_HEADS][VALUE_VECS];
+        for (int h = 0; h < nh; h++)
+            for (int v = 0; v < nv; v++) acc[h][v] = _mm256_loadu_ps(out + h * (dim + 2) + c0 + 8 * v);
+        for (int64_t u = 0; u < n; u++) {
+            __m256 pu[VALUE_HEADS];
+            for (int h = 0; h < nh; h++) pu[h] = _mm256_set1_ps(p[h * ld + u]);
+            for (int v = 0; v < nv; v++) {
+                __m256 x = _mm256_loadu_ps(vals[u] + c0 + 8 * v);
+                for (int h = 0; h < nh; h++) acc[h][v] = _mm256_fmadd_ps(pu[h], x, acc[h][v]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int v = 0; v < nv; v++) _mm256_storeu_ps(out + h * (dim + 2) + c0 + 8 * v, acc[h][v]);
+    }
+}
+
 /* out_j[0..dim) += sum_{u < n} p[j][u] vals[u] for each of the group's heads (p row stride `ld`;
- * vals: n rows of dim; out_j = out + j (dim + 2)), 64 output elements at a time in registers. */
+ * vals: n rows of dim; out_j = out + j (dim + 2)), VALUE_HEADS heads at a time (heads_values). */
 static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t ld, int group, int dim,
                                                               const float *const *vals, int64_t n, float *out) {
-    for (int j = 0; j < group; j++) {
-        const float *pj = p + j * ld;
-        float *oj = out + j * (dim + 2);
-        for (int c0 = 0; c0 < dim; c0 += 64) {
-            int nv = dim - c0 >= 64 ? 8 : (dim - c0) / 8;
-            __m256 acc[8];
-            for (int v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(oj + c0 + 8 * v);
-            for (int64_t u = 0; u < n; u++) {
-                __m256 pu = _mm256_set1_ps(pj[u]);
-                for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vals[u] + c0 + 8 * v), acc[v]);
-            }
-            for (int v = 0; v < nv; v++) _mm256_storeu_ps(oj + c0 + 8 * v, acc[v]);
-        }
-    }
+    int j = 0;
+    for (; j + VALUE_HEADS <= group; j += VALUE_HEADS)
+        heads_values(p + j * ld, ld, VALUE_HEADS, dim, vals, n, out + j * (dim + 2));
+    for (; j < group; j++) heads_values(p + j * ld, ld, 1, dim, vals, n, out + j * (dim + 2));
 }
 
 /* Each of the group's score rows (scores [group, len]) -> e^(s - top) in place; out[j] (float32
@@ -180,10 +204,10 @@ static inline __attribute__((always_inline)) void softmax_part(float *scores, in
  * read once for up to this many rows. */
 #define ATT_BLOCK 16
 
-/* float32 scratch of one part of attention_part: a tile of converted cache rows (and the 7 a group
- * started in it may read past it), then the scores of up to ATT_BLOCK rows. */
-static inline int64_t part_scratch(int dim, int group, int64_t max_len) {
-    return (int64_t)(ATT_TILE + 8) * dim + (int64_t)ATT_BLOCK * group * max_len;
+/* float32 scratch of one part of attention_part: a tile of converted cache rows (and the 8 before
+ * it), then the scores of up to ATT_BLOCK rows, every head. */
+static inline int64_t part_scratch(int dim, int heads, int64_t max_len) {
+    return (int64_t)(ATT_TILE + 8) * dim + (int64_t)ATT_BLOCK * heads * max_len;
 }
 
 /* Attention splits every row's cache positions into ATT_PARTS parts, whatever the threads:
@@ -209,68 +233,78 @@ static inline float *partial_out(const struct attention_job *j, int part, int r,
     return j->partials + (((int64_t)part * j->rows + r) * j->heads + g * (j->heads / j->kv_heads)) * (j->dim + 2);
 }
 
-/* Positions a..b-1 (within [t0, t1)) of the scores of one row (q: [group, dim]; the key of
- * position u at keys[u - base]; s: [group, t1 - t0]), computed the same whatever rows share the tile: in
- * groups of 8 from t0 (a group starting before b may run past it), then one by one from the last
- * full group. */
+/* The scores of one row (q: [group, dim]; the key of position u at keys[u - base]; s: [group,
+ * t1 - t0]) that the tile [a, b) (within [t0, t1)) completes, computed the same whatever tiles and
+ * rows share the keys: its groups of 8 from t0 that end in (a, b] (one may start up to 7 before a),
+ * then its positions from the last full group on one by one. */
 static inline __attribute__((always_inline)) void span_scores(const float *q, int group, int dim, const float *const *keys,
                                                               int64_t base, int64_t t0, int64_t t1, int64_t a, int64_t b,
                                                               float *s) {
-    int64_t len = t1 - t0, full = t0 + len / 8 * 8, first = t0 + (a - t0 + 7) / 8 * 8;
-    for (int64_t u = first; u < b && u < full; u += 8) group_score8(q, group, dim, keys + (u - base), s + u - t0, len);
+    int64_t len = t1 - t0, full = t0 + len / 8 * 8, first = t0 + (a - t0) / 8 * 8;
+    first = first + 8 <= a ? first + 8 : first; /* the first group that ends after a */
+    for (int64_t u = first; u + 8 <= b && u < full; u += 8) group_score8(q, group, dim, keys + (u - base), s + u - t0, len);
     for (int64_t u = a > full ? a : full; u < b; u++)
         for (int jj = 0; jj < group; jj++) s[jj * len + u - t0] = score1(q + jj * dim, dim, keys[u - base]);
 }
 
-/* Rows r0 .. r0 + R - 1 (one sequence, consecutive positions; R <= ATT_BLOCK), KV head g, share
- * `part`: each row's arithmetic is that of the row alone (its keys in groups of 8 from its share's
- * start, the same softmax, values summed position by position in order), so the same bits whatever
- * R is (a decode row is R = 1); but each ATT_TILE of keys, then of values, is read once for the R
- * rows while it is in cache: a float32 cache in place, any other kind converted into the tile.
+/* Rows r0 .. r0 + R - 1 (one sequence, consecutive positions; R <= ATT_BLOCK), share `part`,
+ * every KV head: each row's arithmetic is that of the row alone (its keys in groups of 8 from its
+ * share's start, the same softmax, values summed position by position in order), so the same bits
+ * whatever R is (a decode row is R = 1); but each ATT_TILE of keys, then of values, is read once
+ * for the R rows while it is in cache: a float32 cache in place, any other kind converted into
+ * the tile. The KV heads take turns within a tile, so the tile's blocks are read whole (a block
+ * holds every head's rows), not once per head a third at a time.
  * work: part_scratch (the converted tile, then the rows' scores). */
-static inline __attribute__((always_inline)) void attend_block(const struct attention_job *j, int r0, int R, int g,
-                                                               int part, int dim, float *work) {
+static inline __attribute__((always_inline)) void attend_block(const struct attention_job *j, int r0, int R, int part,
+                                                               int dim, float *work) {
     int group = j->heads / j->kv_heads;
-    int64_t t0[ATT_BLOCK], t1[ATT_BLOCK], lo = INT64_MAX, hi = 0, stride = (int64_t)group * j->max_len;
+    int64_t t0[ATT_BLOCK], t1[ATT_BLOCK], lo = INT64_MAX, hi = 0, stride = (int64_t)j->heads * j->max_len;
+    int misaligned = 0; /* a row's groups of 8 (from t0) may cross tiles */
     for (int i = 0; i < R; i++) {
         pool_share(j->positions[r0 + i] + 1, 1, part, ATT_PARTS, &t0[i], &t1[i]);
         lo = t0[i] < lo ? t0[i] : lo;
         hi = t1[i] > hi ? t1[i] : hi;
+        misaligned |= t0[i] % 8 != 0;
     }
-    struct kv_pages pg = kv_pages(j->tables + j->row_table[r0] * j->table_width, j->block_size, j->cache_kind,
-                                  j->kv_heads, dim, g);
-    const float *rows[ATT_TILE + 8]; /* a tile's rows and the 7 a group started in it may read past it */
-    float *tile = work, *scores = work + (ATT_TILE + 8) * dim;
-    int64_t reach = ATT_TILE + (R > 1 ? 8 : 0); /* one row's groups start at t0 + 8k: none runs past its tile */
+    const int32_t *table = j->tables + j->row_table[r0] * j->table_width;
+    const float *rows[ATT_TILE + 8];
+    float *tile = work, *scores = work + (ATT_TILE + 8) * dim; /* row i, KV head g: scores + i stride + g group max_len */
     for (int pass = 0; pass < 2; pass++) { /* keys, then values */
         const void *cache = pass ? j->v_cache : j->k_cache;
-        for (int64_t t = lo; t < hi; t += ATT_TILE) {
-            int64_t n = hi - t < reach ? hi - t : reach;
-            for (int64_t u = 0; u < n;) { /* a block's positions are consecutive rows: one lookup a block */
-                int64_t at = page_offset(&pg, t + u), run = pg.block_size - (t + u) % pg.block_size;
-                for (int64_t end = u + (run < n - u ? run : n - u); u < end; u++, at += pg.row) {
-                    if (j->cache_kind == KV_F32) {
-                        rows[u] = (const float *)cache + at;
-                    } else {
-                        load_kv(cache, j->cache_kind, at, dim, tile + u * dim);
-                        rows[u] = tile + u * dim;
+        for (int64_t t = lo, next; t < hi; t = next) { /* the tile [t, next) */
+            next = (t / ATT_TILE + 1) * ATT_TILE < hi ? (t / ATT_TILE + 1) * ATT_TILE : hi;
+            /* the keys pass also reads the 8 positions before the tile for a group crossing into it */
+            int64_t back = misaligned && pass == 0 ? (t - lo < 8 ? t - lo : 8) : 0, n = next - t + back;
+            for (int g = 0; g < j->kv_heads; g++) {
+                struct kv_pages pg = kv_pages(table, j->block_size, j->cache_kind, j->kv_heads, dim, g);
+                for (int64_t u = 0; u < n;) { /* a block's positions are consecutive rows: one lookup a block */
+                    int64_t at = page_offset(&pg, t - back + u), run = pg.block_size - (t - back + u) % pg.block_size;
+                    for (int64_t end = u + (run < n - u ? run : n - u); u < end; u++, at += pg.row) {
+                        if (j->cache_kind == KV_F32) {
+                            rows[u] = (const float *)cache + at;
+                        } else {
+                            load_kv(cache, j->cache_kind, at, dim, tile + u * dim);
+                            rows[u] = tile + u * dim;
+                        }
                     }
                 }
-            }
-            for (int i = 0; i < R; i++) {
-                int64_t a = t > t0[i] ? t : t0[i], b = t + ATT_TILE < t1[i] ? t + ATT_TILE : t1[i];
-                const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
-                float *out = partial_out(j, part, r0 + i, g);
-                if (a >= b) continue;
-                if (pass == 0)
-                    span_scores(q, group, dim, rows, t, t0[i], t1[i], a, b, scores + i * stride);
-                else
-                    tile_values(scores + i * stride + (a - t0[i]), t1[i] - t0[i], group, dim, rows + (a - t), b - a, out);
+                for (int i = 0; i < R; i++) {
+                    int64_t a = t > t0[i] ? t : t0[i], b = next < t1[i] ? next : t1[i];
+                    const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
+                    float *s_ig = scores + i * stride + (int64_t)g * group * j->max_len;
+                    if (a >= b) continue;
+                    if (pass == 0)
+                        span_scores(q, group, dim, rows, t - back, t0[i], t1[i], a, b, s_ig);
+                    else
+                        tile_values(s_ig + (a - t0[i]), t1[i] - t0[i], group, dim, rows + (a - t + back), b - a,
+                                    partial_out(j, part, r0 + i, g));
+                }
             }
         }
         for (int i = 0; pass == 0 && i < R; i++)
-            softmax_part(scores + i * stride, group, t1[i] - t0[i], dim,
-                         partial_out(j, part, r0 + i, g));
+            for (int g = 0; g < j->kv_heads; g++)
+                softmax_part(scores + i * stride + (int64_t)g * group * j->max_len, group, t1[i] - t0[i], dim,
+                             partial_out(j, part, r0 + i, g));
     }
 }
 
@@ -284,29 +318,27 @@ static int block_rows(const struct attention_job *j, int r) {
     return n;
 }
 
-/* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row and KV
- * head, rows by blocks (attend_block). */
+/* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row, rows by
+ * blocks (attend_block). */
 static void attention_part(void *arg, int thread, int threads) {
     const struct attention_job *j = arg;
-    float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads / j->kv_heads, j->max_len);
+    float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads, j->max_len);
     for (int part = thread; part < ATT_PARTS; part += threads)
         for (int r = 0, n; r < j->rows; r += n) {
             n = block_rows(j, r);
-            for (int g = 0; g < j->kv_heads; g++) {
-                if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
-                    attend_block(j, r, n, g, part, 64, work);
-                else if (j->dim == 128)
-                    attend_block(j, r, n, g, part, 128, work);
-                else
-                    attend_block(j, r, n, g, part, j->dim, work);
-            }
+            if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
+                attend_block(j, r, n, part, 64, work);
+            else if (j->dim == 128)
+                attend_block(j, r, n, part, 128, work);
+            else
+                attend_block(j, r, n, part, j->dim, work);
         }
 }
 
 /* Float32 scratch attention_decode and attention_rows need (elements). */
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
-    int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * part_scratch(dim, group, max_len) +
+    int width = (heads + 2 * kv_heads) * dim;
+    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * part_scratch(dim, heads, max_len) +
            (int64_t)ATT_PARTS * rows * heads * (dim + 2);
 }
 
@@ -349,9 +381,9 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
                       const float *inv_freq, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
-    int width = (heads + 2 * kv_heads) * dim, half = dim / 2, group = heads / kv_heads;
+    int width = (heads + 2 * kv_heads) * dim, half = dim / 2;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
-    float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
+    float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -384,9 +416,9 @@ void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_head
                     const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
                     const void *k_cache, const void *v_cache, int cache_kind, int64_t max_len, void *out,
                     float *scratch) {
-    int width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    int width = (heads + 2 * kv_heads) * dim;
     float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
-    float *work = acc + width + dim, *partials = work + POOL_MAX_PARTS * part_scratch(dim, group, max_len);
+    float *work = acc + width + dim, *partials = work + POOL_MAX_PARTS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
