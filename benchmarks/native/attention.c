@@ -1,6 +1,9 @@
 /* Driver for benchmarks/native_kernels.py: attention_decode for ROWS rows (9 heads, 3 KV heads,
- * head_dim 64, as the embedded model) over 30 layers at CTX cached positions each, in a paged
- * cache of 16-position blocks (each row's blocks spread over the pool); best of PASSES passes.
+ * head_dim 64, as the embedded model) over 30 layers at CTX cached positions each, in paged caches
+ * of 32-position blocks (the default --block-size), the rows' blocks interleaved over the pool;
+ * each layer has its own cache, so a pass reads them from memory as a decode step does, not from
+ * a warm CPU cache. Prints the best of PASSES passes and a hash of the output, so two builds can
+ * be checked to agree bit for bit.
  * Usage: attention THREADS CTX KIND(0 float32 | 1 bf16 | 2 fp16 | 3 q8_0) ROWS PASSES. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,7 +28,7 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < cache_bytes; i++) k[i] = v[i] = (unsigned char)rand();
     if (kind == 0) /* finite float32 values in [-0.5, 0.5) */
         for (int64_t i = 0; i < cache_bytes / 4; i++) ((float *)k)[i] = ((float *)v)[i] = rand() / (float)RAND_MAX - 0.5f;
-    else if (kind != 3) /* 16-bit values of magnitude < 1: clear the top exponent bits */
+    else if (kind != 3) /* finite 16-bit values below 2 in magnitude: clear the top exponent bit */
         for (int64_t i = 0; i < cache_bytes / 2; i++) ((uint16_t *)k)[i] = ((uint16_t *)v)[i] &= kind == 1 ? 0xbeff : 0xb7ff;
     else /* q8_0: a small fp16 scale per 34-byte group */
         for (int64_t i = 0; i < cache_bytes; i += 34) *(uint16_t *)(k + i) = *(uint16_t *)(v + i) = 0x2000;
