@@ -204,17 +204,20 @@ static inline __attribute__((always_inline)) void softmax_part(float *scores, in
  * read once for up to this many rows. */
 #define ATT_BLOCK 16
 
-/* float32 scratch of one part of attention_part: a tile of converted cache rows (and the 8 before
- * it), then the scores of up to ATT_BLOCK rows, every head. */
-static inline int64_t part_scratch(int dim, int heads, int64_t max_len) {
-    return (int64_t)(ATT_TILE + 8) * dim + (int64_t)ATT_BLOCK * heads * max_len;
-}
-
 /* Attention splits every row's cache positions into ATT_PARTS parts, whatever the threads:
  * each part's (sum, top, total) is merged in part order, so a row's output depends on its
  * query, its position and the cache alone, never on the rows beside it or on how many threads
  * ran (one thread runs both parts). */
 #define ATT_PARTS POOL_MAX_PARTS
+
+/* The most positions one part of a row holds when no row attends past max_len positions. */
+static inline int64_t part_len(int64_t max_len) { return (max_len + ATT_PARTS - 1) / ATT_PARTS; }
+
+/* float32 scratch of one part of attention_part: a tile of converted cache rows (and the 8 before
+ * it), then the scores of up to ATT_BLOCK rows, every head, part_len(max_len) each. */
+static inline int64_t part_scratch(int dim, int heads, int64_t max_len) {
+    return (int64_t)(ATT_TILE + 8) * dim + (int64_t)ATT_BLOCK * heads * part_len(max_len);
+}
 
 struct attention_job {
     int rows, heads, kv_heads, dim, cache_kind;
@@ -258,7 +261,7 @@ static inline __attribute__((always_inline)) void span_scores(const float *q, in
 static inline __attribute__((always_inline)) void attend_block(const struct attention_job *j, int r0, int R, int part,
                                                                int dim, float *work) {
     int group = j->heads / j->kv_heads;
-    int64_t t0[ATT_BLOCK], t1[ATT_BLOCK], lo = INT64_MAX, hi = 0, stride = (int64_t)j->heads * j->max_len;
+    int64_t t0[ATT_BLOCK], t1[ATT_BLOCK], lo = INT64_MAX, hi = 0, span = part_len(j->max_len), stride = j->heads * span;
     int misaligned = 0; /* a row's groups of 8 (from t0) may cross tiles */
     for (int i = 0; i < R; i++) {
         pool_share(j->positions[r0 + i] + 1, 1, part, ATT_PARTS, &t0[i], &t1[i]);
@@ -268,7 +271,7 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
     }
     const int32_t *table = j->tables + j->row_table[r0] * j->table_width;
     const float *rows[ATT_TILE + 8];
-    float *tile = work, *scores = work + (ATT_TILE + 8) * dim; /* row i, KV head g: scores + i stride + g group max_len */
+    float *tile = work, *scores = work + (ATT_TILE + 8) * dim; /* row i, KV head g: scores + i stride + g group span */
     for (int pass = 0; pass < 2; pass++) { /* keys, then values */
         const void *cache = pass ? j->v_cache : j->k_cache;
         for (int64_t t = lo, next; t < hi; t = next) { /* the tile [t, next) */
@@ -291,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
                 for (int i = 0; i < R; i++) {
                     int64_t a = t > t0[i] ? t : t0[i], b = next < t1[i] ? next : t1[i];
                     const float *q = j->q + ((int64_t)(r0 + i) * j->heads + g * group) * dim;
-                    float *s_ig = scores + i * stride + (int64_t)g * group * j->max_len;
+                    float *s_ig = scores + i * stride + g * group * span;
                     if (a >= b) continue;
                     if (pass == 0)
                         span_scores(q, group, dim, rows, t - back, t0[i], t1[i], a, b, s_ig);
@@ -303,7 +306,7 @@ static inline __attribute__((always_inline)) void attend_block(const struct atte
         }
         for (int i = 0; pass == 0 && i < R; i++)
             for (int g = 0; g < j->kv_heads; g++)
-                softmax_part(scores + i * stride + (int64_t)g * group * j->max_len, group, t1[i] - t0[i], dim,
+                softmax_part(scores + i * stride + g * group * span, group, t1[i] - t0[i], dim,
                              partial_out(j, part, r0 + i, g));
     }
 }
