@@ -23,20 +23,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import THREADS, build_llama_server, free_port, server_command, start, stop, write_result  # noqa: E402
-from quanta.bench.output import machine  # noqa: E402
-from quanta.launch import cpu_summary  # noqa: E402
+from peer_llama_cpp import (  # noqa: E402
+    THREADS,
+    build_llama_server,
+    free_port,
+    run_record,
+    server_command,
+    start,
+    stop,
+    write_result,
+)
 from quanta.model.loader import embedded_model_path  # noqa: E402
 
 OUT_TOKENS = 16
@@ -134,7 +139,7 @@ def main() -> int:
         ap.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(table)}")
     binary, gguf = build_llama_server(), embedded_model_path()
     workdir = Path(tempfile.mkdtemp(prefix="quanta-kvmem-"))
-    info = {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0]}
+    info = run_record()
     rows = []
     for name in picked:
         port = free_port()

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shlex
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -37,19 +35,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_llama_cpp import (  # noqa: E402
     THREADS,
-    build_llama_server,
-    free_port,
     int_list,
-    server_command,
+    run_record,
+    server_pair,
     start,
     startup_line,
     stop,
     summarize,
     write_result,
 )
-from quanta.bench.output import machine  # noqa: E402
-from quanta.launch import cpu_summary  # noqa: E402
-from quanta.model.loader import embedded_model_path  # noqa: E402
 
 OUT_TOKENS = 64
 
@@ -116,15 +110,11 @@ def main() -> int:
     if min(contexts) <= OUT_TOKENS + 1:
         ap.error(f"--contexts: each context must exceed {OUT_TOKENS + 1} tokens")
     room = max(contexts) + OUT_TOKENS
-    gguf, workdir = embedded_model_path(), Path(tempfile.mkdtemp(prefix="quanta-long-"))
+    workdir = Path(tempfile.mkdtemp(prefix="quanta-long-"))
     llama_args = ["-t", str(THREADS), "-np", "1", "-c", str(room)]
     quanta_args = ["--max-num-seqs", "1", "--max-model-len", str(room), *shlex.split(args.quanta_args)]
-    ports = {"llama-server": free_port(), "quanta": free_port()}
-    servers = [s for s in args.servers.split(",") if s in ports]
-    binary = build_llama_server() if "llama-server" in servers else None
-    cmds = {s: server_command(s, llama_args if s == "llama-server" else quanta_args, ports[s], binary, gguf) for s in servers}
-    info = {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0],
-            "llama_args": llama_args, "quanta_args": quanta_args}
+    servers, ports, cmds = server_pair(args.servers, llama_args, quanta_args)
+    info = run_record(llama_args=llama_args, quanta_args=quanta_args)
     results: dict[int, dict[str, list[dict]]] = {c: {s: [] for s in servers} for c in contexts}
     for rnd in range(args.rounds):
         for server in servers if rnd % 2 == 0 else servers[::-1]:

@@ -21,7 +21,6 @@ Usage (never in CI): ``python benchmarks/long_context_probe.py [--probe-tokens 8
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shlex
 import statistics
@@ -29,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -37,18 +35,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_llama_cpp import (  # noqa: E402
     THREADS,
-    build_llama_server,
-    free_port,
     int_list,
-    server_command,
+    run_record,
+    server_pair,
     start,
     stop,
     summarize,
     write_result,
 )
-from quanta.bench.output import machine  # noqa: E402
-from quanta.launch import cpu_summary  # noqa: E402
-from quanta.model.loader import embedded_model_path  # noqa: E402
 
 DECODE_OUT = 4000  # more than the probe lasts; the decoders are closed after it
 ROOM = 64
@@ -163,15 +157,11 @@ def main() -> int:
     if args.decoders < 1 or args.decode_context < 2:
         ap.error("--decoders and --decode-context must be positive")
     room, slots = max(max(sizes), args.decode_context) + ROOM, args.decoders + 1
-    gguf, workdir = embedded_model_path(), Path(tempfile.mkdtemp(prefix="quanta-probe-"))
+    workdir = Path(tempfile.mkdtemp(prefix="quanta-probe-"))
     llama_args = ["-t", str(THREADS), "-np", str(slots), "-c", str(slots * room)]
     quanta_args = ["--max-num-seqs", str(slots), "--max-model-len", str(room), *shlex.split(args.quanta_args)]
-    ports = {"llama-server": free_port(), "quanta": free_port()}
-    servers = [s for s in args.servers.split(",") if s in ports]
-    binary = build_llama_server() if "llama-server" in servers else None
-    cmds = {s: server_command(s, llama_args if s == "llama-server" else quanta_args, ports[s], binary, gguf) for s in servers}
-    info = {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0],
-            "llama_args": llama_args, "quanta_args": quanta_args}
+    servers, ports, cmds = server_pair(args.servers, llama_args, quanta_args)
+    info = run_record(llama_args=llama_args, quanta_args=quanta_args)
     results: dict[int, dict[str, list[dict]]] = {n: {s: [] for s in servers} for n in sizes}
     for rnd in range(args.rounds):
         for server in servers if rnd % 2 == 0 else servers[::-1]:

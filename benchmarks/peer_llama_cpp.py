@@ -105,6 +105,24 @@ def server_command(server: str, flags: list[str], port: int, binary: Path | None
             *flags]
 
 
+def server_pair(names: str, llama_args: list[str], quanta_args: list[str]) -> tuple[list[str], dict[str, int], dict[str, list[str]]]:
+    """The servers a comma list ``names`` picks (``llama-server``, ``quanta``; others ignored, order
+    kept), a free port each and their command lines serving the embedded GGUF with ``llama_args`` /
+    ``quanta_args`` (``llama-server`` built first if picked)."""
+    ports = {"llama-server": free_port(), "quanta": free_port()}
+    servers = [s for s in names.split(",") if s in ports]
+    binary, gguf = build_llama_server() if "llama-server" in servers else None, embedded_model_path()
+    cmds = {s: server_command(s, llama_args if s == "llama-server" else quanta_args, ports[s], binary, gguf) for s in servers}
+    return servers, ports, cmds
+
+
+def run_record(**extra) -> dict:
+    """What a result file records of its run: the machine, its CPU flags, the date and the 1-minute
+    load before the run, and ``extra``."""
+    return {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0],
+            **extra}
+
+
 def int_list(text: str) -> list[int]:
     """An argparse ``type``: ``"2048,8192"`` -> ``[2048, 8192]``, each positive."""
     try:

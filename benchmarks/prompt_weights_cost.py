@@ -12,20 +12,17 @@ Usage (never in CI): ``python benchmarks/prompt_weights_cost.py [--tokens 512,20
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_llama_cpp import int_list, summarize, write_result  # noqa: E402
-from quanta.bench.output import machine  # noqa: E402
+from peer_llama_cpp import int_list, run_record, summarize, write_result  # noqa: E402
 from quanta.config import EngineConfig, SchedulerConfig  # noqa: E402
 from quanta.engine.sampling import SamplingParams  # noqa: E402
 from quanta.flags import dtype_name  # noqa: E402
-from quanta.launch import build_engine, cpu_summary, load_model, resolve_dtype  # noqa: E402
+from quanta.launch import build_engine, load_model, resolve_dtype  # noqa: E402
 
 MODES = ("reference", "form")
 
@@ -52,8 +49,7 @@ def main() -> int:
     cfg = EngineConfig(max_model_len=max(sizes) + 64, prefix_cache=False)
     engines = {m: build_engine(load_model(None, dtype, "auto", prompt_weights=m), cfg, SchedulerConfig(max_num_seqs=1))
                for m in MODES}
-    info = {**machine(), "cpu_flags": cpu_summary(), "date": datetime.now(UTC).isoformat(), "load": os.getloadavg()[0],
-            "dtype": str(dtype).removeprefix("torch.")}
+    info = run_record(dtype=str(dtype).removeprefix("torch."))
     rates: dict[int, dict[str, list[float]]] = {n: {m: [] for m in MODES} for n in sizes}
     for rnd in range(args.rounds):
         for n in sizes:
