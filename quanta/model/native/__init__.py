@@ -1,5 +1,5 @@
 """Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, ``dequant.c``, and ``pool.c``, the
-two-thread fork-join they split their work over) for this CPU.
+fork-join whose two threads claim their work chunk by chunk) for this CPU.
 
 The sources are compiled once per (source, compiler, CPU flags) with
 ``-O3 -march=native -ffast-math`` (:func:`march`) into a shared library cached under
@@ -34,6 +34,7 @@ _SIGNATURES = {
     "attention_scratch": (_I, _I, _I, _I, _L),
     "pool_set_threads": (_I,),
     "pool_threads": (),
+    "pool_stats": (_P,),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
     "block_dense": (_I, _I, _I, _P, _P, _P, _I),

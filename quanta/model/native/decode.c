@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void softmax_part(float *scores, in
  * each part's (sum, top, total) is merged in part order, so a row's output depends on its
  * query, its position and the cache alone, never on the rows beside it or on how many threads
  * ran (one thread runs both parts). */
-#define ATT_PARTS POOL_MAX_PARTS
+#define ATT_PARTS 2
 
 /* The most positions one part of a row holds when no row attends past max_len positions. */
 static inline int64_t part_len(int64_t max_len) { return (max_len + ATT_PARTS - 1) / ATT_PARTS; }
@@ -321,40 +321,39 @@ static int block_rows(const struct attention_job *j, int r) {
     return n;
 }
 
-/* Thread `thread` of `threads` takes the parts p with p % threads == thread, of every row, rows by
- * blocks (attend_block). */
-static void attention_part(void *arg, int thread, int threads) {
+/* Part `part` of every row, rows by blocks (attend_block), in thread `thread`'s scratch. */
+static void attention_part(void *arg, int part, int parts, int thread) {
+    (void)parts; /* ATT_PARTS */
     const struct attention_job *j = arg;
     float *work = j->work + (int64_t)thread * part_scratch(j->dim, j->heads, j->max_len);
-    for (int part = thread; part < ATT_PARTS; part += threads)
-        for (int r = 0, n; r < j->rows; r += n) {
-            n = block_rows(j, r);
-            if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
-                attend_block(j, r, n, part, 64, work);
-            else if (j->dim == 128)
-                attend_block(j, r, n, part, 128, work);
-            else
-                attend_block(j, r, n, part, j->dim, work);
-        }
+    for (int r = 0, n; r < j->rows; r += n) {
+        n = block_rows(j, r);
+        if (j->dim == 64) /* the common head sizes as constants, so the row loops unroll */
+            attend_block(j, r, n, part, 64, work);
+        else if (j->dim == 128)
+            attend_block(j, r, n, part, 128, work);
+        else
+            attend_block(j, r, n, part, j->dim, work);
+    }
 }
 
 /* Float32 scratch attention_decode and attention_rows need (elements). */
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
     int width = (heads + 2 * kv_heads) * dim;
-    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_PARTS * part_scratch(dim, heads, max_len) +
+    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_THREADS * part_scratch(dim, heads, max_len) +
            (int64_t)ATT_PARTS * rows * heads * (dim + 2);
 }
 
 /* Attend rows whose queries qs (float32 [rows, heads * dim], rotated and scaled) are in place
  * and whose keys/values are in the cache, over positions 0..positions[r]; out: io [rows, heads * dim].
- * acc: float32 [dim]; work: [POOL_MAX_PARTS * part_scratch]; partials: [ATT_PARTS, rows, heads, dim + 2]. */
+ * acc: float32 [dim]; work: [POOL_MAX_THREADS * part_scratch]; partials: [ATT_PARTS, rows, heads, dim + 2]. */
 static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int dim, const int64_t *row_table,
                         const int64_t *positions, const int32_t *tables, int64_t table_width, int64_t block_size,
                         const void *k_cache, const void *v_cache, int cache_kind, int64_t max_len, void *out,
                         int io_bf16, float *acc, float *work, float *partials) {
     struct attention_job job = {rows, heads, kv_heads, dim, cache_kind, qs, row_table, positions, tables, table_width,
                                 block_size, k_cache, v_cache, max_len, work, partials};
-    pool_run(attention_part, &job);
+    pool_run(attention_part, &job, ATT_PARTS);
     for (int64_t rh = 0; rh < (int64_t)rows * heads; rh++) {
         float top = -3.402823466e38f, total = 0.0f;
         for (int p = 0; p < ATT_PARTS; p++) {
@@ -386,7 +385,7 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim, half = dim / 2;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
-    float *work = sin_t + half, *partials = work + POOL_MAX_PARTS * part_scratch(dim, heads, max_len);
+    float *work = sin_t + half, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -421,7 +420,7 @@ void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_head
                     float *scratch) {
     int width = (heads + 2 * kv_heads) * dim;
     float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
-    float *work = acc + width + dim, *partials = work + POOL_MAX_PARTS * part_scratch(dim, heads, max_len);
+    float *work = acc + width + dim, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;

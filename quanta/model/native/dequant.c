@@ -48,7 +48,8 @@ static inline void block_row(const struct dense_job *j, __m256i q, int q4, const
     }
 }
 
-static void dense_part(void *arg, int part, int parts) {
+static void dense_part(void *arg, int part, int parts, int thread) {
+    (void)thread;
     const struct dense_job *j = arg;
     int blocks = j->k / QK, q4 = j->kind == 4;
     int64_t g0, g1;
@@ -79,8 +80,8 @@ static void dense_part(void *arg, int part, int parts) {
 }
 
 /* out [n, k] (bf16 when out_bf16, else float32) = the weight of a Q4_1 (kind 4) or Q8_0 (kind 8)
- * form in qmatmul.c's layout; the rows are split over the pool's threads. */
+ * form in qmatmul.c's layout; the rows are split into chunks for the pool's threads. */
 void block_dense(int kind, int n, int k, const void *qs, const uint16_t *scales, void *out, int out_bf16) {
     struct dense_job job = {kind, n, k, out_bf16, qs, scales, out};
-    pool_run(dense_part, &job);
+    pool_run(dense_part, &job, pool_chunks(n / 8));
 }

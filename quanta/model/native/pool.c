@@ -1,4 +1,4 @@
-/* A fork-join of two threads for the decode kernels: the calling thread and one worker.
+/* A fork-join for the decode kernels: the calling thread and one worker claim a job's chunks.
  *
  * A one-row decode step is ~200 kernel calls of 10-150 us, each bound by how fast one
  * core streams its weights in; splitting every call's output columns (or attention's
@@ -8,14 +8,27 @@
  * worker spins for SPIN_NS, then sleeps on a futex until the next call wakes it, so
  * an idle server (or a prefill step, which runs on PyTorch's threads) does not spin.
  *
+ * Cores shared with other work. A job is cut into chunks (pool_chunks) that the caller and
+ * the worker claim one at a time from one counter, so a worker that is descheduled, or not
+ * yet awake, leaves its share to the caller; the caller waits only for a chunk the worker
+ * has begun. What a chunk computes does not depend on who runs it, so results are the same
+ * on 1 or 2 threads. Every WINDOW_NS the caller reads how long its thread and the worker
+ * waited for a CPU (the kernel's schedstat): when that is over BUSY_PER_MILLE of their time,
+ * the cores are taken by other work and two threads would wait for each other, so the
+ * caller runs jobs alone for a while (backing off from BACKOFF_MIN_NS to BACKOFF_MAX_NS
+ * while the cores stay busy), then tries two threads again.
+ *
  * One caller at a time: a second thread calling while a job runs does its whole job
- * itself (parts = 1), so concurrent callers stay correct.
+ * itself, so concurrent callers stay correct.
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -23,17 +36,39 @@
 
 #include "pool.h"
 
-#define SPIN_NS 200000 /* 0.2 ms: longer than the Python between two calls of a step */
+#define SPIN_NS 200000       /* 0.2 ms: longer than the Python between two calls of a step */
+#define JOIN_SPIN_NS 20000   /* the caller spins this long for the worker's last chunk, then yields */
+#define WINDOW_NS 20000000   /* 20 ms between two reads of the threads' CPU waits */
+#define BUSY_PER_MILLE 200   /* waiting for a CPU over 20% of the time: the cores are shared */
+#define MIN_ACTIVE_NS 2000000 /* a window with less run + wait than this says nothing */
+#define BACKOFF_MIN_NS 100000000ull  /* 0.1 s alone, then a window on two threads */
+#define BACKOFF_MAX_NS 3200000000ull /* doubling while the cores stay busy, up to 3.2 s */
+
+/* ticket: the job's number (high 32 bits), its chunks (bits 16-31), the next chunk (bits 0-15) */
+#define TICKET(job, chunks) (((uint64_t)(job) << 32) | ((uint64_t)(chunks) << 16))
+#define NEXT(t) ((int)((t) & 0xffff))
+#define CHUNKS(t) ((int)(((t) >> 16) & 0xffff))
+#define MAX_CHUNKS 0x7fff
 
 static struct {
-    _Atomic unsigned seq;  /* bumped for each job */
-    _Atomic unsigned done; /* the last job the worker finished */
+    _Atomic uint64_t ticket;
+    _Atomic unsigned seq;      /* the job's number, the word the worker sleeps on */
+    _Atomic int finished;      /* chunks of the job the worker finished */
     _Atomic int sleeping;
-    pool_fn fn;
-    void *arg;
+    _Atomic(pool_fn) fn;
+    _Atomic(void *) arg;
+    _Atomic int64_t worker_chunks;
+    _Atomic int worker_tid;
     int threads, started;
     pthread_mutex_t busy;
 } P = {.threads = 1, .busy = PTHREAD_MUTEX_INITIALIZER};
+
+/* The caller's watch on the cores (read and written under P.busy). */
+static struct {
+    uint64_t since, until, backoff;
+    int64_t run, wait;   /* both threads' schedstat at `since` */
+    int caller, alone, measured, share, busy_windows, windows;
+} W = {.backoff = BACKOFF_MIN_NS};
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -41,8 +76,26 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
+/* Claims and runs chunks of the job in P.ticket until none is left; returns how many. */
+static int claim_chunks(int thread) {
+    int ran = 0;
+    uint64_t t = atomic_load_explicit(&P.ticket, memory_order_acquire);
+    while (NEXT(t) < CHUNKS(t)) {
+        pool_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
+        void *arg = atomic_load_explicit(&P.arg, memory_order_relaxed);
+        /* the ticket unchanged since it was read: the job is still open, so fn and arg are its own */
+        if (!atomic_compare_exchange_weak(&P.ticket, &t, t + 1)) continue;
+        fn(arg, NEXT(t), CHUNKS(t), thread);
+        atomic_fetch_add_explicit(&P.finished, 1, memory_order_release);
+        ran++;
+        t = atomic_load_explicit(&P.ticket, memory_order_acquire);
+    }
+    return ran;
+}
+
 static void *worker(void *first) {
     unsigned seen = (unsigned)(uintptr_t)first; /* seq when it was started: it may start after the first job is posted */
+    atomic_store(&P.worker_tid, (int)syscall(SYS_gettid));
     for (;;) {
         unsigned s;
         uint64_t since = now_ns();
@@ -55,46 +108,119 @@ static void *worker(void *first) {
             since = now_ns();
         }
         seen = s;
-        P.fn(P.arg, 1, 2);
-        atomic_store_explicit(&P.done, s, memory_order_release);
+        atomic_fetch_add_explicit(&P.worker_chunks, claim_chunks(1), memory_order_relaxed);
     }
     return NULL;
 }
 
 static void forget_worker(void) { P.started = 0; } /* a fork()ed child has no worker thread */
 
-void pool_set_threads(int threads) { P.threads = threads >= POOL_MAX_PARTS ? POOL_MAX_PARTS : 1; }
+void pool_set_threads(int threads) { P.threads = threads >= POOL_MAX_THREADS ? POOL_MAX_THREADS : 1; }
 
 int pool_threads(void) { return P.threads; }
 
-int pool_run(pool_fn fn, void *arg) {
-    if (P.threads < 2 || pthread_mutex_trylock(&P.busy) != 0) {
-        fn(arg, 0, 1);
-        return 1;
-    }
-    if (!P.started) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        static int registered;
-        if (!registered) registered = !pthread_atfork(NULL, NULL, forget_worker);
-        unsigned first = atomic_load(&P.seq);
-        atomic_store(&P.done, first);
-        P.started = !pthread_create(&t, &attr, worker, (void *)(uintptr_t)first);
-        pthread_attr_destroy(&attr);
-        if (!P.started) {
-            pthread_mutex_unlock(&P.busy);
-            fn(arg, 0, 1);
-            return 1;
+/* Run time and run-queue wait (ns) of thread `tid` (0: the calling thread) from
+ * /proc/.../schedstat; 0 where it cannot be read. */
+static int read_schedstat(int tid, int64_t *run, int64_t *wait) {
+    char path[64], text[128];
+    if (tid) snprintf(path, sizeof path, "/proc/self/task/%d/schedstat", tid);
+    else snprintf(path, sizeof path, "/proc/thread-self/schedstat");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t got = read(fd, text, sizeof text - 1);
+    close(fd);
+    if (got <= 0) return 0;
+    text[got] = 0;
+    long long r, w;
+    if (sscanf(text, "%lld %lld", &r, &w) != 2) return 0;
+    *run += r;
+    *wait += w;
+    return 1;
+}
+
+/* Every WINDOW_NS: how long both threads waited for a CPU since the last window, and whether
+ * to run alone (see the top of the file). Called by the pool's holder before each job. */
+static void watch_cores(void) {
+    uint64_t now = now_ns();
+    if (now - W.since < WINDOW_NS) return;
+    int64_t run = 0, wait = 0;
+    int caller = (int)syscall(SYS_gettid), worker_tid = atomic_load(&P.worker_tid);
+    int read = read_schedstat(0, &run, &wait) && worker_tid && read_schedstat(worker_tid, &run, &wait);
+    int64_t active = (run - W.run) + (wait - W.wait);
+    int comparable = read && W.measured && caller == W.caller && !W.alone && active >= MIN_ACTIVE_NS;
+    if (comparable) {
+        W.share = (int)(1000 * (wait - W.wait) / active);
+        W.windows++;
+        if (W.share > BUSY_PER_MILLE) {
+            W.busy_windows++;
+            W.alone = 1;
+            W.until = now + W.backoff;
+            W.backoff = W.backoff * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : W.backoff * 2;
+        } else {
+            W.backoff = BACKOFF_MIN_NS;
         }
+    } else if (W.alone && now >= W.until) {
+        W.alone = 0; /* a window on two threads, measured from here */
     }
-    P.fn = fn;
-    P.arg = arg;
-    unsigned s = atomic_fetch_add(&P.seq, 1) + 1;
+    W.since = now, W.run = run, W.wait = wait, W.caller = caller, W.measured = read;
+}
+
+void pool_stats(int64_t *out) {
+    out[0] = W.alone, out[1] = W.share, out[2] = W.busy_windows, out[3] = W.windows;
+    out[4] = atomic_load(&P.worker_chunks);
+}
+
+static int start_worker(void) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    static int registered;
+    if (!registered) registered = !pthread_atfork(NULL, NULL, forget_worker);
+    atomic_store(&P.worker_tid, 0);
+    P.started = !pthread_create(&t, &attr, worker, (void *)(uintptr_t)atomic_load(&P.seq));
+    pthread_attr_destroy(&attr);
+    return P.started;
+}
+
+static void run_alone(pool_fn fn, void *arg, int chunks) {
+    for (int c = 0; c < chunks; c++) fn(arg, c, chunks, 0);
+}
+
+/* Waits for the worker's `owed` chunks: spins JOIN_SPIN_NS, then yields the CPU (to the worker,
+ * when they share a core). */
+static void join_worker(int owed) {
+    uint64_t since = 0;
+    for (unsigned spins = 1; atomic_load_explicit(&P.finished, memory_order_acquire) != owed; spins++) {
+        _mm_pause();
+        if (spins % 64) continue;
+        if (!since) since = now_ns();
+        else if (now_ns() - since > JOIN_SPIN_NS) sched_yield();
+    }
+}
+
+int pool_run(pool_fn fn, void *arg, int chunks) {
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS; /* callers size chunks with pool_chunks */
+    if (P.threads < 2 || chunks < 2 || pthread_mutex_trylock(&P.busy) != 0) {
+        run_alone(fn, arg, chunks);
+        return 0;
+    }
+    watch_cores();
+    if (W.alone || (!P.started && !start_worker())) {
+        pthread_mutex_unlock(&P.busy);
+        run_alone(fn, arg, chunks);
+        return 0;
+    }
+    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&P.arg, arg, memory_order_relaxed);
+    atomic_store_explicit(&P.finished, 0, memory_order_relaxed);
+    unsigned s = atomic_load(&P.seq) + 1;
+    atomic_store_explicit(&P.ticket, TICKET(s, chunks), memory_order_release);
+    atomic_store_explicit(&P.seq, s, memory_order_release);
     if (atomic_load(&P.sleeping)) syscall(SYS_futex, &P.seq, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-    fn(arg, 0, 2);
-    while (atomic_load_explicit(&P.done, memory_order_acquire) != s) _mm_pause();
+    int mine = 0;
+    for (uint64_t t; NEXT(t = atomic_fetch_add(&P.ticket, 1)) < chunks; mine++) fn(arg, NEXT(t), chunks, 0);
+    join_worker(chunks - mine);
     pthread_mutex_unlock(&P.busy);
-    return 2;
+    return chunks - mine;
 }

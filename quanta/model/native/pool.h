@@ -1,22 +1,30 @@
-/* The two-thread fork-join of pool.c. */
+/* The fork-join of pool.c: a job's chunks claimed one by one by the caller and one worker. */
 #ifndef QUANTA_POOL_H
 #define QUANTA_POOL_H
 #include <stdint.h>
 
-/* One part of a job: fn(arg, part, parts) does share `part` of `parts` (0 <= part < parts). */
-typedef void (*pool_fn)(void *arg, int part, int parts);
+/* One chunk of a job: fn(arg, chunk, chunks, thread) does chunk `chunk` of `chunks`
+ * (0 <= chunk < chunks) with the scratch of `thread` (0: the caller, 1: the worker). What a
+ * chunk computes must not depend on `thread`: which thread takes which chunk changes from
+ * call to call. */
+typedef void (*pool_fn)(void *arg, int chunk, int chunks, int thread);
 
-/* Runs fn(arg, 0, 2) here and fn(arg, 1, 2) on the worker, returning when both are done;
- * fn(arg, 0, 1) alone with one thread, or when another caller holds the pool.
- * Returns the parts run (2 or 1). */
-int pool_run(pool_fn fn, void *arg);
+/* Runs every chunk of fn, returning when all are done: with two threads the caller and the
+ * worker claim them in turn; with one (or while the cores are found busy, or while another
+ * caller holds the pool) the caller runs them all. Returns the chunks the worker ran. */
+int pool_run(pool_fn fn, void *arg, int chunks);
 
-/* The most parts a job is split into: the caller and one worker. */
-#define POOL_MAX_PARTS 2
+/* The most threads a job runs on: the caller and one worker (scratch is sized for them). */
+#define POOL_MAX_THREADS 2
 
-/* 1 (default: every part on the caller) or POOL_MAX_PARTS threads. */
+/* 1 (default: every chunk on the caller) or POOL_MAX_THREADS threads. */
 void pool_set_threads(int threads);
 int pool_threads(void);
+
+/* The pool's view of the cores: [0] 1 while it runs on the caller alone because its threads
+ * waited for a CPU, [1] the share of the last window its threads waited for a CPU (per
+ * mille), [2] windows found busy, [3] windows measured, [4] chunks the worker ran. */
+void pool_stats(int64_t *out);
 
 /* [lo, hi) of part `part` of `parts` equal shares of n items, each a multiple of `step` (but the last). */
 static inline void pool_share(int64_t n, int64_t step, int part, int parts, int64_t *lo, int64_t *hi) {
@@ -25,4 +33,9 @@ static inline void pool_share(int64_t n, int64_t step, int part, int parts, int6
     *lo = a * step < n ? a * step : n;
     *hi = b * step < n ? b * step : n;
 }
+
+/* Chunks for n units of work: one a unit up to POOL_CHUNKS, so a thread that is descheduled
+ * leaves the others at most one chunk to wait for. */
+#define POOL_CHUNKS 32
+static inline int pool_chunks(int64_t units) { return units < POOL_CHUNKS ? (units > 0 ? (int)units : 1) : POOL_CHUNKS; }
 #endif

@@ -391,7 +391,8 @@ struct matmul_job {
 };
 
 /* The job's column groups of share `part`: every row, 4 at a time, each weight block unpacked once for them. */
-static void matmul_part(void *arg, int part, int parts) {
+static void matmul_part(void *arg, int part, int parts, int thread) {
+    (void)thread;
     const struct matmul_job *j = arg;
     int n = j->n, k = j->k, blocks = k / QK;
     int64_t g0, g1;
@@ -425,10 +426,10 @@ static void matmul_part(void *arg, int part, int parts) {
  * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
  * [n / 8, k / 32, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
  * acc float32 [rows, n]. fine: 15-bit activations, else 8-bit. The output columns are split
- * over the pool's threads (pool.c). */
+ * into chunks for the pool's threads (pool.c). */
 void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
     quantize_rows(rows, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
     struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, qs, scales, out, acc};
-    pool_run(matmul_part, &job);
+    pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2)); /* pool_share above: pairs of groups */
 }
