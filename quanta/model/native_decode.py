@@ -19,31 +19,43 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import torch
 
 from quanta.model import native
 from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
+from quanta.model.cores import usable_cores
 from quanta.model.native import forms
 from quanta.model.quant import NATIVE_FORMS, QuantizedWeight
+from quanta.model.thread_tuner import ThreadTuner
 
 
-def default_threads(cores: int | None = None) -> int:
-    """Threads of the C kernels in a decode step: 2 where the machine has 2 cores or more, else 1.
+def default_threads() -> int:
+    """Threads of the C kernels in a decode step: 2 where this process may use 2 cores or more
+    (:func:`~quanta.model.cores.usable_cores`), else 1.
 
-    Every matmul's output columns and attention's cache positions are split over
-    both (``pool.c``). Measured on the 2-core dev VM (AVX-512 + bf16, embedded
+    Every matmul's output columns and attention's cache positions are cut into chunks
+    that both threads claim (``pool.c``). Measured on the 2-core dev VM (AVX-512 + bf16, embedded
     model, ``QUANTA_NATIVE_THREADS=1|2 benchmarks/peer_llama_cpp.py --servers quanta
     --workloads 2,3,4 --rounds 1``, two runs each, alternating): one stream 5.6-5.7 ->
     4.6-5.3 ms a token, 8 streams 252-255 -> 250-278 tok/s, 32 requests on 8 slots
     339-345 -> 377-447 tok/s, with 2 instead of 1, although the event loop shares the
-    second core. ``$QUANTA_NATIVE_THREADS`` overrides it.
+    second core. Where other work shares the cores, each step's count is found by trying
+    (:class:`~quanta.model.thread_tuner.ThreadTuner`). ``$QUANTA_NATIVE_THREADS`` sets it for
+    good.
     """
     env = os.environ.get("QUANTA_NATIVE_THREADS")
     if env:
         return 2 if int(env) >= 2 else 1
-    return 2 if (cores or os.cpu_count() or 1) >= 2 else 1
+    return 2 if usable_cores() >= 2 else 1
+
+
+def threads_set_by_hand() -> bool:
+    """Whether ``$QUANTA_NATIVE_THREADS`` fixes the pool's threads (else each decode step's
+    count is found by trying)."""
+    return bool(os.environ.get("QUANTA_NATIVE_THREADS"))
 
 
 def unsupported_reason(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
@@ -85,6 +97,8 @@ class NativeDecoder:
         self._plan: list[list[_Direct | None]] | None = None
         #: threads of the C kernels in a step (pool.c: 1 or 2)
         self.threads = default_threads()
+        #: the threads each decode step gets, found by trying (1 or 2)
+        self.tuner = ThreadTuner(self.threads, fixed=threads_set_by_hand())
 
     def scratch(self, rows: int, max_len: int) -> torch.Tensor:
         """float32 work space big enough for every C call of ``rows`` rows at ``max_len`` cache positions."""
@@ -113,8 +127,8 @@ class NativeDecoder:
     def claim_threads(self, decode: bool, torch_threads: int) -> int:
         """Split the cores between the C kernels' pool and torch's for one forward.
 
-        A decode forward the C kernels carry (:meth:`covers`) runs them on
-        :attr:`threads` threads and torch (the embedding lookup) on 1; any other
+        A decode forward the C kernels carry (:meth:`covers`) runs them on the threads
+        :attr:`tuner` picks and torch (the embedding lookup) on 1; any other
         step runs the C kernels on 1 and torch on ``torch_threads``: each pool's
         idle threads spin between calls and take the core the other pool needs. Measured in-process on the 2-core dev VM
         (AVX-512 + bf16, embedded model, ``benchmarks/engine_throughput.py``'s decode,
@@ -123,13 +137,13 @@ class NativeDecoder:
         bf16 matmuls) 732 / 850 / 578. Returns torch's thread count for the step.
         """
         carried = decode and self.covers()
-        self.lib.pool_set_threads(self.threads if carried else 1)
+        self.lib.pool_set_threads(self.tuner.pick() if carried else 1)
         return 1 if carried else torch_threads
 
     def head_threads(self, torch_threads: int) -> int:
         """Split the cores for the LM head, as :meth:`claim_threads` does for the
-        forward: a C form (the q8_0 head) gets the C pool's
-        :attr:`threads` and torch 1; any other form gets torch's ``torch_threads`` (one large
+        forward: a C form (the q8_0 head) gets the :attr:`tuner`'s current count of C
+        threads and torch 1; any other form gets torch's ``torch_threads`` (one large
         GEMM, which a preempted thread delays little) and the pool 1. Measured through HTTP on
         the 2-core dev VM (``benchmarks/peer_llama_cpp.py --servers quanta --workloads 3,4
         --rounds 1``, two runs each, alternating), torch on 2 threads instead of 1 for a head
@@ -138,7 +152,7 @@ class NativeDecoder:
         Returns torch's thread count for the head.
         """
         carried = native_form(self.model.lm_head_form) is not None
-        self.lib.pool_set_threads(self.threads if carried else 1)
+        self.lib.pool_set_threads(self.tuner.current if carried else 1)
         return 1 if carried else torch_threads
 
     @torch.inference_mode()
@@ -146,7 +160,8 @@ class NativeDecoder:
         """``[T]`` token ids, one per decoding sequence -> ``[T, hidden]`` final-normed hidden states (model dtype).
 
         Runs the C kernels on the pool's current thread count, which the executor sets per step
-        (:meth:`claim_threads`)."""
+        (:meth:`claim_threads`), and tells the :attr:`tuner` how long the step took."""
+        start = time.perf_counter()
         c, lib, io = self.cfg, self.lib, self.io_bf16
         rows, heads, kv_heads, dim = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         kv = batch.kv
@@ -187,6 +202,7 @@ class NativeDecoder:
         out = torch.empty(rows, c.hidden_size, dtype=self.dtype)
         lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), self.final_norm.data_ptr(), self.eps,
                               out.data_ptr(), io, scratch)
+        self.tuner.record(lib.pool_threads(), rows, time.perf_counter() - start)
         return out
 
 

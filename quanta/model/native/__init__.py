@@ -34,7 +34,6 @@ _SIGNATURES = {
     "attention_scratch": (_I, _I, _I, _I, _L),
     "pool_set_threads": (_I,),
     "pool_threads": (),
-    "pool_stats": (_P,),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
     "block_dense": (_I, _I, _I, _P, _P, _P, _I),

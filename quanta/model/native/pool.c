@@ -12,23 +12,18 @@
  * the worker claim one at a time from one counter, so a worker that is descheduled, or not
  * yet awake, leaves its share to the caller; the caller waits only for a chunk the worker
  * has begun. What a chunk computes does not depend on who runs it, so results are the same
- * on 1 or 2 threads. Every WINDOW_NS the caller reads how long its thread and the worker
- * waited for a CPU (the kernel's schedstat): when that is over BUSY_PER_MILLE of their time,
- * the cores are taken by other work and two threads would wait for each other, so the
- * caller runs jobs alone for a while (backing off from BACKOFF_MIN_NS to BACKOFF_MAX_NS
- * while the cores stay busy), then tries two threads again.
+ * on 1 or 2 threads. Whether two threads beat one on cores that other work shares is
+ * measured step by step in Python (quanta/model/thread_tuner.py), which sets the threads.
  *
  * One caller at a time: a second thread calling while a job runs does its whole job
  * itself, so concurrent callers stay correct.
  */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -38,11 +33,6 @@
 
 #define SPIN_NS 200000       /* 0.2 ms: longer than the Python between two calls of a step */
 #define JOIN_SPIN_NS 20000   /* the caller spins this long for the worker's last chunk, then yields */
-#define WINDOW_NS 20000000   /* 20 ms between two reads of the threads' CPU waits */
-#define BUSY_PER_MILLE 200   /* waiting for a CPU over 20% of the time: the cores are shared */
-#define MIN_ACTIVE_NS 2000000 /* a window with less run + wait than this says nothing */
-#define BACKOFF_MIN_NS 100000000ull  /* 0.1 s alone, then a window on two threads */
-#define BACKOFF_MAX_NS 3200000000ull /* doubling while the cores stay busy, up to 3.2 s */
 
 /* ticket: the job's number (high 32 bits), its chunks (bits 16-31), the next chunk (bits 0-15) */
 #define TICKET(job, chunks) (((uint64_t)(job) << 32) | ((uint64_t)(chunks) << 16))
@@ -57,18 +47,9 @@ static struct {
     _Atomic int sleeping;
     _Atomic(pool_fn) fn;
     _Atomic(void *) arg;
-    _Atomic int64_t worker_chunks;
-    _Atomic int worker_tid;
     int threads, started;
     pthread_mutex_t busy;
 } P = {.threads = 1, .busy = PTHREAD_MUTEX_INITIALIZER};
-
-/* The caller's watch on the cores (read and written under P.busy). */
-static struct {
-    uint64_t since, until, backoff;
-    int64_t run, wait;   /* both threads' schedstat at `since` */
-    int caller, alone, measured, share, busy_windows, windows;
-} W = {.backoff = BACKOFF_MIN_NS};
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -95,7 +76,6 @@ static int claim_chunks(int thread) {
 
 static void *worker(void *first) {
     unsigned seen = (unsigned)(uintptr_t)first; /* seq when it was started: it may start after the first job is posted */
-    atomic_store(&P.worker_tid, (int)syscall(SYS_gettid));
     for (;;) {
         unsigned s;
         uint64_t since = now_ns();
@@ -108,7 +88,7 @@ static void *worker(void *first) {
             since = now_ns();
         }
         seen = s;
-        atomic_fetch_add_explicit(&P.worker_chunks, claim_chunks(1), memory_order_relaxed);
+        claim_chunks(1);
     }
     return NULL;
 }
@@ -119,57 +99,6 @@ void pool_set_threads(int threads) { P.threads = threads >= POOL_MAX_THREADS ? P
 
 int pool_threads(void) { return P.threads; }
 
-/* Run time and run-queue wait (ns) of thread `tid` (0: the calling thread) from
- * /proc/.../schedstat; 0 where it cannot be read. */
-static int read_schedstat(int tid, int64_t *run, int64_t *wait) {
-    char path[64], text[128];
-    if (tid) snprintf(path, sizeof path, "/proc/self/task/%d/schedstat", tid);
-    else snprintf(path, sizeof path, "/proc/thread-self/schedstat");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t got = read(fd, text, sizeof text - 1);
-    close(fd);
-    if (got <= 0) return 0;
-    text[got] = 0;
-    long long r, w;
-    if (sscanf(text, "%lld %lld", &r, &w) != 2) return 0;
-    *run += r;
-    *wait += w;
-    return 1;
-}
-
-/* Every WINDOW_NS: how long both threads waited for a CPU since the last window, and whether
- * to run alone (see the top of the file). Called by the pool's holder before each job. */
-static void watch_cores(void) {
-    uint64_t now = now_ns();
-    if (now - W.since < WINDOW_NS) return;
-    int64_t run = 0, wait = 0;
-    int caller = (int)syscall(SYS_gettid), worker_tid = atomic_load(&P.worker_tid);
-    int read = read_schedstat(0, &run, &wait) && worker_tid && read_schedstat(worker_tid, &run, &wait);
-    int64_t active = (run - W.run) + (wait - W.wait);
-    int comparable = read && W.measured && caller == W.caller && !W.alone && active >= MIN_ACTIVE_NS;
-    if (comparable) {
-        W.share = (int)(1000 * (wait - W.wait) / active);
-        W.windows++;
-        if (W.share > BUSY_PER_MILLE) {
-            W.busy_windows++;
-            W.alone = 1;
-            W.until = now + W.backoff;
-            W.backoff = W.backoff * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : W.backoff * 2;
-        } else {
-            W.backoff = BACKOFF_MIN_NS;
-        }
-    } else if (W.alone && now >= W.until) {
-        W.alone = 0; /* a window on two threads, measured from here */
-    }
-    W.since = now, W.run = run, W.wait = wait, W.caller = caller, W.measured = read;
-}
-
-void pool_stats(int64_t *out) {
-    out[0] = W.alone, out[1] = W.share, out[2] = W.busy_windows, out[3] = W.windows;
-    out[4] = atomic_load(&P.worker_chunks);
-}
-
 static int start_worker(void) {
     pthread_t t;
     pthread_attr_t attr;
@@ -177,7 +106,6 @@ static int start_worker(void) {
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     static int registered;
     if (!registered) registered = !pthread_atfork(NULL, NULL, forget_worker);
-    atomic_store(&P.worker_tid, 0);
     P.started = !pthread_create(&t, &attr, worker, (void *)(uintptr_t)atomic_load(&P.seq));
     pthread_attr_destroy(&attr);
     return P.started;
@@ -205,8 +133,7 @@ int pool_run(pool_fn fn, void *arg, int chunks) {
         run_alone(fn, arg, chunks);
         return 0;
     }
-    watch_cores();
-    if (W.alone || (!P.started && !start_worker())) {
+    if (!P.started && !start_worker()) {
         pthread_mutex_unlock(&P.busy);
         run_alone(fn, arg, chunks);
         return 0;

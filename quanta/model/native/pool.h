@@ -10,8 +10,8 @@
 typedef void (*pool_fn)(void *arg, int chunk, int chunks, int thread);
 
 /* Runs every chunk of fn, returning when all are done: with two threads the caller and the
- * worker claim them in turn; with one (or while the cores are found busy, or while another
- * caller holds the pool) the caller runs them all. Returns the chunks the worker ran. */
+ * worker claim them in turn; with one (or while another caller holds the pool) the caller
+ * runs them all. Returns the chunks the worker ran. */
 int pool_run(pool_fn fn, void *arg, int chunks);
 
 /* The most threads a job runs on: the caller and one worker (scratch is sized for them). */
@@ -20,11 +20,6 @@ int pool_run(pool_fn fn, void *arg, int chunks);
 /* 1 (default: every chunk on the caller) or POOL_MAX_THREADS threads. */
 void pool_set_threads(int threads);
 int pool_threads(void);
-
-/* The pool's view of the cores: [0] 1 while it runs on the caller alone because its threads
- * waited for a CPU, [1] the share of the last window its threads waited for a CPU (per
- * mille), [2] windows found busy, [3] windows measured, [4] chunks the worker ran. */
-void pool_stats(int64_t *out);
 
 /* [lo, hi) of part `part` of `parts` equal shares of n items, each a multiple of `step` (but the last). */
 static inline void pool_share(int64_t n, int64_t step, int part, int parts, int64_t *lo, int64_t *hi) {

@@ -1,0 +1,59 @@
+"""The cores this process may use: its CPU affinity, capped by a cgroup CPU quota.
+
+A container limited to 1.5 CPUs, or a server started under ``taskset -c 0``, has fewer cores
+than ``os.cpu_count()`` says; threads beyond them only wait for each other (the C kernels'
+pool, ``pool.c``, also watches at run time whether the cores it has are taken by other work).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def usable_cores() -> int:
+    """CPUs in this process's affinity mask, at most its cgroup quota (rounded up); at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = cgroup_quota()
+    return max(1, min(cores, math.ceil(quota)) if quota else cores)
+
+
+def cgroup_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs a cgroup quota allows this process (cgroup v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``
+    over ``cpu.cfs_period_us``); None where no quota is set or none can be read."""
+    for path in _v2_files(root, self_cgroup):
+        quota = _ratio(path.read_text().split()) if path.is_file() else None
+        if quota:
+            return quota
+    v1 = root / "cpu"
+    try:
+        return _ratio([(v1 / "cpu.cfs_quota_us").read_text(), (v1 / "cpu.cfs_period_us").read_text()])
+    except OSError:
+        return None
+
+
+def _v2_files(root: Path, self_cgroup: Path) -> list[Path]:
+    """``cpu.max`` of this process's cgroup and of the root, in that order."""
+    files = []
+    try:
+        for line in self_cgroup.read_text().splitlines():
+            if line.startswith("0::"):
+                files.append(root / line[3:].strip().lstrip("/") / "cpu.max")
+    except OSError:
+        pass
+    return [*files, root / "cpu.max"]
+
+
+def _ratio(fields: list[str]) -> float | None:
+    """quota / period from two fields; None for ``max``, ``-1`` or anything unreadable."""
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except (ValueError, IndexError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
