@@ -162,7 +162,7 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     tokenizer = Tokenizer.from_path(model_path)
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:
-        decode += f"(threads={model.native.threads})"
+        decode += f"(threads={model.native.tuner})"
     kernels = f"{model.describe_kernels()} decode={decode}"
     return_freed_heap()
     log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,

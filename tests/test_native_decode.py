@@ -26,6 +26,7 @@ from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.native.forms import available
 from quanta.model.presets import _embedded_tokenizer as embedded_tokenizer
+from quanta.model.thread_tuner import ThreadTuner
 from slot_cache import SlotCache
 from tiny_llama import LLAMA3_ROPE, TINY, load_ours
 
@@ -167,8 +168,8 @@ def test_the_serve_flag_turns_native_decode_off_and_the_startup_line_says_so():
 
 
 def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp_path):
-    """claim_threads: a decode forward whose projections are all C calls runs the C pool on 2
-    threads and torch on 1, at every batch size; prompt forwards (even of one token, or beside
+    """claim_threads: a decode forward whose projections are all C calls runs the C pool on the
+    tuner's count (fixed at 2 here) and torch on 1, at every batch size; prompt forwards (even of one token, or beside
     decode rows in a step) run the pool on 1 and torch on its own count, which the executor
     leaves as it found it. head_threads: the q8_0 head takes the C pool's split for every head."""
     config = LlamaConfig(**{**TINY, "vocab_size": 256}, tie_word_embeddings=True)  # q8_0 packs 8 columns a group
@@ -180,7 +181,7 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
     try:
         loaded = load_model(str(tmp_path), torch.float32, "q4_1")
         model, lib = loaded.model, native.load()
-        model.native.threads = 2
+        model.native.tuner = ThreadTuner(2, fixed=True)
         seen: list[tuple[int, bool, int, int]] = []  # (tokens, decode, torch threads, C threads) a forward
         heads: list[tuple[int, int, int]] = []  # (rows, torch threads, C threads) an LM head
         forward, compute_logits = model.forward, model.compute_logits

@@ -171,7 +171,7 @@ class LlamaModel(nn.Module):
 
         Call after :meth:`pack_weights` and :meth:`quantize_weights`. Returns
         ``native`` or ``torch (<why not>)`` for the startup line; never raises.
-        The C kernels' thread count is ``self.native.threads``.
+        The C kernels' thread count is ``self.native.tuner``'s.
         """
         from quanta.model.native import NativeUnavailable
         from quanta.model.native_decode import NativeDecoder

@@ -42,6 +42,10 @@ class ThreadTuner:
         self._since = 0
         self._reference: dict[int, deque[float]] = {}
 
+    def __str__(self) -> str:
+        """For the startup line: ``1-2 tried`` or the fixed count."""
+        return "1-2 tried" if self.tuning else str(self.current)
+
     @property
     def other(self) -> int:
         return 3 - self.current
