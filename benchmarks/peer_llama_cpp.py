@@ -123,14 +123,14 @@ def run_record(**extra) -> dict:
             **extra}
 
 
-def int_list(text: str) -> list[int]:
-    """An argparse ``type``: ``"2048,8192"`` -> ``[2048, 8192]``, each positive."""
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """An argparse ``type``: ``"2048,8192"`` -> ``[2048, 8192]``, each ``minimum`` or more (positive by default)."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    if min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if minimum == 1 else f'{minimum} or more'}, got {text!r}")
     return values
 
 
