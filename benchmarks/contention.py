@@ -1,22 +1,23 @@
 """Decoding on a CPU shared with other work: quanta and llama.cpp's ``llama-server`` next to busy processes.
 
-For each background load N (``--loads``, default 0,1,2,4) and server configuration, a fresh server is
-started, warmed (8 concurrent 200-word prompts, 8 tokens out), then N CPU-bound processes (``yes >
-/dev/null``) start, and after a 1 s ramp two of ``peer_llama_cpp.py``'s workloads run, client-side:
+For each round and server configuration, a fresh server is started and warmed (8 concurrent
+200-word prompts, 8 tokens out); then, for each background load N (``--loads``, default 0,1,2,4) in
+turn, N CPU-bound processes (``yes > /dev/null``) start, and after a 1 s ramp two of
+``peer_llama_cpp.py``'s workloads run, client-side:
 
 - one stream: decode time per token of one 128-token stream (first to last token);
 - 8 streams: aggregate output tok/s of 8 concurrent 200-word prompts, 128 tokens each.
 
-The background processes are killed after the workloads (and on any error, Ctrl-C or SIGTERM; they
-also die with this script), then the server is stopped. Configurations (``--configs``, default all):
+The background processes are killed after each load's workloads (and on any error, Ctrl-C or
+SIGTERM; they also die with this script); the server is stopped after the last load. Configurations (``--configs``, default all):
 ``quanta-default`` (the pool's threads found by trying; ``$QUANTA_NATIVE_THREADS`` unset),
 ``quanta-t1`` / ``quanta-t2`` (``QUANTA_NATIVE_THREADS=1`` / ``2``: the hand-set settings), and
-``llama-t2`` / ``llama-t1`` (``llama-server -t 2`` / ``-t 1``). Each round runs every (load,
-configuration) condition once, the order reversed every other round; the tables give the median
+``llama-t2`` / ``llama-t1`` (``llama-server -t 2`` / ``-t 1``). Every other round reverses the order
+of the configurations and of the loads; the tables give the median
 (min-max) over ``--rounds``, quanta default's speed over the best quanta hand setting's in that row,
 and each configuration's slowdown against its own 0-background figure.
 
-Usage (never in CI; 1-2 min a condition on 2 cores, 20 conditions a round, ~1.5-2 h for 3 rounds):
+Usage (never in CI; on 2 cores ~10-15 min a round, most of it ``llama-server -t 2`` under load):
 ``python benchmarks/contention.py [--loads 0,1,2,4] [--configs quanta-default,llama-t2] [--rounds 3]
 [--out benchmarks/results/contention_<cpu kind>]``; ``--quick`` shortens both workloads (32 tokens
 out, 64-word prompts) for a smoke test (results in the run's folder unless ``--out``).
@@ -137,24 +138,27 @@ def workload_flags(name: str, quick: bool) -> list[str]:
     return flags
 
 
-def measure(cmd: list[str], load: int, quick: bool, prefix: Path) -> dict[str, float]:
-    """Start the server, warm it, then run the measured workloads with ``load`` background processes."""
+def measure(cmd: list[str], loads: list[int], quick: bool, prefix: Path) -> dict[int, dict[str, float]]:
+    """Start the server, warm it, then run the measured workloads under each background load in turn
+    (the server goes on across loads, as one would while other work comes and goes)."""
     port = int(cmd[cmd.index("--port") + 1])
     proc = start(cmd, port, prefix.with_suffix(".log"))
     try:
         url = f"http://127.0.0.1:{port}"
         bench(url, WARMUP, "throughput", prefix.with_name(prefix.name + "-warmup"))
-        with background(load):
-            return {w: bench(url, workload_flags(w, quick), WORKLOADS[w][1], prefix.with_name(f"{prefix.name}-w{i}"))
-                    for i, w in enumerate(MEASURED)}
+        got = {}
+        for load in loads:
+            with background(load):
+                got[load] = {w: bench(url, workload_flags(w, quick), WORKLOADS[w][1], prefix.with_name(f"{prefix.name}-l{load}-w{i}"))
+                             for i, w in enumerate(MEASURED)}
+        return got
     finally:
         stop(proc)
 
 
-def conditions(loads: list[int], configs: list[str], rnd: int) -> list[tuple[int, str]]:
-    """One round's (load, configuration) order: loads outer, reversed every other round."""
-    order = [(load, c) for load in loads for c in configs]
-    return order if rnd % 2 == 0 else order[::-1]
+def round_order(loads: list[int], configs: list[str], rnd: int) -> tuple[list[int], list[str]]:
+    """One round's configurations and the loads each runs through, both reversed every other round."""
+    return (loads, configs) if rnd % 2 == 0 else (loads[::-1], configs[::-1])
 
 
 def cell(values: list[float], idle: list[float] | None, higher: bool) -> str:
@@ -186,7 +190,8 @@ def render(results: dict, info: dict, configs: list[str], loads: list[int], roun
            + (", ".join(f"`{k}={v}`" for k, v in info["env"].items()) or "none set"),
            *(f"- {c}: `{shlex.join(info['commands'][c])}`" for c in configs),
            *(f"- {c} startup: {s}" for c, s in info["quanta_startup"].items()),
-           f"- each condition: a fresh server, warmed, then N `yes > /dev/null`, {RAMP_S:g} s ramp, the workload; "
+           f"- each round and configuration: a fresh server, warmed, then for each background load N in turn "
+           f"(reversed every other round): N `yes > /dev/null`, {RAMP_S:g} s ramp, the two workloads; "
            f"median (min-max) over {rounds} rounds; `x slower`: against the configuration's own 0-background median; "
            "last column: quanta default's speed / the best quanta hand setting's (>1: default faster)"
            + ("; **quick workloads** (32 tokens out, prompts <= 64 words)" if info["quick"] else "")]
@@ -232,16 +237,17 @@ def main() -> int:
                       env={k: v for k, v in os.environ.items() if k in ENV_KNOBS}, commands={}, loads_before=[])
     results = {w: {c: {load: [] for load in args.loads} for c in args.configs} for w in MEASURED}
     for rnd in range(args.rounds):
-        for load, c in conditions(args.loads, args.configs, rnd):
+        loads, configs = round_order(args.loads, args.configs, rnd)
+        for c in configs:
             cmd = command(c, free_port(), binary, gguf, extra)
             info["commands"].setdefault(c, cmd)  # the first one (ports differ)
             info["loads_before"].append(os.getloadavg()[0])  # other work on the machine shows here
-            got = measure(cmd, load, args.quick, workdir / f"{c}-l{load}-r{rnd}")
-            for w, value in got.items():
-                results[w][c][load].append(value)
-            print(f"  round {rnd + 1} {c} background {load}: "
-                  + ", ".join(f"{v:.1f} {WORKLOADS[w][2]}" for w, v in got.items()), file=sys.stderr)
-    info["quanta_startup"] = {c: startup_line(workdir / f"{c}-l{args.loads[0]}-r0.log") for c in args.configs
+            for load, got in measure(cmd, loads, args.quick, workdir / f"{c}-r{rnd}").items():
+                for w, value in got.items():
+                    results[w][c][load].append(value)
+                print(f"  round {rnd + 1} {c} background {load}: "
+                      + ", ".join(f"{v:.1f} {WORKLOADS[w][2]}" for w, v in got.items()), file=sys.stderr)
+    info["quanta_startup"] = {c: startup_line(workdir / f"{c}-r0.log") for c in args.configs
                               if c.startswith("quanta")}
     table = render(results, info, args.configs, args.loads, args.rounds)
     print(table)
