@@ -35,8 +35,8 @@ from quanta.engine.sampling import SamplingParams
 from quanta.server.anthropic_tools import THINKING_BLOCKS, AnthropicTool, ToolChoice
 from quanta.server.errors import APIError
 from quanta.server.field_rule import ANTHROPIC_MESSAGES, FieldRule
-from quanta.server.openai_requests import unique_tools
-from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number, only
+from quanta.server.openai_requests import FEW_TOOLS, unique_tools
+from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number, only, turns
 
 
 class ContentBlock(BaseModel):
@@ -88,9 +88,9 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
     DOCUMENTED = ANTHROPIC_MESSAGES
     #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
     model: str | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: turns(Message)
     system: str | list[ContentBlock] | None = None
-    tools: Annotated[list[AnthropicTool], unique_tools(lambda t: t.name)] | None = None
+    tools: Annotated[list[AnthropicTool], FEW_TOOLS, unique_tools(lambda t: t.name)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None

@@ -45,7 +45,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(Admission, engine=state.async_engine, paths=GENERATION_PATHS,  # inside BodyLimit: after the body
                        max_prompt_tokens=state.max_model_len - 1)
-    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, max_structure=state.prompts.max_structure)
     install_access(app, state.access)
     app.include_router(_service_router(state))
     for protocol in (chat, responses, anthropic, tokenize):

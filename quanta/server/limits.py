@@ -4,7 +4,14 @@
   over ``--max-request-bytes`` before any of it is parsed (chunked bodies
   included: it stops reading at the limit), and HTTP 408 to one that has not
   all arrived :data:`BODY_TIMEOUT_S` seconds after its head (a client
-  trickling its body would otherwise hold its connection for ever).
+  trickling its body would otherwise hold its connection for ever). It
+  also answers 413, before the body is parsed, to one with more commas,
+  colons and opening brackets (strings included: a count of each byte,
+  ~2 ms a MiB) than a request the server can run holds
+  (:attr:`PromptWork.max_structure`): parsing and validating JSON hold the
+  GIL, so a worker thread would not free the event loop for them, and their
+  cost grows with that count (16 MiB of token ids take ~0.5 s to parse, of
+  empty lists ~1.6 s).
 * :class:`Admission`: an ASGI middleware that makes each request to a
   generation route hold a place in ``--max-queue`` from the moment its body
   is read (:meth:`quanta.engine.async_engine.AsyncEngine.reserve`), so
@@ -12,8 +19,10 @@
   queue is a 429 before any of that work. It also sets
   :data:`PROMPT_TOKEN_LIMIT` for the request, so that validation refuses a
   token-id prompt longer than the context by its length alone, before
-  checking each id, and makes the tool schemas that validation compiles
-  count toward one request-wide budget
+  checking each id (and a conversation of more turns than it can hold by
+  their number, before validating each: :func:`too_many_messages`), and
+  makes the tool schemas that validation compiles count toward one
+  request-wide budget
   (:func:`quanta.engine.grammar_bounds.count_request_schemas`).
 * :class:`PromptWork`: tokenization and chat templating on a small thread
   pool, never on the event loop (Hugging Face's fast tokenizer releases the
@@ -35,14 +44,14 @@ from contextvars import ContextVar
 from typing import TypeVar
 
 from quanta.engine.async_engine import AsyncEngine, QueueFullError
-from quanta.engine.grammar_bounds import count_request_schemas
+from quanta.engine.grammar_bounds import MAX_GRAMMAR_CHARS, count_request_schemas
 from quanta.model.tokenizer import Tokenizer
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import refuse
 from quanta.server.errors import RAW_BODY
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "PROMPT_TOKEN_LIMIT", "RESERVATION", "Admission", "BodyLimit", "BuildTimeout",
-           "PromptError", "PromptWork", "surrogate_problem"]
+           "PromptError", "PromptWork", "surrogate_problem", "too_many_messages"]
 
 #: Threads that tokenize and render chat templates; threads that build sampling parameters (compile grammars).
 PROMPT_WORKERS, BUILD_WORKERS = 2, 2
@@ -52,6 +61,9 @@ BUILD_TIMEOUT_S = 10.0
 
 #: Seconds a request body may take to arrive (measured from the route's first read).
 BODY_TIMEOUT_S = 60.0
+
+#: The bytes :class:`BodyLimit` counts in a body before it is parsed: JSON's separators and opening brackets.
+STRUCTURE_BYTES = (b",", b":", b"[", b"{")
 
 #: ASGI scope key of the request's :class:`quanta.engine.async_engine.Reservation`.
 RESERVATION = "quanta.reservation"
@@ -69,7 +81,8 @@ T = TypeVar("T")
 
 
 class BodyLimit:
-    """ASGI middleware: HTTP 413 for a request body over ``max_bytes`` bytes.
+    """ASGI middleware: HTTP 413 for a request body over ``max_bytes`` bytes,
+    or with more :data:`STRUCTURE_BYTES` than a request can need.
 
     The body is read here (up to the limit) and handed on to the app
     unchanged; the 413 carries the error body of the route's API. The rest
@@ -78,11 +91,12 @@ class BodyLimit:
 
     Args:
         app: the wrapped ASGI app.
-        max_bytes: the largest body accepted; None disables the limit.
+        max_bytes: the largest body accepted; None disables both limits.
+        max_structure: the most :data:`STRUCTURE_BYTES` a body may hold (:attr:`PromptWork.max_structure`).
     """
 
-    def __init__(self, app, max_bytes: int | None) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int | None, max_structure: int) -> None:
+        self.app, self.max_bytes, self.max_structure = app, max_bytes, max_structure
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or self.max_bytes is None:
@@ -95,9 +109,15 @@ class BodyLimit:
             await refuse(scope, send, 408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                          [(b"connection", b"close")])
             return
-        if body is not None:
-            scope[RAW_BODY] = body  # for the error handlers (quanta.server.errors)
-            await self.app(scope, _replay(body, receive), send)
+        if body is None:
+            return
+        structure = sum(map(body.count, STRUCTURE_BYTES))
+        if structure > self.max_structure:
+            await refuse(scope, send, 413, f"the request body has {structure} commas, colons and opening brackets; no request "
+                         f"that fits this server's context (--max-model-len) has more than {self.max_structure}")
+            return
+        scope[RAW_BODY] = body  # for the error handlers (quanta.server.errors)
+        await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, scope, receive, send) -> bytes | None:
         """The whole body, or None once answered (413) or the client left."""
@@ -219,6 +239,14 @@ class PromptWork:
         """Characters beyond which a prompt cannot fit in ``max_prompt_tokens`` tokens."""
         return self.max_prompt_tokens * self.max_token_chars
 
+    @property
+    def max_structure(self) -> int:
+        """:data:`STRUCTURE_BYTES` beyond which no request body fits: one per character of the
+        longest prompt (the JSON around a prompt's parts is far within that bound's slack: a
+        token is a few characters, rarely :attr:`max_token_chars`), plus
+        :data:`~quanta.engine.grammar_bounds.MAX_GRAMMAR_CHARS` for a grammar, no part of the prompt."""
+        return self.max_chars + MAX_GRAMMAR_CHARS
+
     def check(self, texts: Iterable[str], param: str) -> None:
         """Refuse lone surrogates and text longer than any fitting prompt.
 
@@ -232,9 +260,7 @@ class PromptWork:
         for text in texts:
             count += 1
             if count > self.max_prompt_tokens:
-                raise PromptError(
-                    f"{param}: more than {self.max_prompt_tokens} messages; a prompt of at most {self.max_prompt_tokens} "
-                    "tokens (max_model_len - 1) cannot hold them (each message takes a token at least)", param)
+                raise PromptError(f"{param}: {too_many_messages(self.max_prompt_tokens)}", param)
             _check_surrogates(text, param)
             total += len(text)
         if total > self.max_chars:
@@ -269,6 +295,12 @@ class PromptWork:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._build_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def too_many_messages(max_prompt_tokens: int) -> str:
+    """Why more than ``max_prompt_tokens`` messages are refused, before anything else is done with them."""
+    return (f"more than {max_prompt_tokens} messages; a prompt of at most {max_prompt_tokens} tokens "
+            "(max_model_len - 1) cannot hold them (each message takes a token at least)")
 
 
 def max_token_chars(tokenizer: Tokenizer) -> int:

@@ -27,12 +27,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from quanta.engine.grammar import Grammar
-from quanta.engine.grammar_bounds import check_schema
+from quanta.engine.grammar_bounds import MAX_REQUEST_SCHEMAS, check_schema
 from quanta.server.limits import surrogate_problem
-from quanta.server.protocol import ChatCompletionRequest, CompletionRequest, StrictFlag, UnicodeText, field_error, integer
+from quanta.server.protocol import ChatCompletionRequest, CompletionRequest, StrictFlag, UnicodeText, field_error, integer, turns
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -136,6 +136,17 @@ def _usable(schema: dict) -> dict:
 
 #: a tool's ``parameters``: a JSON schema that compiles, checked whatever ``tool_choice`` is
 ToolSchema = Annotated[dict, AfterValidator(_usable)]
+
+
+def _bounded_tools(tools):
+    """``tools`` unchanged; more than :data:`MAX_REQUEST_SCHEMAS` are refused by their number alone."""
+    if isinstance(tools, list) and len(tools) > MAX_REQUEST_SCHEMAS:
+        raise ValueError(f"{len(tools)} tools; at most {MAX_REQUEST_SCHEMAS} are accepted")
+    return tools
+
+
+#: a before-validator of a tools list: its length is bounded before any tool's schema compiles
+FEW_TOOLS = BeforeValidator(_bounded_tools)
 
 
 def unique_tools(name):
@@ -261,8 +272,8 @@ class ResponseFormat(BaseModel):
 class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
     """``POST /v1/chat/completions`` with tools, ``response_format`` and logprobs."""
 
-    messages: Annotated[list[Message], Field(min_length=1)]
-    tools: Annotated[list[Tool], unique_tools(lambda t: t.function.name)] | None = None
+    messages: turns(Message)
+    tools: Annotated[list[Tool], FEW_TOOLS, unique_tools(lambda t: t.function.name)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictFlag = True
     response_format: ResponseFormat | None = None

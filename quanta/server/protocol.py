@@ -24,7 +24,7 @@ from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_v
 
 from quanta.engine.sampling import SEED_RANGE, SamplingParams
 from quanta.server.field_rule import OPENAI_CHAT, OPENAI_COMPLETIONS, FieldRule, field_error
-from quanta.server.limits import PROMPT_TOKEN_LIMIT, surrogate_problem
+from quanta.server.limits import PROMPT_TOKEN_LIMIT, surrogate_problem, too_many_messages
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -63,6 +63,21 @@ UnicodeText = Annotated[str, BeforeValidator(_unicode)]
 #: a completions prompt: non-empty text, non-empty token ids, or a list of one non-empty text
 #: (the schema states each bound; :meth:`CompletionRequest._one_prompt` words the common mistakes)
 Prompt = NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+
+
+def _fitting_turns(turns):
+    """``turns`` unchanged; more than a prompt can hold (:data:`PROMPT_TOKEN_LIMIT`) are refused by their number alone."""
+    limit = PROMPT_TOKEN_LIMIT.get()
+    if isinstance(turns, list) and limit is not None and len(turns) > limit:
+        raise ValueError(too_many_messages(limit))
+    return turns
+
+
+def turns(item):
+    """A conversation: a non-empty list of ``item``, refused by its length before any item is validated."""
+    return Annotated[list[item], BeforeValidator(_fitting_turns), Field(min_length=1)]
+
+
 #: stop strings; the bounds appear in the OpenAPI schema, :func:`check_stop_strings` enforces them with its message
 StopList = Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP, "items": {"type": "string", "maxLength": MAX_STOP_CHARS}})]
 
@@ -241,7 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     DOCUMENTED = OPENAI_CHAT
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: turns(ChatMessage)
     max_tokens: integer(ge=1) | None = None
     max_completion_tokens: integer(ge=1) | None = None
     #: sent by agents configured for reasoning models; no effect (the model does not reason)

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from quanta.engine.sampling import SamplingParams
 from quanta.server.errors import APIError
 from quanta.server.field_rule import OPENAI_RESPONSES, FieldRule, field_error
-from quanta.server.openai_requests import ResponseFormat, ToolSchema
+from quanta.server.openai_requests import FEW_TOOLS, ResponseFormat, ToolSchema
 from quanta.server.protocol import (
     NO_EFFECT_FIELDS,
     CacheSalt,
@@ -46,6 +46,7 @@ from quanta.server.protocol import (
     integer,
     number,
     only,
+    turns,
 )
 
 
@@ -101,8 +102,9 @@ class NamespaceTool(BaseModel):
     type: Literal["namespace"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: UnicodeText | None = None
-    tools: list[Annotated[Annotated[FunctionTool, Tag("FunctionTool")] | Annotated[HostedTool, Tag("HostedTool")],
-                          Discriminator(lambda t: "FunctionTool" if _kind(t) == "FunctionTool" else "HostedTool")]]
+    tools: Annotated[list[Annotated[Annotated[FunctionTool, Tag("FunctionTool")] | Annotated[HostedTool, Tag("HostedTool")],
+                                    Discriminator(lambda t: "FunctionTool" if _kind(t) == "FunctionTool" else "HostedTool")]],
+                     FEW_TOOLS]
 
 
 AnyTool = Annotated[Annotated[FunctionTool, Tag("FunctionTool")] | Annotated[NamespaceTool, Tag("NamespaceTool")]
@@ -143,9 +145,9 @@ class ResponsesRequest(FieldRule, NoEffect):
     NO_EFFECT = NO_EFFECT_FIELDS | {"include", "reasoning"}
     #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
     model: str | None = None
-    input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]
+    input: NonEmptyText | turns(InputItem)
     instructions: str | None = None
-    tools: list[AnyTool] | None = None
+    tools: Annotated[list[AnyTool], FEW_TOOLS] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
     parallel_tool_calls: StrictFlag = True
     #: OpenAI's minimum is 16

@@ -18,14 +18,15 @@ from __future__ import annotations
 from typing import Annotated, ClassVar
 
 from fastapi import APIRouter, Request
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import StrictBool, StrictInt, model_validator
 
 from quanta.server.chat import chat_prompt
 from quanta.server.defaults import served_model
 from quanta.server.errors import APIError
 from quanta.server.field_rule import FieldRule, field_error, log_fields
 from quanta.server.limits import PromptError
-from quanta.server.openai_requests import Message, Tool
+from quanta.server.openai_requests import FEW_TOOLS, Message, Tool
+from quanta.server.protocol import turns
 from quanta.server.serving import ServerState, check_model
 
 #: options of vLLM's and llama-server's tokenizer routes that change nothing here
@@ -40,8 +41,8 @@ class TokenizeRequest(FieldRule):
     model: str | None = None
     prompt: str | None = None
     content: str | None = None
-    messages: Annotated[list[Message], Field(min_length=1)] | None = None
-    tools: list[Tool] | None = None
+    messages: turns(Message) | None = None
+    tools: Annotated[list[Tool], FEW_TOOLS] | None = None
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
