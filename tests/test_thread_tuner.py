@@ -61,3 +61,12 @@ def test_a_count_set_by_hand_or_one_core_is_kept(threads, fixed):
     tuner = ThreadTuner(threads, fixed=fixed)
     picked = _run(tuner, {1: 0.05, 2: 0.01} if threads == 1 else {1: 0.01, 2: 0.05}, 300)
     assert set(picked) == {threads} and tuner.tries == 0
+
+
+def test_when_other_work_starts_the_next_step_tries_the_other_count():
+    tuner = ThreadTuner(2)
+    _run(tuner, {1: 0.015, 2: 0.010}, 2000)
+    assert tuner.every == MAX_EVERY
+    picked = _run(tuner, {1: 0.027, 2: 0.034}, 40)  # a busy process started: two threads now slower
+    assert tuner.current == 1 and tuner.switches == 1
+    assert picked.index(1) <= 12  # tried within a few steps, not after up to MAX_EVERY

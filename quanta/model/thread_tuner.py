@@ -9,7 +9,8 @@ and its time is compared with the median of the last few steps of the same row c
 the current one (consecutive decode steps do nearly the same work). A running mean of the
 log ratio decides: the other count takes over when it is faster by ``SWITCH`` or more; while
 it is clearly slower (by ``SLOWER``), tries grow rarer (up to every ``MAX_EVERY``-th step), so
-on idle cores they cost under 1%.
+on idle cores they cost under 1%. When the current count's steps get slower or faster by
+``DRIFT`` (other work started or stopped), tries are frequent again at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FIRST_EVERY, MAX_EVERY = 8, 64
 WEIGHT = 0.5
 #: steps of the current count kept per row count, the reference a try is compared with
 REFERENCE = 5
+#: a change of the reference's median by this factor makes tries frequent again
+DRIFT = 1.3
 
 
 class ThreadTuner:
@@ -41,6 +44,7 @@ class ThreadTuner:
         self.tries = self.switches = 0
         self._since = 0
         self._reference: dict[int, deque[float]] = {}
+        self._settled: dict[int, float] = {}  # the reference's median when last seen steady, per row count
 
     def __str__(self) -> str:
         """For the startup line: ``1-2 tried`` or the fixed count."""
@@ -67,8 +71,18 @@ class ThreadTuner:
         reference = self._reference.setdefault(rows, deque(maxlen=REFERENCE))
         if threads == self.current:
             reference.append(seconds)
+            self._watch_drift(rows, reference)
         elif len(reference) >= 2 and seconds > 0:
             self._judge(math.log(seconds / statistics.median(reference)))
+
+    def _watch_drift(self, rows: int, reference: deque[float]) -> None:
+        if len(reference) < REFERENCE:
+            return
+        median, settled = statistics.median(reference), self._settled.get(rows)
+        if settled is not None and not settled / DRIFT <= median <= settled * DRIFT:
+            self.every, self._since = FIRST_EVERY, max(self._since, FIRST_EVERY - 1)  # try the other count next
+        if settled is None or self.every == FIRST_EVERY:
+            self._settled[rows] = median
 
     def _judge(self, log_ratio: float) -> None:
         self.tries += 1
@@ -77,6 +91,7 @@ class ThreadTuner:
             self.current, self.score, self.every = self.other, 0.0, FIRST_EVERY
             self.switches += 1
             self._reference.clear()
+            self._settled.clear()
         elif self.score >= math.log(SLOWER):
             self.every = min(2 * self.every, MAX_EVERY)
         else:
