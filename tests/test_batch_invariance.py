@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model, resolve_dtype
+from quanta.model import native
 from quanta.model.linear import linear, pack_weight
 from quanta.model.native.forms import available as native_available
 from quanta.model.presets import _embedded_tokenizer as embedded_tokenizer
@@ -30,17 +31,25 @@ DTYPES = [torch.float32, torch.bfloat16]
 FORMS = ["int8", "int4", *(["fp16"] if fp16_kernel_available() else []), *(["q4_1", "q8_0"] if native_available() else [])]
 
 
+def _set_threads(threads: int, pool: int) -> None:
+    """Torch's threads and, where the C library loads, its pool's."""
+    torch.set_num_threads(threads)
+    if native_available():
+        native.load().pool_set_threads(pool)
+
+
 def _rows_agree(f, x: torch.Tensor) -> list[tuple[int, int]]:
-    """(threads, rows) of the calls on the last ``rows`` rows of ``x`` that differ from a whole call."""
-    before, bad = torch.get_num_threads(), []
+    """(threads, rows) of the calls on the last ``rows`` rows of ``x`` that differ from a whole
+    call, on 1 and 2 threads (torch's and the C pool's)."""
+    before, bad = (torch.get_num_threads(), native.load().pool_threads() if native_available() else 1), []
     try:
-        torch.set_num_threads(2)
+        _set_threads(2, 2)
         whole = f(x)
         for threads in (1, 2):
-            torch.set_num_threads(threads)
+            _set_threads(threads, threads)
             bad += [(threads, m) for m in (*range(1, 18), 31, 64, 129) if not torch.equal(f(x[-m:]), whole[-m:])]
     finally:
-        torch.set_num_threads(before)
+        _set_threads(*before)
     return bad
 
 

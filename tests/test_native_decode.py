@@ -113,6 +113,23 @@ def test_bf16_native_decode_stays_close_to_the_pytorch_path(pair):
         assert (torch.stack(a) - torch.stack(b)).abs().max() < 0.1
 
 
+def test_fp16_forms_are_direct_c_calls_within_1e_4_of_the_pytorch_path(pair):
+    """fp16 projections and head (f16matmul.c) run as direct C calls where they have no bias,
+    and their decode logits stay within 1e-4 of the PyTorch path's through the same forms."""
+    model = pair[1]
+    try:
+        model.quantize_weights("fp16", "fp16")
+        assert model.enable_native_decode() == "native"
+        assert model.native.covers() == (not model.config.attention_bias)
+        seqs, order = _tokens(model.config.vocab_size), [2, 0, 4, 3, 1]
+        torch_path = _decode(model, seqs, torch.float32, order, native_steps=set())
+        native_path = _decode(model, seqs, torch.float32, order, native_steps=set(range(6)))
+    finally:
+        model.quantize_weights(None, None)
+    for a, b in zip(torch_path, native_path):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-4, rtol=0)
+
+
 def test_models_it_cannot_run_keep_the_pytorch_path(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(Qwen3Config(**TINY, head_dim=24)).save_pretrained(tmp_path)
@@ -167,11 +184,13 @@ def test_the_serve_flag_turns_native_decode_off_and_the_startup_line_says_so():
     assert loaded.model.native is None and loaded.kernels.endswith("decode=torch (--native-decode off)")
 
 
-def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp_path):
-    """claim_threads: a decode forward whose projections are all C calls runs the C pool on the
+@pytest.mark.parametrize("form", ["q4_1", "fp16"])
+def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp_path, form):
+    """claim_threads: a decode forward whose projections are all C calls (q4_1, or fp16 through
+    f16matmul.c) runs the C pool on the
     tuner's count (fixed at 2 here) and torch on 1, at every batch size; prompt forwards (even of one token, or beside
     decode rows in a step) run the pool on 1 and torch on its own count, which the executor
-    leaves as it found it. head_threads: the q8_0 head takes the C pool's split for every head."""
+    leaves as it found it. head_threads: the q8_0 or fp16 head takes the C pool's split for every head."""
     config = LlamaConfig(**{**TINY, "vocab_size": 256}, tie_word_embeddings=True)  # q8_0 packs 8 columns a group
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     embedded_tokenizer().save_pretrained(tmp_path)  # load_model wants one; the requests are token ids
@@ -179,7 +198,7 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
     torch.set_num_threads(2)
     streams = 5
     try:
-        loaded = load_model(str(tmp_path), torch.float32, "q4_1")
+        loaded = load_model(str(tmp_path), torch.float32, form)
         model, lib = loaded.model, native.load()
         model.native.tuner = ThreadTuner(2, fixed=True)
         seen: list[tuple[int, bool, int, int]] = []  # (tokens, decode, torch threads, C threads) a forward

@@ -187,3 +187,33 @@ def test_a_forked_child_starts_its_own_worker(two_threads):
     got = queue.get(timeout=60)
     child.join(timeout=10)
     assert child.exitcode == 0 and got == want.tolist()
+
+
+# --------------------------------------------------------------------------- fp16 weights (f16matmul.c)
+
+CALL_SIZES = (*range(1, 18), 31, 64, 129)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 128), (101, 100)])  # 101 columns: 2 past the 3-column tiles; K = 100: 4 past 8
+def test_fp16_kernel_matches_float64_and_computes_a_row_the_same_in_any_call(dtype, shape, two_threads):
+    """Float32 products and sums of the fp16 weight: within ~1e-6 of float64 (bf16 out: its
+    rounding, 2^-8); and a row's bits do not depend on the call's rows or the pool's threads."""
+    lib = two_threads
+    w = (torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 0.05).half()
+    x = torch.randn(200, shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
+    whole = forms.f16_matmul(x, w)
+    want = x.double() @ w.double().t()
+    assert whole.dtype == dtype and ((whole.double() - want).abs() / want.abs().max()).max() < (1e-6 if dtype == torch.float32 else 2**-8)
+    differ = []
+    for threads in (1, 2):
+        lib.pool_set_threads(threads)
+        differ += [(threads, m) for m in CALL_SIZES if not torch.equal(forms.f16_matmul(x[-m:], w), whole[-m:])]
+    assert differ == []
+
+
+def test_fp16_kernel_gives_the_avx2_builds_bits(avx2):
+    """256-bit vectors in every build: 8-row tiles (AVX-512) sum a row as 4-row ones (AVX2) do."""
+    w = (torch.randn(48, 256, generator=torch.Generator().manual_seed(2)) * 0.05).half()
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(forms.f16_matmul(x, w, lib=avx2), forms.f16_matmul(x, w))

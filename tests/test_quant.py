@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
            "The three primary colors are", "import numpy as np\n"]
 NEW_TOKENS = 16
 NONE = (None, None)
-needs_fp16 = pytest.mark.skipif(not fp16_kernel_available(), reason="this torch build has no FBGEMM")
+needs_fp16 = pytest.mark.skipif(not fp16_kernel_available(), reason="no fp16 kernel here (quanta's C library or FBGEMM)")
 
 
 def q4_1_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A decode batch (one generated token per sequence) runs, per layer, four
 matmuls through the model's own linears (their decode form, a q4_1 / q8_0
-one called straight into ``block_matmul``, else the linear itself) and three C
+one called straight into ``block_matmul`` or an fp16 one into ``f16_matmul``,
+else the linear itself) and three C
 calls from :mod:`quanta.model.native`: residual add + RMSNorm, RoPE + KV
 cache write + attention, SwiGLU. The residual stream stays float32 between
 layers; matmul inputs and outputs are in the model dtype. The KV cache is
@@ -28,7 +29,7 @@ from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
 from quanta.model.cores import usable_cores
 from quanta.model.native import forms
-from quanta.model.quant import NATIVE_FORMS, QuantizedWeight
+from quanta.model.quant import QuantizedWeight
 from quanta.model.thread_tuner import ThreadTuner
 
 
@@ -114,8 +115,8 @@ class NativeDecoder:
         self._plan = None
 
     def plan(self) -> list[list[_Direct | None]]:
-        """Per layer, its four projections (qkv, o, gate_up, down): the q4_1 / q8_0 decode
-        form, called straight, or None (the linear itself). The same at every row count."""
+        """Per layer, its four projections (qkv, o, gate_up, down): the C decode form
+        (:func:`native_form`), called straight, or None (the linear itself). The same at every row count."""
         if self._plan is None:
             self._plan = [[_Direct.pick(lin) for lin in _projections(layer)] for layer in self.model.layers]
         return self._plan
@@ -142,7 +143,7 @@ class NativeDecoder:
 
     def head_threads(self, torch_threads: int) -> int:
         """Split the cores for the LM head, as :meth:`claim_threads` does for the
-        forward: a C form (the q8_0 head) gets the :attr:`tuner`'s current count of C
+        forward: a C form (:func:`native_form`: the q8_0 or fp16 head) gets the :attr:`tuner`'s current count of C
         threads and torch 1; any other form gets torch's ``torch_threads`` (one large
         GEMM, which a preempted thread delays little) and the pool 1. Measured through HTTP on
         the 2-core dev VM (``benchmarks/peer_llama_cpp.py --servers quanta --workloads 3,4
@@ -207,8 +208,9 @@ class NativeDecoder:
 
 
 def native_form(form: QuantizedWeight | None) -> QuantizedWeight | None:
-    """``form`` if it is one of quanta's C forms (q4_1 / q8_0), else None."""
-    return form if form is not None and form.kind in NATIVE_FORMS else None
+    """``form`` if quanta's C kernels multiply it (q4_1 / q8_0, or fp16 held as its fp16
+    weight: :attr:`~quanta.model.quant.QuantizedWeight.c_kernel`), else None."""
+    return form if form is not None and form.c_kernel else None
 
 
 def _projections(layer) -> tuple:
@@ -216,36 +218,40 @@ def _projections(layer) -> tuple:
 
 
 class _MatmulScratch:
-    """``block_matmul``'s scratch for ``rows`` rows of up to ``k`` inputs and ``n`` outputs."""
+    """``block_matmul``'s scratch for ``rows`` rows of up to ``k`` inputs and ``n`` outputs; its
+    floats (``xs`` on) also hold ``f16_matmul``'s widened bf16 rows."""
 
     def __init__(self, rows: int, k: int, n: int) -> None:
         self.quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-        self.floats = torch.empty(rows * (k // forms.BLOCK) * 2 + rows * n, dtype=torch.float32)
+        self.floats = torch.empty(rows * max((k // forms.BLOCK) * 2 + n, k), dtype=torch.float32)
         self.q, self.xs = self.quantized.data_ptr(), self.floats.data_ptr()
         self.acc = self.xs + rows * (k // forms.BLOCK) * 2 * 4
 
 
 class _Direct:
-    """A projection's q4_1 / q8_0 form called straight into ``block_matmul``: the same
-    kernel as :meth:`QuantizedWeight.__call__`, without its per-call tensors and checks
-    (~30 us of Python a call, against ~25-75 us of kernel at one row)."""
+    """A projection's q4_1 / q8_0 form called straight into ``block_matmul``, or its fp16 form
+    into ``f16_matmul``: the same kernel as :meth:`QuantizedWeight.__call__`, without its
+    per-call tensors and checks (~30 us of Python a call, against ~25-75 us of kernel at one row)."""
 
     def __init__(self, form: QuantizedWeight) -> None:
         self.form = form  # keeps data and scales alive
-        self.kind = 4 if form.kind == "q4_1" else 8
+        self.kind = {"q4_1": 4, "q8_0": 8}.get(form.kind, 16)  # block_matmul's kinds; 16: fp16
         self.fine = int(form.fine)
-        self.n, self.k = form.data.shape[0] * 8, form.data.shape[1] * forms.BLOCK
+        self.n, self.k = form.data.shape if self.kind == 16 else (form.data.shape[0] * 8, form.data.shape[1] * forms.BLOCK)
         self.data, self.scales = form.data.data_ptr(), form.scales.data_ptr()
 
     @classmethod
     def pick(cls, linear) -> _Direct | None:
-        """``linear``'s decode form if it is a bias-free q4_1 / q8_0 one, else None."""
+        """``linear``'s decode form if it is a bias-free C one (:func:`native_form`), else None."""
         if getattr(linear, "bias", None) is not None:
             return None
         form = native_form(getattr(linear, "form", None))
         return cls(form) if form is not None else None
 
     def __call__(self, lib, rows: int, x: int, io_bf16: int, out: int, work: _MatmulScratch) -> None:
+        if self.kind == 16:
+            lib.f16_matmul(rows, self.n, self.k, x, io_bf16, self.data, out, work.xs)
+            return
         lib.block_matmul(self.kind, self.fine, rows, self.n, self.k, x, io_bf16, self.data, self.scales, out,
                          work.q, work.xs, work.acc)
 

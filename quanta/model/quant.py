@@ -28,13 +28,22 @@ Forms:
   llama.cpp's Q8_1) or 15 bits (the LM head, ``fine``): integer dot products (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``)
   instead of the int4 kernel's dequantize-to-float. Available where the C
   library builds (x86-64 with AVX2 and a C compiler).
-- ``fp16``: the reference weight stored in half precision, multiplied by
-  FBGEMM's fp16 GEMM (``quantized.linear_dynamic_fp16``: fp32 activations
-  and accumulation, weights widened with F16C). Not a quantization of the
-  values that matter here: fp16 holds Q4_1 / Q8_0 block values to 11 bits,
-  and the embedded model's logits move by at most ~0.03. On AVX2-only CPUs
-  it beat MKL's fp32 at every row count measured (1-2,048: fp32 reads twice
-  the bytes); beside a bf16 reference it saves nothing and is not attached.
+- ``fp16``: the reference weight stored in half precision (``[N, K]``, one
+  copy), multiplied in float32 (weights widened with F16C, fp32 activations
+  and sums) by quanta's own C kernel (``f16matmul.c``,
+  :func:`quanta.model.native.forms.f16_matmul`) where the C library builds,
+  else by FBGEMM's fp16 GEMM (``quantized.linear_dynamic_fp16``, its weight
+  packed). Only the C kernel computes a row the same in a call of any size:
+  FBGEMM picks its micro-kernel by the call's row count (6-row tiles and
+  remainders on AVX2), which moves a row's result by ~5e-7. The C kernel is
+  also the faster at 1-8 rows on the embedded model's shapes (1.1-1.8x on
+  an AVX2 Zen 3, weights read from memory; one-row LM head on two threads
+  even; the table in ``f16matmul.c``). Not a
+  quantization of the values that matter here: fp16 holds Q4_1 / Q8_0 block
+  values to 11 bits, and the embedded model's logits move by at most ~0.03.
+  On AVX2-only CPUs FBGEMM's fp16 beat MKL's fp32 at every row count
+  measured (1-2,048: fp32 reads twice the bytes); beside a bf16 reference it
+  saves nothing and is not attached.
 
 The int8 / int4 kernels are fast only with bf16 activations (their fp32 paths
 are scalar, 10-30x slower), so fp32 activations are cast to bf16 around them.
@@ -56,8 +65,9 @@ INT4_GROUP = 32
 
 
 def fp16_kernel_available() -> bool:
-    """Whether this torch build has FBGEMM's fp16 GEMM (x86 builds do)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
+    """Whether an fp16 form can be multiplied here: by quanta's C kernel where the C library
+    loads, else by FBGEMM's fp16 GEMM where this torch build has it (x86 builds do)."""
+    return native_forms.available() or "fbgemm" in torch.backends.quantized.supported_engines
 
 
 @dataclass
@@ -66,7 +76,8 @@ class QuantizedWeight:
 
     Attributes:
         kind: ``int8``, ``int4``, ``fp16``, ``q4_1`` or ``q8_0``.
-        data: int8 ``[N, K]``, the int4 kernel's packed layout, or FBGEMM's packed fp16 weight.
+        data: int8 ``[N, K]``, the int4 kernel's packed layout, or for fp16 the fp16 ``[N, K]``
+            weight (quanta's C kernel) or, where the C library does not load, FBGEMM's packed one.
         scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); q4_1: fp16
             ``[N / 8, K / 32, 2, 8]`` (d, m) with ``data`` uint8 ``[N / 8, K / 32, 128]``;
             q8_0: fp16 ``[N / 8, K / 32, 8]`` with int8 ``[N / 8, K / 32, 256]``
@@ -83,6 +94,8 @@ class QuantizedWeight:
         """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (int8/int4: computed with bf16 activations)."""
         if self.kind in NATIVE_FORMS:
             return native_forms.matmul(self.kind, x, self.data, self.scales, self.fine)
+        if self.kind == "fp16" and self.c_kernel:
+            return native_forms.f16_matmul(x, self.data)
         if self.kind == "fp16":
             xf = x if x.dtype == torch.float32 else x.float()
             out = torch.ops.quantized.linear_dynamic_fp16(xf if xf.is_contiguous() else xf.contiguous(), self.data)
@@ -100,6 +113,12 @@ class QuantizedWeight:
         """Whether quanta's C kernels multiply this form (q4_1 / q8_0)."""
         return self.kind in NATIVE_FORMS
 
+    @property
+    def c_kernel(self) -> bool:
+        """Whether quanta's C kernels multiply this form: q4_1 / q8_0, and fp16 held as its plain
+        fp16 weight (not FBGEMM's packed one, where the C library did not load)."""
+        return self.native or (self.kind == "fp16" and isinstance(self.data, torch.Tensor))
+
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The ``[N, K]`` weight this form represents, in ``dtype`` (bf16 or float32): rebuilt by
         the C library for q4_1 / q8_0 (:func:`quanta.model.native.forms.dense`), else converted
@@ -110,6 +129,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight this form represents (for tests and checks)."""
+        if self.kind == "fp16" and self.c_kernel:
+            return self.data.float()
         if self.kind == "fp16":
             return torch.ops.quantized.linear_unpack_fp16(self.data)[0]  # the fp16 values, widened
         if self.kind == "int8":
@@ -138,6 +159,8 @@ def quantize(weight: torch.Tensor, kind: str, fine: bool = True) -> QuantizedWei
         if kind in NATIVE_FORMS:
             data = native_forms.pack(w, kind)
             return None if data is None else QuantizedWeight(kind, data[0], data[1], fine)
+        if kind == "fp16" and native_forms.available():
+            return QuantizedWeight("fp16", w.half().contiguous(), torch.empty(0))
         if kind == "fp16" and fp16_kernel_available():
             packed = torch.ops.quantized.linear_prepack_fp16(w, None)
             return QuantizedWeight("fp16", packed, torch.empty(0))

@@ -1,5 +1,5 @@
-"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, ``dequant.c``, and ``pool.c``, the
-fork-join whose two threads claim their work chunk by chunk) for this CPU.
+"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, ``dequant.c``, ``f16matmul.c``, and
+``pool.c``, the fork-join whose two threads claim their work chunk by chunk) for this CPU.
 
 The sources are compiled once per (source, compiler, CPU flags) with
 ``-O3 -march=native -ffast-math`` (:func:`march`) into a shared library cached under
@@ -20,7 +20,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c", "dequant.c", "pool.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c", "dequant.c", "f16matmul.c", "pool.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "pool.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
 LIBS = ("-lmvec", "-lm", "-lpthread")
@@ -37,6 +37,7 @@ _SIGNATURES = {
     "silu_mul": (_I, _I, _P, _I, _P, _P),
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
     "block_dense": (_I, _I, _I, _P, _P, _P, _I),
+    "f16_matmul": (_I, _I, _I, _P, _I, _P, _P, _P),
 }
 
 _RESULTS = {"attention_scratch": _L, "pool_threads": _I}

@@ -1,4 +1,5 @@
-"""GGUF block forms (Q4_1, Q8_0) packed for ``qmatmul.c``, and their matmul.
+"""GGUF block forms (Q4_1, Q8_0) packed for ``qmatmul.c``, and their matmul; the fp16 form's
+matmul (``f16matmul.c``).
 
 Both take blocks of 32 weights along the input dimension ``K`` with fp16
 scales, as GGUF stores them (Q4_1: ``w = d * q + m``, ``q`` in [0, 15];
@@ -86,6 +87,23 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     (lib or native.load()).block_matmul(
         4 if kind == "q4_1" else 8, int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
         scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
+    return out
+
+
+def f16_matmul(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` ``[M, K]`` (bf16 or float32; others computed in float32) times the fp16 weight ``w``
+    ``[N, K]`` -> ``[M, N]`` in ``x``'s dtype, by ``f16matmul.c``: float32 products and sums,
+    each row computed the same in a call of any size and on any thread. ``lib`` as in
+    :func:`matmul`."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    x = x if x.is_contiguous() else x.contiguous()
+    rows, k = x.shape
+    io_bf16 = x.dtype == torch.bfloat16
+    out = torch.empty(rows, w.shape[0], dtype=x.dtype)
+    widened = torch.empty(rows * k if io_bf16 else 0, dtype=torch.float32)  # bf16 rows as float32
+    (lib or native.load()).f16_matmul(rows, w.shape[0], k, x.data_ptr(), int(io_bf16), w.data_ptr(), out.data_ptr(),
+                                      widened.data_ptr())
     return out
 
 
