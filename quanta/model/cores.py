@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 import os
+from functools import cache
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+@cache
 def usable_cores() -> int:
-    """CPUs in this process's affinity mask, at most its cgroup quota (rounded up); at least 1."""
+    """CPUs in this process's affinity mask, at most its cgroup quota (rounded up); at least 1.
+    Read once per process (prompt attention asks at every call)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

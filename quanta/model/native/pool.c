@@ -57,9 +57,8 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* Claims and runs chunks of the job in P.ticket until none is left; returns how many. */
-static int claim_chunks(int thread) {
-    int ran = 0;
+/* Claims and runs chunks of the job in P.ticket until none is left. */
+static void claim_chunks(int thread) {
     uint64_t t = atomic_load_explicit(&P.ticket, memory_order_acquire);
     while (NEXT(t) < CHUNKS(t)) {
         pool_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
@@ -68,10 +67,8 @@ static int claim_chunks(int thread) {
         if (!atomic_compare_exchange_weak(&P.ticket, &t, t + 1)) continue;
         fn(arg, NEXT(t), CHUNKS(t), thread);
         atomic_fetch_add_explicit(&P.finished, 1, memory_order_release);
-        ran++;
         t = atomic_load_explicit(&P.ticket, memory_order_acquire);
     }
-    return ran;
 }
 
 static void *worker(void *first) {
@@ -127,16 +124,16 @@ static void join_worker(int owed) {
     }
 }
 
-int pool_run(pool_fn fn, void *arg, int chunks) {
+void pool_run(pool_fn fn, void *arg, int chunks) {
     if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS; /* callers size chunks with pool_chunks */
     if (P.threads < 2 || chunks < 2 || pthread_mutex_trylock(&P.busy) != 0) {
         run_alone(fn, arg, chunks);
-        return 0;
+        return;
     }
     if (!P.started && !start_worker()) {
         pthread_mutex_unlock(&P.busy);
         run_alone(fn, arg, chunks);
-        return 0;
+        return;
     }
     atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
     atomic_store_explicit(&P.arg, arg, memory_order_relaxed);
@@ -149,5 +146,4 @@ int pool_run(pool_fn fn, void *arg, int chunks) {
     for (uint64_t t; NEXT(t = atomic_fetch_add(&P.ticket, 1)) < chunks; mine++) fn(arg, NEXT(t), chunks, 0);
     join_worker(chunks - mine);
     pthread_mutex_unlock(&P.busy);
-    return chunks - mine;
 }

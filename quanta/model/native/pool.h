@@ -11,8 +11,8 @@ typedef void (*pool_fn)(void *arg, int chunk, int chunks, int thread);
 
 /* Runs every chunk of fn, returning when all are done: with two threads the caller and the
  * worker claim them in turn; with one (or while another caller holds the pool) the caller
- * runs them all. Returns the chunks the worker ran. */
-int pool_run(pool_fn fn, void *arg, int chunks);
+ * runs them all. */
+void pool_run(pool_fn fn, void *arg, int chunks);
 
 /* The most threads a job runs on: the caller and one worker (scratch is sized for them). */
 #define POOL_MAX_THREADS 2
