@@ -5,6 +5,7 @@
  * a warm CPU cache. Prints the best of PASSES passes and a hash of the output, so two builds can
  * be checked to agree bit for bit.
  * Usage: attention THREADS CTX KIND(0 float32 | 1 bf16 | 2 fp16 | 3 q8_0) ROWS PASSES. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdint.h>
@@ -12,7 +13,7 @@
 #include <time.h>
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len);
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
-                      const float *inv_freq, const int64_t *row_table, const int64_t *positions,
+                      const float *cos_table, const float *sin_table, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch);
 void pool_set_threads(int);
@@ -41,7 +42,12 @@ int main(int argc, char **argv) {
         for (int64_t b = 0; b < width; b++) tables[r * width + b] = (int32_t)(b * rows + r);
     float *qkv = malloc((size_t)rows * (heads + 2 * kvh) * dim * 4), *out = malloc((size_t)rows * heads * dim * 4);
     for (int i = 0; i < rows * (heads + 2 * kvh) * dim; i++) qkv[i] = rand() / (float)RAND_MAX - 0.5f;
-    float inv[32]; for (int i = 0; i < 32; i++) inv[i] = 1.0f / (i + 1);
+    float *cos_t = malloc((size_t)(ctx + 1) * dim * 4), *sin_t = malloc((size_t)(ctx + 1) * dim * 4); /* RoPE tables */
+    for (int64_t p = 0; p <= ctx; p++)
+        for (int i = 0; i < dim; i++) {
+            float angle = (float)p / (i % (dim / 2) + 1);
+            cos_t[p * dim + i] = cosf(angle), sin_t[p * dim + i] = sinf(angle);
+        }
     int64_t *row_table = malloc((size_t)rows * 8), *pos = malloc((size_t)rows * 8);
     for (int r = 0; r < rows; r++) { row_table[r] = r; pos[r] = ctx; }
     float *scratch = malloc(attention_scratch(rows, heads, kvh, dim, ctx + 1) * 4);
@@ -49,7 +55,7 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < passes; rep++) {
         double t = now();
         for (int l = 0; l < 30; l++)
-            attention_decode(rows, qkv, 0, heads, kvh, dim, inv, row_table, pos, tables, width, bs, ks[l], vs[l], kind, ctx + 1, out, scratch);
+            attention_decode(rows, qkv, 0, heads, kvh, dim, cos_t, sin_t, row_table, pos, tables, width, bs, ks[l], vs[l], kind, ctx + 1, out, scratch);
         t = now() - t; if (t < best) best = t;
     }
     uint64_t hash = 1469598103934665603u; /* FNV-1a of the output's bytes: two versions agree bit for bit or not */

@@ -33,9 +33,12 @@ class ModelConfig:
             config says otherwise (Qwen3 does).
         rms_norm_eps: epsilon of RMSNorm.
         rope_theta: RoPE base frequency.
-        rope_scaling: HF ``rope_scaling`` dict (``rope_type`` ``linear`` or
-            ``llama3``) or None.
-        max_position_embeddings: trained context length in tokens.
+        rope_scaling: HF ``rope_scaling`` dict (``rope_type`` ``linear``, ``llama3``,
+            ``yarn``, or ``freq_factors`` for GGUF ``rope_freqs``; see
+            :mod:`quanta.model.rope`) or None.
+        max_position_embeddings: trained context length in tokens, the default
+            context cap (GGUF ``context_length``: for YaRN files the scaled one,
+            not ``rope.scaling.original_context_length``).
         tie_word_embeddings: the LM head reuses ``embed_tokens``.
         attention_bias: q/k/v projections carry a bias (Qwen2).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).

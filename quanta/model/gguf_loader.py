@@ -21,6 +21,7 @@ from tqdm import tqdm
 from quanta.model import moe_checkpoint
 from quanta.model.checkpoint_schema import StateDict
 from quanta.model.config import ModelConfig
+from quanta.model.rope import yarn_attention_factor
 
 #: GGUF ``general.architecture`` -> :attr:`ModelConfig.architecture`.
 #: Mistral GGUFs are written with the ``llama`` architecture.
@@ -48,6 +49,9 @@ _GGUF_BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
     **moe_checkpoint.GGUF_MOE_TENSORS,
 }
+
+#: GGUF tensors that are not weights: read into the config (``rope_freqs``: per-frequency RoPE divisors)
+_NOT_WEIGHTS = ("rope_freqs.weight",)
 
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -120,6 +124,8 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, StateDict]:
     state = {}
     # a progress bar on a terminal only (tqdm's disable=None), for multi-GB checkpoints
     for gguf_name, tensor in tqdm(tensors.items(), desc=f"loading {path.name}", unit="tensor", disable=None, leave=False):
+        if gguf_name in _NOT_WEIGHTS:
+            continue
         weights = _dequantize(tensor)
         if gguf_arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
             n_head = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
@@ -177,11 +183,6 @@ def _gguf_config(
             raise ValueError(f"{path}: GGUF metadata lacks {gguf_arch}.{key}")
         return value
 
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"{path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) "
-            "are not supported from GGUF; load the Hugging Face directory instead"
-        )
     hidden, heads = required("embedding_length"), required("attention.head_count")
     head_dim = _gguf_field(reader, f"{gguf_arch}.attention.key_length", hidden // heads)
     rope_dim = _gguf_field(reader, f"{gguf_arch}.rope.dimension_count", head_dim)
@@ -207,7 +208,8 @@ def _gguf_config(
         head_dim=head_dim,
         rms_norm_eps=required("attention.layer_norm_rms_epsilon"),
         rope_theta=_gguf_field(reader, f"{gguf_arch}.rope.freq_base", 10000.0),
-        rope_scaling=_gguf_rope_scaling(reader, gguf_arch, path),
+        rope_scaling=_gguf_rope_scaling(reader, gguf_arch, tensors, head_dim, path),
+        # the context the model runs at (YaRN files: the scaled one, not rope.scaling.original_context_length)
         max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -219,18 +221,63 @@ def _gguf_config(
     )
 
 
-def _gguf_rope_scaling(reader: gguf.GGUFReader, gguf_arch: str, path: Path) -> dict | None:
-    """HF-style ``rope_scaling`` from ``{arch}.rope.scaling.*``, or None when absent/none.
+#: ``{arch}.rope.scaling.type`` values quanta computes
+_GGUF_ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+def _gguf_rope_scaling(
+    reader: gguf.GGUFReader, gguf_arch: str, tensors: dict[str, Any], head_dim: int, path: Path
+) -> dict | None:
+    """``rope_scaling`` (see :mod:`quanta.model.rope`) from ``{arch}.rope.scaling.*`` and the
+    ``rope_freqs.weight`` tensor, as llama.cpp reads them; None for plain RoPE.
+
+    - ``rope.scaling.type``: missing means ``linear``, as in llama.cpp; a missing or zero
+      ``rope.scaling.factor`` (old files: ``rope.scale_linear``) means 1, no scaling.
+    - ``yarn``: ``factor``, ``rope.scaling.original_context_length`` (default: ``context_length``,
+      which in YaRN files is already the scaled context and stays the model's context cap),
+      ``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` (32 / 1), and the attention factor
+      ``0.1 ln(factor) + 1``; with ``rope.scaling.yarn_log_multiplier`` ``m`` (Mistral's
+      ``mscale_all_dim``, read as llama.cpp reads it for ``mistral3``) that divided by
+      ``0.1 m ln(factor) + 1``. ``yarn_ext_factor`` / ``yarn_attn_factor`` are not read
+      (llama.cpp does not for these architectures).
+    - ``rope.scaling.attn_factor`` multiplies cos and sin under every type.
+    - ``rope_freqs.weight`` (Llama 3.x): ``head_dim / 2`` per-frequency divisors, ``freq_factors``.
 
     Raises:
-        ValueError: a scaling type other than ``linear`` (e.g. ``yarn``).
+        ValueError: a scaling type other than none / linear / yarn, or ``rope_freqs.weight``
+            of the wrong length.
     """
-    kind = _gguf_field(reader, f"{gguf_arch}.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind != "linear":
-        raise ValueError(f"{path}: unsupported GGUF RoPE scaling type {kind!r}")
-    return {"rope_type": "linear", "factor": _gguf_field(reader, f"{gguf_arch}.rope.scaling.factor")}
+
+    def key(name: str, default: Any = None) -> Any:
+        return _gguf_field(reader, f"{gguf_arch}.rope.scaling.{name}", default)
+
+    kind = key("type", "linear")
+    if kind not in _GGUF_ROPE_SCALING_TYPES:
+        raise ValueError(f"{path}: unsupported GGUF RoPE scaling type {kind!r} (supported: {', '.join(_GGUF_ROPE_SCALING_TYPES)})")
+    factor = float(key("factor") or _gguf_field(reader, f"{gguf_arch}.rope.scale_linear") or 1.0)
+    scaling: dict[str, Any] = {}
+    if kind == "yarn":
+        log_mul = key("yarn_log_multiplier", 0.0)
+        scaling = {
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": key("original_context_length") or _gguf_field(reader, f"{gguf_arch}.context_length"),
+            "beta_fast": float(key("yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("yarn_beta_slow", 1.0)),
+            "attention_factor": yarn_attention_factor(factor, 1.0, log_mul),
+        }
+    elif kind == "linear" and factor != 1.0:
+        scaling = {"rope_type": "linear", "factor": factor}
+    if "rope_freqs.weight" in tensors:
+        factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1)
+        if factors.size != head_dim // 2:
+            raise ValueError(f"{path}: rope_freqs.weight has {factors.size} values; head_dim {head_dim} needs {head_dim // 2}")
+        scaling = {"rope_type": "freq_factors", **scaling, "freq_factors": factors.tolist()}
+    attn = key("attn_factor", 1.0)
+    if attn != 1.0:
+        scaling = {"rope_type": "default", **scaling}
+        scaling["attention_factor"] = scaling.get("attention_factor", 1.0) * attn
+    return scaling or None
 
 
 def _hf_name_from_gguf(gguf_name: str, path: Path) -> str:

@@ -93,7 +93,6 @@ class NativeDecoder:
         f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
         self.norms = [(f32(layer.input_layernorm.weight), f32(layer.post_attention_layernorm.weight)) for layer in model.layers]
         self.final_norm = f32(model.norm.weight)
-        self.inv_freq = model.rope.inv_freq.float().contiguous()
         self._scratch: torch.Tensor | None = None
         self._plan: list[list[_Direct | None]] | None = None
         #: threads of the C kernels in a step (pool.c: 1 or 2)
@@ -179,6 +178,9 @@ class NativeDecoder:
         row_table, positions, tables = batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr()
         table_width, block_size, max_len = batch.tables.shape[1], kv.block_size, batch.max_len
         cache_kind = kv.format.kind
+        # the rows of the model's own RoPE tables (the PyTorch path's float32 values), grown to this step's positions
+        cos_table, sin_table = self.model.rope.float32_tables(batch.max_position)
+        rope_tables = cos_table.data_ptr(), sin_table.data_ptr()
 
         def project(layer, which: int, src: torch.Tensor) -> torch.Tensor:
             direct = plan[i][which]
@@ -192,7 +194,7 @@ class NativeDecoder:
             norm_in, norm_post = self.norms[i]
             lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), norm_in.data_ptr(), self.eps, hp, io, scratch)
             qkv = project(layer, 0, h)
-            lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, self.inv_freq.data_ptr(), row_table,
+            lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, *rope_tables, row_table,
                                  positions, tables, table_width, block_size, kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_kind,
                                  max_len, ap, scratch)
             o = project(layer, 1, attn)

@@ -1,4 +1,26 @@
-"""Rotary position embedding (rotate-half form, as in HF Llama) with optional scaling."""
+"""Rotary position embedding (rotate-half form, as in HF Llama) with optional scaling.
+
+``cfg.rope_scaling`` is HF's ``rope_scaling`` dict (its ``rope_type`` and parameters) plus what
+GGUF files carry:
+
+- ``default`` (or no dict): the plain frequencies ``theta ** (-2i / head_dim)``.
+- ``linear``: frequencies divided by ``factor`` (positions interpolated).
+- ``llama3``: Llama 3.1's band-wise rule from its HF parameters
+  (``transformers.modeling_rope_utils._compute_llama3_parameters``).
+- ``yarn``: YaRN (``factor``, ``original_max_position_embeddings``, optional ``beta_fast`` /
+  ``beta_slow``, 32 / 1 by default): each frequency a mix of the interpolated one
+  (divided by ``factor``) and the original, the mix ramping over the dimensions whose
+  wavelengths make between ``beta_fast`` and ``beta_slow`` turns in the original context
+  (``rope_yarn`` of llama.cpp's ``ggml-cpu/ops.cpp``, ``_compute_yarn_parameters`` of
+  transformers); cos and sin are multiplied by :func:`attention_factor`.
+- ``freq_factors``: no scaling of its own, only ``freq_factors`` (below): Llama 3.x GGUF files,
+  whose converter turned the ``llama3`` rule into a ``rope_freqs`` tensor.
+
+Any type may also carry ``freq_factors`` (``head_dim // 2`` floats, llama.cpp's
+``rope_freqs.weight``: each frequency is divided by its factor before the type's own scaling,
+as ``ggml_rope_ext`` does) and ``attention_factor`` (multiplies cos and sin, replacing the one
+YaRN derives).
+"""
 
 from __future__ import annotations
 
@@ -8,28 +30,64 @@ import torch
 
 from quanta.model.config import ModelConfig
 
+#: ``rope_type`` values :func:`inverse_frequencies` computes
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+
+
+def rope_type(cfg: ModelConfig) -> str:
+    """The ``rope_type`` of ``cfg.rope_scaling`` (legacy ``type`` read too; ``default`` without one)."""
+    scaling = cfg.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``cfg.rope_scaling``.
-
-    Supported ``rope_type``: ``default``, ``linear`` (positions divided by
-    ``factor``) and ``llama3`` (the band-wise rule of Llama 3.1, as in
-    ``transformers.modeling_rope_utils._compute_llama3_parameters``).
+    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``cfg.rope_scaling``
+    (computed in float64, then rounded once).
 
     Raises:
-        ValueError: an unsupported ``rope_type``.
+        ValueError: an unsupported ``rope_type``, or ``freq_factors`` of the wrong length.
     """
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv.float()
+    kind = rope_type(cfg)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    if scaling.get("freq_factors") is not None:
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float64).reshape(-1)
+        if factors.numel() != inv.numel():
+            raise ValueError(f"rope freq_factors has {factors.numel()} values; head_dim {dim} needs {inv.numel()}")
+        inv = inv / factors
     if kind == "linear":
-        return (inv / scaling["factor"]).float()
-    if kind == "llama3":
-        return _llama3(inv, scaling).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        inv = _llama3(inv, scaling)
+    elif kind == "yarn":
+        inv = _yarn(inv, scaling, cfg)
+    return inv.float()
+
+
+def attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: ``rope_scaling["attention_factor"]`` where given, else
+    :func:`yarn_attention_factor` for ``yarn``, else 1."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if rope_type(cfg) == "yarn":
+        return yarn_attention_factor(_yarn_factor(scaling, cfg), scaling.get("mscale"), scaling.get("mscale_all_dim"))
+    return 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's magnitude scale ``0.1 ln(factor) + 1`` (1 for ``factor <= 1``); with both ``mscale`` and
+    ``mscale_all_dim`` the ratio of the two so scaled (transformers' and llama.cpp's rule, DeepSeek-style)."""
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
 
 
 def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -44,23 +102,69 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables, indexed by absolute position.
+def _yarn_factor(s: dict, cfg: ModelConfig) -> float:
+    """YaRN's ``factor``; transformers derives a missing one from the two context lengths."""
+    return s.get("factor") or cfg.max_position_embeddings / _yarn_original_length(s, cfg)
 
-    The tables grow on demand, so positions beyond ``max_position_embeddings``
-    still work (with the model's usual quality loss there).
+
+def _yarn_original_length(s: dict, cfg: ModelConfig) -> int:
+    return s.get("original_max_position_embeddings") or cfg.max_position_embeddings
+
+
+def _yarn(inv: torch.Tensor, s: dict, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN's frequencies: dimension pair ``i`` keeps ``ramp(i)`` of its own frequency and takes
+    ``1 - ramp(i)`` of it divided by ``factor``; ``ramp`` falls from 1 to 0 between the pairs
+    whose wavelengths fit ``beta_fast`` and ``beta_slow`` turns in the original context
+    (floored / ceiled, as llama.cpp does and transformers does by default)."""
+    dim, base, original = cfg.head_dim, cfg.rope_theta, _yarn_original_length(s, cfg)
+
+    def pair_of(turns: float) -> float:  # the pair whose wavelength fits `turns` turns in `original`
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_of(s.get("beta_fast") or 32.0), pair_of(s.get("beta_slow") or 1.0)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pairs = torch.arange(inv.numel(), dtype=torch.float64)
+    ramp = 1 - ((pairs - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv / _yarn_factor(s, cfg) * (1 - ramp) + inv * ramp
+
+
+class RotaryEmbedding:
+    """cos/sin tables, indexed by absolute position, scaled by :func:`attention_factor`.
+
+    The tables start at :attr:`INITIAL_POSITIONS` positions (or the model's
+    ``max_position_embeddings`` when shorter) and double past the largest
+    position asked for, so a 128K-context model does not hold 128K rows
+    (134 MB for Llama 3.1) before a sequence needs them; positions beyond
+    ``max_position_embeddings`` work too (with the model's usual quality loss there).
     """
+
+    #: positions the first tables cover
+    INITIAL_POSITIONS = 4096
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.inv_freq = inverse_frequencies(cfg)
+        self.attention_factor = attention_factor(cfg)
         self._cos = self._sin = torch.empty(0)
-        self._build(max(cfg.max_position_embeddings, 1))
+        self._build(min(max(cfg.max_position_embeddings, 1), self.INITIAL_POSITIONS))
 
     def _build(self, length: int) -> None:
         t = torch.arange(length, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            self._cos.mul_(self.attention_factor)
+            self._sin.mul_(self.attention_factor)
+
+    def float32_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 cos and sin tables, ``[L, head_dim]`` contiguous with ``L > max_position``
+        (grown first when needed): row ``p`` is position ``p``, its two halves equal. A growth
+        replaces the tensors, so a holder of their memory keeps the returned ones alive."""
+        if max_position >= self._cos.shape[0]:
+            self._build(2 * (max_position + 1))
+        return self._cos, self._sin
 
     def tables(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, computed in
@@ -69,9 +173,8 @@ class RotaryEmbedding:
         ``max_position`` is the largest entry of ``positions`` (known to the
         caller without a tensor reduction).
         """
-        if max_position >= self._cos.shape[0]:
-            self._build(2 * (max_position + 1))
-        return self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.float32_tables(max_position)
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

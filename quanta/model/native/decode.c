@@ -45,7 +45,7 @@ void residual_rms_norm(int rows, int dim, float *x, const void *add, const float
     }
 }
 
-/* Rotate-half RoPE of `heads` heads of `dim` in place, for angles pos * inv_freq. */
+/* Rotate-half RoPE of `heads` heads of `dim` in place, by one position's cos_t / sin_t [dim / 2]. */
 static void rope(float *x, int heads, int dim, const float *cos_t, const float *sin_t) {
     int half = dim / 2;
     for (int h = 0; h < heads; h++) {
@@ -377,25 +377,21 @@ static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int 
  * of block table row_table[r] (tables: int32 [sequences, table_width]), then attend over positions
  * 0..positions[r] (attend_rows); max_len: the longest row's positions.
  * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
- * inv_freq: float32 [dim / 2]; out: io [rows, heads * dim];
+ * cos_table / sin_table: float32 [> every positions[r], dim], row p for position p (the model's
+ * RotaryEmbedding tables, scaling and attention factor in them); out: io [rows, heads * dim];
  * scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
-                      const float *inv_freq, const int64_t *row_table, const int64_t *positions,
+                      const float *cos_table, const float *sin_table, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
-    int width = (heads + 2 * kv_heads) * dim, half = dim / 2;
-    float *qs = scratch, *row = qs + (int64_t)rows * heads * dim, *cos_t = row + width, *sin_t = cos_t + half;
-    float *work = sin_t + half, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
+    int width = (heads + 2 * kv_heads) * dim;
+    float *qs = scratch, *row = qs + (int64_t)rows * heads * dim;
+    float *work = row + width + dim, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
         load_row(qkv, io_bf16, (int64_t)r * width, width, row);
-        for (int i = 0; i < half; i++) {
-            float angle = (float)pos * inv_freq[i];
-            cos_t[i] = cosf(angle);
-            sin_t[i] = sinf(angle);
-        }
-        rope(row, heads + kv_heads, dim, cos_t, sin_t);
+        rope(row, heads + kv_heads, dim, cos_table + pos * dim, sin_table + pos * dim);
         float *q = row, *k = row + heads * dim, *v = k + kv_heads * dim;
         for (int g = 0; g < kv_heads; g++) {
             struct kv_pages pg = kv_pages(tables + row_table[r] * table_width, block_size, cache_kind, kv_heads, dim, g);
