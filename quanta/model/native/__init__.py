@@ -1,5 +1,5 @@
-"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, ``dequant.c``, ``f16matmul.c``, and
-``pool.c``, the fork-join whose two threads claim their work chunk by chunk) for this CPU.
+"""Build and load quanta's C kernels (``decode.c``, ``qmatmul.c``, ``dequant.c``, ``f16matmul.c``,
+``repack.c``, and ``pool.c``, the fork-join whose two threads claim their work chunk by chunk) for this CPU.
 
 The sources are compiled once per (source, compiler, CPU flags) with
 ``-O3 -march=native -ffast-math`` (:func:`march`) into a shared library cached under
@@ -20,7 +20,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "qmatmul.c", "dequant.c", "f16matmul.c", "pool.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("decode.c", "qmatmul.c", "dequant.c", "f16matmul.c", "repack.c", "pool.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "pool.h"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
 LIBS = ("-lmvec", "-lm", "-lpthread")
@@ -38,9 +39,10 @@ _SIGNATURES = {
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
     "block_dense": (_I, _I, _I, _P, _P, _P, _I),
     "f16_matmul": (_I, _I, _I, _P, _I, _P, _P, _P),
+    "gguf_repack": (_I, _I, _L, _L, _P, _P, _P, _P),
 }
 
-_RESULTS = {"attention_scratch": _L, "pool_threads": _I}
+_RESULTS = {"attention_scratch": _L, "pool_threads": _I, "gguf_repack": _I}
 
 
 class NativeUnavailable(RuntimeError):

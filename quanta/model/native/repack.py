@@ -1,0 +1,107 @@
+"""One GGUF tensor's raw blocks straight into a C form (``q4_1``, ``q8_0``, ``fp16``), by
+``repack.c``: no float copy of the tensor is made, so a loader holds the forms plus one tensor's
+bytes.
+
+Conversions (details and bounds in ``repack.c``):
+
+- ``q4_1`` from Q4_0 and Q4_1 exactly; from Q4_K with each sub-block's ``d * sc`` and
+  ``dmin * m`` rounded to fp16 (a weight moves by at most ``15 e(d sc) + e(dmin m)``,
+  ``e(x) = max(|x| 2^-11, 2^-25)``).
+- ``q8_0`` from Q8_0, Q5_0 and Q4_0 exactly; from Q4_1, Q5_1, Q4_K, Q5_K and Q6_K by
+  requantizing each block of 32 float values (``|w - d8 q| <= d8 / 2``, ``d8 = fp16(max|w| / 127)``).
+- ``fp16`` (a plain ``[N, K]`` matrix) from F16 exactly, from BF16 rounded to nearest even.
+
+The result is laid out as :func:`quanta.model.native.forms.pack` lays out the same kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quanta.model import native
+
+#: ggml type ids (``gguf.GGMLQuantizationType``) of the source types, and (values, bytes) per block
+_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+_BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+#: the forms each source type converts to, its natural one first
+_TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1", "q8_0"), "Q5_0": ("q8_0",), "Q5_1": ("q8_0",),
+            "Q5_K": ("q8_0",), "Q6_K": ("q8_0",), "Q8_0": ("q8_0",), "F16": ("fp16",), "BF16": ("fp16",)}
+_KIND_IDS = {"q4_1": 4, "q8_0": 8, "fp16": 16}
+
+SUPPORTED = frozenset(_TYPES)
+
+
+def natural_kind(ggml_type: str) -> str | None:
+    """The form a tensor of ``ggml_type`` converts to by default: ``q4_1`` for the 4-bit types (exact
+    but for Q4_K's sub-block scales, rounded to fp16), ``q8_0`` for the 5- to 8-bit ones, ``fp16``
+    for F16 / BF16; None for a type with no conversion."""
+    return _TARGETS[ggml_type][0] if ggml_type in _TARGETS else None
+
+
+def row_bytes(ggml_type: str, k: int) -> int:
+    """Bytes of one ``k``-value row of ``ggml_type`` (``k`` a multiple of its block)."""
+    values, size = _BLOCKS[ggml_type]
+    return k // values * size
+
+
+def _check(ggml_type: str, n: int, k: int, kind: str) -> None:
+    if ggml_type not in SUPPORTED:
+        raise ValueError(f"GGUF type {ggml_type} has no conversion to a C form (supported: {', '.join(sorted(SUPPORTED))})")
+    if kind not in _TARGETS[ggml_type]:
+        raise ValueError(f"GGUF type {ggml_type} converts to {' / '.join(_TARGETS[ggml_type])}, not {kind}")
+    block = _BLOCKS[ggml_type][0]
+    if n <= 0 or k <= 0 or k % block:
+        raise ValueError(f"{ggml_type} tensor [{n}, {k}]: k must be a positive multiple of {block}")
+    if kind != "fp16" and (n % 8 or k % 32):
+        raise ValueError(f"{kind} form of [{n}, {k}]: n must be a multiple of 8 and k of 32")
+
+
+def _as_bytes(raw, ggml_type: str, n: int, k: int) -> np.ndarray:
+    buf = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    if buf.size != n * row_bytes(ggml_type, k):
+        raise ValueError(f"{ggml_type} tensor [{n}, {k}] takes {n * row_bytes(ggml_type, k)} bytes, got {buf.size}")
+    return buf
+
+
+def _as_rows(rows: np.ndarray | None, n: int) -> np.ndarray | None:
+    if rows is None:
+        return None
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    if rows.shape != (n,) or (n and (rows.min() < 0 or rows.max() >= n)):
+        raise ValueError(f"row map must be {n} source rows in [0, {n}), got shape {rows.shape}")
+    return rows
+
+
+def _empty(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "fp16":
+        return torch.empty(n, k, dtype=torch.float16), torch.empty(0)
+    g, b = n // 8, k // 32
+    if kind == "q4_1":
+        return torch.empty(g, b, 128, dtype=torch.uint8), torch.empty(g, b, 2, 8, dtype=torch.float16)
+    return torch.empty(g, b, 256, dtype=torch.int8), torch.empty(g, b, 8, dtype=torch.float16)
+
+
+def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scales)`` of form ``kind`` from the raw bytes ``raw`` (a uint8 numpy array or any
+    bytes-like object) of a GGUF ``[n, k]`` tensor of type ``ggml_type`` (e.g. ``"Q4_K"``), laid
+    out as :func:`quanta.model.native.forms.pack` lays out ``kind``; for ``fp16``, the ``[n, k]``
+    fp16 matrix and an empty tensor. ``rows``: output row ``i`` is the file's row ``rows[i]``
+    (int32 ``[n]``; None: the file's order). Runs on the C pool's threads.
+
+    Raises:
+        ValueError: a type or kind with no conversion, a shape the form cannot take (``n % 8``,
+            ``k % 32``, ``k`` not a multiple of the type's block), a buffer of the wrong size, or
+            a bad row map.
+        quanta.model.native.NativeUnavailable: no C library here.
+    """
+    _check(ggml_type, n, k, kind)
+    buf, row_map = _as_bytes(raw, ggml_type, n, k), _as_rows(rows, n)
+    data, scales = _empty(kind, n, k)
+    done = native.load().gguf_repack(_TYPES[ggml_type], _KIND_IDS[kind], n, k, buf.ctypes.data,
+                                     None if row_map is None else row_map.ctypes.data, data.data_ptr(), scales.data_ptr())
+    if done != 0:
+        raise ValueError(f"repack.c has no conversion from {ggml_type} to {kind}")
+    return data, scales
