@@ -97,7 +97,7 @@ def _checked_knobs(declared: tuple[Knob, ...], policy: str, max_num_seqs: int, g
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "q4_1", "q8_0")
 
 #: values of ``--prompt-weights``: what prompt rows multiply by (:mod:`quanta.model.linear`)
-PROMPT_WEIGHTS = ("reference", "form")
+PROMPT_WEIGHTS = ("auto", "blocks", "reference", "form")
 
 
 #: ``--kv-cache-dtype`` values (:func:`quanta.launch.resolve_kv_dtype`)
@@ -135,9 +135,12 @@ class EngineConfig:
             multiple of 8.
         kv_cache_memory / kv_cache_tokens: the KV pool's budget in bytes or in
             tokens (at most one; neither: :mod:`quanta.engine.kv_budget`'s default).
-        prompt_weights: ``reference`` (keep the dequantized weights, oneDNN-packed, for prompt
-            rows) or ``form`` (keep only the projections' q4_1 / q8_0 forms and rebuild each
-            weight from its form per prompt call: less memory, slower prefill).
+        prompt_weights: ``blocks`` (a GGUF's weights converted tensor by tensor from the file's
+            own blocks into C forms that compute every row, :mod:`quanta.model.gguf_blocks`),
+            ``reference`` (the dequantized weights, oneDNN-packed, for prompt rows, beside the
+            decode forms), ``form`` (the dequantized path keeping only the projections' q4_1 / q8_0
+            forms, each rebuilt per prompt call), or ``auto``: ``blocks`` where the file allows
+            (a dense GGUF, ``--quantization auto``, the C kernels built), else ``reference``.
         kv_cache_dtype: the KV cache's elements: ``auto``, ``float32``,
             ``bfloat16``, ``float16`` or ``q8_0`` (:func:`quanta.launch.resolve_kv_dtype`).
     """
@@ -154,7 +157,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_tokens: int | None = None
     kv_cache_dtype: str = "auto"
-    prompt_weights: str = "reference"
+    prompt_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "bfloat16", "float32"):
@@ -164,7 +167,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.prompt_weights not in PROMPT_WEIGHTS:
-            raise ValueError(f"--prompt-weights must be reference or form, got {self.prompt_weights!r}")
+            raise ValueError(f"--prompt-weights must be one of {', '.join(PROMPT_WEIGHTS)}, got {self.prompt_weights!r}")
+        if self.prompt_weights == "blocks" and self.quantization != "auto":
+            raise ValueError(f"--prompt-weights blocks takes the file's own forms: it needs --quantization auto, "
+                             f"got {self.quantization}")
         if self.prompt_weights == "form" and self.quantization not in ("auto", "q4_1", "q8_0"):
             raise ValueError(f"--prompt-weights form needs --quantization auto, q4_1 or q8_0 (the forms it keeps), "
                              f"got {self.quantization}")

@@ -180,11 +180,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="weight forms of decode- and chunk-sized matmuls: auto = the GGUF's own 4-/8-bit types (q4_1 for "
                         "Q4_*, q8_0 for Q5-Q8 with quanta's C kernels, else int4 / int8) plus fp16 copies on CPUs without "
                         "native bf16, none = the dequantized reference only, int8, int4, fp16, q4_1, q8_0 (default: auto)")
-    p.add_argument("--prompt-weights", choices=PROMPT_WEIGHTS, default="reference",
-                   help="what prompt rows multiply by: reference = the dequantized weights, kept packed for oneDNN "
-                        "(fastest prefill), form = only the projections' q4_1 / q8_0 forms are kept and each prompt "
-                        "matmul rebuilds its weight from them (~0.25 GB less for the embedded model in bf16, ~0.5 GB "
-                        "in fp32; slower prefill of short prompts; needs --quantization with a q4_1 or q8_0 form) (default: reference)")
+    p.add_argument("--prompt-weights", choices=PROMPT_WEIGHTS, default="auto",
+                   help="what the weights are kept as: blocks = a GGUF's own quantized blocks, converted tensor by "
+                        "tensor into quanta's C forms that compute every row (least memory, fastest load), reference "
+                        "= the dequantized weights, kept packed for oneDNN, for prompt rows beside the decode forms, "
+                        "form = the dequantized path keeping only the q4_1 / q8_0 forms (rebuilt per prompt call), "
+                        "auto = blocks for a dense GGUF with --quantization auto where the C kernels build, else "
+                        "reference (default: auto)")
     p.add_argument("--native-decode", choices=("on", "off"), default="on",
                    help="run decode steps with quanta's C code between the matmuls (norms, RoPE, attention, SwiGLU) "
                         "where the model allows; off = PyTorch ops throughout (default: on)")
@@ -322,7 +324,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Scheduler
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         quantization=getattr(args, "quantization", "auto"),
         native_decode=getattr(args, "native_decode", "on") == "on",
-        prompt_weights=getattr(args, "prompt_weights", "reference"),
+        prompt_weights=getattr(args, "prompt_weights", "auto"),
         block_size=getattr(args, "block_size", DEFAULT_BLOCK_SIZE),
         kv_cache_memory=getattr(args, "kv_cache_memory", None), kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         kv_cache_dtype=KV_DTYPE_ALIASES[getattr(args, "kv_cache_dtype", "auto")],

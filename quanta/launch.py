@@ -21,8 +21,10 @@ from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.stop_strings import TextState
 from quanta.model.attention import KVFormat, bytes_per_block, kv_format
 from quanta.model.config import ModelConfig
+from quanta.model.gguf_blocks import load_block_model
+from quanta.model.gguf_blocks import unsupported_reason as blocks_unsupported
 from quanta.model.llama import LlamaModel
-from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint
+from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint, load_config
 from quanta.model.native.forms import available as native_forms_available
 from quanta.model.quant import NATIVE_FORMS, fp16_kernel_available
 from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -129,26 +131,65 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
                prompt_weights: str = "reference") -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
 
-    ``quantization`` (see :func:`resolve_quantization`) adds a decode form of
-    the projections and LM head; the reference weights in ``dtype`` compute
-    prompt rows.
-    ``native_decode`` runs all-decode steps with the C glue of
-    :mod:`quanta.model.native_decode` where the model and machine allow.
-    ``prompt_weights="form"`` frees the reference of every projection with a q4_1 / q8_0 form
-    (:meth:`~quanta.model.llama.LlamaModel.drop_reference_weights`).
+    ``prompt_weights`` (see :class:`quanta.config.EngineConfig`): ``blocks`` builds the model from
+    the GGUF's own blocks (:mod:`quanta.model.gguf_blocks`; ``auto`` picks it where the file and
+    machine allow); otherwise the checkpoint is dequantized, ``quantization`` (see
+    :func:`resolve_quantization`) adds a decode form of the projections and LM head, and the
+    reference weights in ``dtype`` compute prompt rows (``form``: the reference of every projection
+    with a q4_1 / q8_0 form is freed, :meth:`~quanta.model.llama.LlamaModel.drop_reference_weights`).
+    ``native_decode`` runs all-decode steps with the C glue of :mod:`quanta.model.native_decode`
+    where the model and machine allow.
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: an unsupported architecture or checkpoint layout, an unknown quantization, or
-            ``prompt_weights="form"`` where no projection has a q4_1 / q8_0 form.
+        ValueError: an unsupported architecture, checkpoint layout or tensor type, an unknown
+            quantization, ``blocks`` where the file cannot be read so, or ``form`` where no
+            projection has a q4_1 / q8_0 form.
     """
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
-    bf16 = dtype == torch.bfloat16
-    forms = resolve_quantization(quantization, model_path, bf16)
     t0 = time.monotonic()
-    cfg, state = load_checkpoint(model_path)
+    blocks = _blocks_wanted(model_path, quantization, prompt_weights)
+    if blocks:
+        cfg = load_config(model_path)
+        model = load_block_model(model_path, cfg, dtype)
+    else:
+        cfg, model = _load_dequantized(model_path, dtype, quantization, prompt_weights)
+    tokenizer = Tokenizer.from_path(model_path)
+    decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
+    if model.native is not None:
+        decode += f"(threads={model.native.tuner})"
+    kernels = f"{model.describe_kernels()} decode={decode}"
+    return_freed_heap()
+    log.info("loaded %s (%s, %d layers) in %.1f s as %s; weights %s; cpu: %s; kernels: %s", model_path.name,
+             cfg.architecture, cfg.num_hidden_layers, time.monotonic() - t0, dtype, _gb(model.weight_bytes()),
+             cpu_summary(), kernels)
+    name = model_path.stem if model_path.is_file() else model_path.name
+    return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
+
+
+def _blocks_wanted(path: Path, quantization: str, prompt_weights: str) -> bool:
+    """Whether to build the model from the GGUF's own blocks (``--prompt-weights blocks``, or ``auto``
+    where :func:`quanta.model.gguf_blocks.unsupported_reason` finds nothing against it).
+
+    Raises:
+        ValueError: ``blocks`` asked for a file or machine that cannot take it.
+    """
+    if prompt_weights not in ("auto", "blocks") or quantization != "auto":
+        return False
+    reason = "not a GGUF file" if not (path.is_file() and path.suffix == ".gguf") else None
+    reason = reason or blocks_unsupported(load_config(path), path)
+    if reason and prompt_weights == "blocks":
+        raise ValueError(f"--prompt-weights blocks cannot read {path.name}: {reason}")
+    return reason is None
+
+
+def _load_dequantized(path: Path, dtype: torch.dtype, quantization: str, prompt_weights: str) -> tuple:
+    """``(config, model)`` from the dequantized checkpoint, with the reference weights in ``dtype``
+    and the decode forms of ``quantization``."""
+    forms = resolve_quantization(quantization, path, dtype == torch.bfloat16)
+    cfg, state = load_checkpoint(path)
     model = LlamaModel(cfg)
     model.load_hf_state_dict(state)
     del state  # the float32 checkpoint: freed before the conversion and packing add their copies
@@ -158,17 +199,12 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     model.drop_plain_weights()
     if prompt_weights == "form" and not model.drop_reference_weights():
         raise PromptWeightsError(f"--prompt-weights form needs q4_1 or q8_0 forms of the projections; --quantization "
-                         f"{quantization} gave {model.describe_kernels()}")
-    tokenizer = Tokenizer.from_path(model_path)
-    decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
-    if model.native is not None:
-        decode += f"(threads={model.native.tuner})"
-    kernels = f"{model.describe_kernels()} decode={decode}"
-    return_freed_heap()
-    log.info("loaded %s (%s, %d layers) in %.1f s as %s; cpu: %s; kernels: %s", model_path.name, cfg.architecture,
-             cfg.num_hidden_layers, time.monotonic() - t0, dtype, cpu_summary(), kernels)
-    name = model_path.stem if model_path.is_file() else model_path.name
-    return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
+                                 f"{quantization} gave {model.describe_kernels()}")
+    return cfg, model
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 def release_load_memory() -> None:

@@ -31,3 +31,16 @@ class SlotCache(KVCache):
     def seq(self, slot: int, start: int, num_new: int) -> SeqSlice:
         """``num_new`` tokens of ``slot`` from position ``start``."""
         return SeqSlice(self.blocks(slot), start, num_new)
+
+
+def logits_in_chunks(model, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids``, one sequence computed in successive chunks of ``chunks`` tokens."""
+    from quanta.model.attention import AttentionBatch
+
+    cfg = model.config
+    kv = SlotCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
+    out, start = [], 0
+    for n in chunks:
+        out.append(model.compute_logits(model(ids[start:start + n], AttentionBatch([kv.seq(0, start, n)], kv))))
+        start += n
+    return torch.cat(out)

@@ -17,7 +17,7 @@ from quanta.model.attention import AttentionBatch
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_checkpoint
 from quanta.model.moe import MoEBlock, RoutedExperts
-from slot_cache import SlotCache
+from slot_cache import SlotCache, logits_in_chunks
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
@@ -53,16 +53,6 @@ def _ours(path) -> LlamaModel:
     return model.eval()
 
 
-def _run_chunks(model: LlamaModel, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    cfg = model.config
-    kv = SlotCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, cfg.head_dim, torch.float32)
-    out, start = [], 0
-    for n in chunks:
-        out.append(model.compute_logits(model(ids[start:start + n], AttentionBatch([kv.seq(0, start, n)], kv))))
-        start += n
-    return torch.cat(out)
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def moe_pair(request, tmp_path_factory):
     torch.manual_seed(0)
@@ -87,7 +77,7 @@ def test_moe_logits_match_transformers(moe_pair, chunks):
     ids = torch.randint(0, ref.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
-    torch.testing.assert_close(_run_chunks(ours, ids, chunks), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits_in_chunks(ours, ids, chunks), expected, atol=1e-4, rtol=0)
 
 
 def test_moe_mixed_batch_matches_separate_runs(moe_pair):
@@ -135,7 +125,7 @@ def test_bf16_moe_model_runs_and_tracks_fp32(moe_pair):
     """The whole bf16 model (packed weights) stays close to fp32 on the logits' argmax."""
     ref, ours = moe_pair
     ids = torch.randint(0, ref.config.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
-    fp32 = _run_chunks(ours, ids, [24])
+    fp32 = logits_in_chunks(ours, ids, [24])
     bf16 = LlamaModel(ours.config)
     bf16.load_state_dict(ours.state_dict())
     bf16.to(torch.bfloat16).eval()

@@ -52,11 +52,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           form: QuantizedWeight | None = None, decode: bool = False) -> torch.Tensor:
+           form: QuantizedWeight | None = None, decode: bool = False, form_for_prompts: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]``: decode rows through ``form`` when
-    there is one, prompt rows (and decode rows without a form) through the packed
-    weight when there is one, else ``F.linear``."""
-    if decode and form is not None:
+    there is one (prompt rows too with ``form_for_prompts``), prompt rows (and decode rows
+    without a form) through the packed weight when there is one, else ``F.linear``."""
+    if form is not None and (decode or form_for_prompts):
         out = form(x)
         return out if bias is None else out + bias
     if weight is None and packed is None and form is not None:  # no reference kept: rebuilt from the form
@@ -75,6 +75,9 @@ class PackedLinear(nn.Linear):
 
     packed: torch.Tensor | None = None
     form: QuantizedWeight | None = None
+    #: prompt rows computed by :attr:`form` too (a layer built from a GGUF's blocks,
+    #: :mod:`quanta.model.gguf_blocks`, holds nothing else)
+    form_for_prompts: bool = False
     #: the dtype of the reference weight (what ``weight`` reads after :meth:`drop_reference`)
     reference_dtype: torch.dtype = torch.float32
 
@@ -115,4 +118,4 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
         weight = self._parameters.get("weight") if self.packed is None else None  # else the packed one
-        return linear(x, weight, self.bias, self.packed, self.form, decode)
+        return linear(x, weight, self.bias, self.packed, self.form, decode, self.form_for_prompts)

@@ -286,9 +286,33 @@ class LlamaModel(nn.Module):
             self.native.forget_plans()
         return counts
 
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds: parameters, packed copies and forms."""
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor | None) -> int:
+            if t is None or t.is_meta or id(t) in seen:
+                return 0
+            seen.add(id(t))
+            return t.numel() * t.element_size()
+        total = sum(size(p) for p in self.parameters())
+        for m in self.modules():
+            form = getattr(m, "form", None)
+            if isinstance(form, QuantizedWeight):
+                total += size(form.data) + size(form.scales)
+            total += size(getattr(m, "packed", None)) if isinstance(m, PackedLinear) else 0
+        tied = self._tied_head_form
+        return total + size(self._tied_head_packed) + (size(tied.data) + size(tied.scales) if tied is not None else 0)
+
     def describe_kernels(self) -> str:
         """One line naming each part's decode form and the reference, e.g.
-        ``projections=q4_1 lm_head=q8_0 reference=float32-onednn-packed``."""
+        ``projections=q4_1 lm_head=q8_0 reference=float32-onednn-packed``, or for a model built from
+        a GGUF's blocks ``projections=q4_1:48,q8_0:16 lm_head=q8_0 from-blocks`` (linears per form)."""
+        if self.weight_forms[0] == "blocks":
+            counts = dict(self.quantized)
+            counts[self.weight_forms[1]] -= 1  # the head's
+            parts = ",".join(f"{k}:{v}" for k, v in sorted(counts.items()) if v)
+            return f"projections={parts} lm_head={self.weight_forms[1]} from-blocks"
         def form(kind: str | None) -> str:
             return kind if kind and self.quantized.get(kind) else "reference"
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]

@@ -109,6 +109,15 @@ class QuantizedWeight:
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the weight this form holds."""
+        if self.kind in NATIVE_FORMS:
+            return self.data.shape[0] * 8, self.data.shape[1] * native_forms.BLOCK
+        if self.kind == "fp16" and self.c_kernel:
+            return tuple(self.data.shape)
+        return tuple(self.dequantize().shape)
+
+    @property
     def native(self) -> bool:
         """Whether quanta's C kernels multiply this form (q4_1 / q8_0)."""
         return self.kind in NATIVE_FORMS

@@ -1,0 +1,192 @@
+"""A GGUF model built from the file's own blocks: every projection, the LM head and the embedding
+table read tensor by tensor and converted straight into a C form (:mod:`quanta.model.native.repack`).
+
+No float copy of a weight matrix is made: a tensor's bytes are read from the file
+(``os.pread``, so the file's pages are not kept mapped), converted to its form, and dropped before
+the next is read, so peak memory is the forms' size plus one tensor. Each projection computes
+every row, prompt and generated, with its form's kernel (:attr:`PackedLinear.form_for_prompts`), so
+a row's result depends neither on its role nor on the rows beside it.
+
+Forms per GGUF type (:func:`quanta.model.native.repack.natural_kind`): Q4_0 / Q4_1 / Q4_K ->
+``q4_1``; Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 -> ``q8_0``; F16 / BF16 -> ``fp16``. A fused projection
+(q/k/v, gate/up) whose parts differ takes the widest part's form (Q4_K_M files keep ``attn_v`` in
+Q6_K: that layer's q/k/v is ``q8_0``). The LM head takes ``q8_0`` with 15-bit activations (``fp16``
+from an F16 / BF16 tensor), as :func:`quanta.launch.resolve_quantization` gives the dequantized path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import torch
+from torch import nn
+
+from quanta.model import gguf_loader
+from quanta.model.config import ModelConfig
+from quanta.model.form_embedding import FormEmbedding
+from quanta.model.llama import LlamaModel, PackedLinear
+from quanta.model.native import forms as native_forms
+from quanta.model.native import repack
+from quanta.model.quant import QuantizedWeight
+from quanta.model.rope import RotaryEmbedding
+
+#: form kinds from narrowest to widest (a fused projection takes its widest part's)
+_WIDTH = {"q4_1": 0, "q8_0": 1, "fp16": 2}
+#: GGUF tensor types held as plain float values (norms, biases, rope factors)
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def unsupported_reason(cfg: ModelConfig, path: Path) -> str | None:
+    """Why the file's blocks cannot be used directly (None: they can): a MoE, a file whose projections
+    are float32, or no C library here."""
+    if cfg.num_experts:
+        return "MoE experts"
+    if not native_forms.available():
+        return "no C kernels on this machine"
+    types = gguf_loader.gguf_tensor_types(path)
+    if types.get("blk.0.attn_q.weight") == "F32":
+        return "float32 projections"
+    return None
+
+
+def check_types(path: Path) -> None:
+    """Refuse a file with a tensor type quanta does not compute on, before anything large is allocated.
+
+    Raises:
+        ValueError: one line naming the first such tensor, its type and the supported types.
+    """
+    for name, kind in gguf_loader.gguf_tensor_types(path).items():
+        if kind not in repack.SUPPORTED and kind not in _FLOAT_TYPES:
+            raise ValueError(f"{path.name}: tensor {name} has type {kind}; quanta computes on "
+                             f"{', '.join(sorted(repack.SUPPORTED | set(_FLOAT_TYPES)))}")
+
+
+class _File:
+    """The tensors of one GGUF file by name; raw bytes read on demand with ``os.pread``."""
+
+    def __init__(self, path: Path, cfg: ModelConfig) -> None:
+        self.path, self.cfg = path, cfg
+        self.tensors = {t.name: t for t in gguf_loader._reader(path).tensors}
+        self.permuted = gguf_loader._architecture(gguf_loader._reader(path), path) == "llama"
+
+    def raw(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, int(t.n_bytes), int(t.data_offset))
+        finally:
+            os.close(fd)
+        if len(data) != int(t.n_bytes):
+            raise ValueError(f"{self.path.name}: tensor {name} is truncated ({len(data)} of {int(t.n_bytes)} bytes)")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def shape(self, name: str) -> tuple[int, int]:
+        """``(N, K)``: output rows, input columns (ggml lists the input dimension first)."""
+        k, n = (int(d) for d in self.tensors[name].shape)
+        return n, k
+
+    def kind(self, name: str) -> str:
+        kind = repack.natural_kind(self.tensors[name].tensor_type.name)
+        if kind is None:
+            raise ValueError(f"{self.path.name}: tensor {name} of type {self.tensors[name].tensor_type.name} has no C form")
+        return kind
+
+    def floats(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A small tensor (norm, bias) dequantized, in ``dtype``."""
+        return torch.from_numpy(gguf_loader._dequantize(self.tensors[name])).to(dtype)
+
+    def rows(self, name: str) -> np.ndarray | None:
+        """The row map that undoes llama.cpp's q/k row order for the ``llama`` architecture, else None."""
+        if not self.permuted or not re.search(r"\.attn_[qk]\.", name):
+            return None
+        n_head = self.cfg.num_attention_heads if ".attn_q." in name else self.cfg.num_key_value_heads
+        n = self.shape(name)[0]
+        half = n // n_head // 2
+        h, a, b = np.meshgrid(np.arange(n_head), np.arange(2), np.arange(half), indexing="ij")
+        return (h * 2 * half + 2 * b + a).reshape(-1).astype(np.int32)
+
+    def form(self, names: list[str], kind: str | None = None, fine: bool = False) -> QuantizedWeight:
+        """The tensors ``names`` stacked along their output rows, in ``kind`` (default: the widest
+        part's natural form), read and converted one at a time."""
+        kind = kind or max((self.kind(n) for n in names), key=_WIDTH.__getitem__)
+        parts = [repack.to_form(self.raw(n), self.tensors[n].tensor_type.name, *self.shape(n), kind, self.rows(n))
+                 for n in names]
+        data = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+        scales = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        return QuantizedWeight(kind, data, scales, fine)
+
+
+def load_block_model(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaModel:
+    """The dense model of GGUF file ``path`` with its projections, LM head and embedding table in
+    forms made from the file's blocks; activations and norms in ``dtype``.
+
+    Raises:
+        ValueError: a tensor type without a C form, a shape a form cannot take, a truncated tensor.
+    """
+    check_types(path)
+    file = _File(path, cfg)
+    with _shapes_only():
+        model = LlamaModel(cfg)
+    model.rope = RotaryEmbedding(cfg)
+    counts: dict[str, int] = {}
+    for i, layer in enumerate(model.layers):
+        _load_layer(file, layer, f"blk.{i}.", dtype, counts)
+    model.norm.weight = nn.Parameter(file.floats("output_norm.weight", dtype), requires_grad=False)
+    head_kind = "fp16" if file.kind("token_embd.weight") == "fp16" else "q8_0"
+    if cfg.tie_word_embeddings:
+        model._tied_head_form = file.form(["token_embd.weight"], head_kind, fine=True)
+        model.embed_tokens = FormEmbedding(model._tied_head_form, dtype)
+    else:
+        model.lm_head = _form_linear(file.form(["output.weight"], "fp16" if file.kind("output.weight") == "fp16" else "q8_0",
+                                               fine=True))
+        model.embed_tokens = FormEmbedding(file.form(["token_embd.weight"]), dtype)
+    counts[head_kind] = counts.get(head_kind, 0) + 1
+    model.quantized, model.weight_forms = counts, ("blocks", head_kind)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _shapes_only() -> Iterator[None]:
+    """Modules built inside hold meta tensors (shapes, no memory) and skip their random
+    initialisation (which on meta tensors costs ~1.7 s of one-time imports)."""
+    with (torch.device("meta"), mock.patch.object(nn.Linear, "reset_parameters", lambda self: None),
+          mock.patch.object(nn.Embedding, "reset_parameters", lambda self: None)):
+        yield
+
+
+def _load_layer(file: _File, layer, prefix: str, dtype: torch.dtype, counts: dict[str, int]) -> None:
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [(layer.input_layernorm, "attn_norm"), (layer.post_attention_layernorm, "ffn_norm")]
+    if attn.q_norm is not None:
+        norms += [(attn.q_norm, "attn_q_norm"), (attn.k_norm, "attn_k_norm")]
+    for norm, stem in norms:
+        norm.weight = nn.Parameter(file.floats(f"{prefix}{stem}.weight", dtype), requires_grad=False)
+    bias = [f"{prefix}attn_{p}.bias" for p in "qkv"] if attn.qkv_proj.bias is not None else None
+    fused = {
+        "qkv_proj": (attn, [f"{prefix}attn_{p}.weight" for p in "qkv"], bias),
+        "o_proj": (attn, [f"{prefix}attn_output.weight"], None),
+        "gate_up_proj": (mlp, [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"], None),
+        "down_proj": (mlp, [f"{prefix}ffn_down.weight"], None),
+    }
+    for attr, (owner, names, bias_names) in fused.items():
+        form = file.form(names)
+        counts[form.kind] = counts.get(form.kind, 0) + 1
+        bias_tensor = None if bias_names is None else torch.cat([file.floats(b, dtype) for b in bias_names])
+        setattr(owner, attr, _form_linear(form, bias_tensor))
+
+
+def _form_linear(form: QuantizedWeight, bias: torch.Tensor | None = None) -> PackedLinear:
+    """A linear layer that holds only ``form`` (and ``bias``) and computes every row with it."""
+    n, k = form.shape
+    with _shapes_only():
+        lin = PackedLinear(k, n, bias=False)
+    del lin.weight
+    lin.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    lin.form, lin.form_for_prompts = form, True
+    return lin
