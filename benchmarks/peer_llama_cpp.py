@@ -142,8 +142,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], port: int, log: Path, timeout: float = 300) -> subprocess.Popen:
-    """Start a server and wait for its ``/health`` to answer 200 (bounded by ``timeout`` s)."""
+def start(cmd: list[str], port: int, log: Path, timeout: float = 300, poll: float = 0.5) -> subprocess.Popen:
+    """Start a server and wait for its ``/health`` to answer 200 (bounded by ``timeout`` s, asked every ``poll`` s).
+
+    Raises:
+        RuntimeError: the server exited, or was not healthy in time (then it is killed).
+    """
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -154,8 +158,9 @@ def start(cmd: list[str], port: int, log: Path, timeout: float = 300) -> subproc
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll)
     proc.kill()
+    proc.wait()
     raise RuntimeError(f"{cmd[0]} did not become healthy in {timeout} s; see {log}")
 
 
@@ -184,11 +189,19 @@ def figure(run: dict, kind: str) -> float:
 
 def bench(url: str, flags: list[str], kind: str, out: Path) -> float:
     """Run one workload once; ``out`` (no suffix) keeps its result JSON."""
+    return figure(bench_run(url, flags, out), kind)
+
+
+def bench_run(url: str, flags: list[str], out: Path) -> dict:
+    """``quanta bench run`` with ``flags`` once against ``url``; its single run (``out``.json keeps the document).
+
+    Raises:
+        subprocess.CalledProcessError: the bench failed (e.g. the server went away).
+    """
     cmd = [sys.executable, "-m", "quanta.cli", "bench", "run", "--base-url", url, "--repeats", "1", "--no-progress",
            "--no-plots", "--out", str(out), *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    doc = json.loads(out.with_suffix(".json").read_text())
-    return figure(doc["conditions"][0]["runs"][0], kind)
+    return json.loads(out.with_suffix(".json").read_text())["conditions"][0]["runs"][0]
 
 
 def summarize(values: list[float]) -> dict:
