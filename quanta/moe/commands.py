@@ -1,4 +1,5 @@
-"""The MoE subcommands of ``quanta``: ``make-model``, ``profile`` and ``advise``.
+"""The MoE subcommands of ``quanta``: ``make-model``, ``profile`` and ``advise``
+(``make-model --shape`` writes dense GGUFs, :mod:`quanta.tools.make_model`).
 
 Kept out of :mod:`quanta.cli` so the main command line stays small; the
 flags follow its rules (:mod:`quanta.flags`: each given once, errors exit 2 before any model loads).
@@ -53,12 +54,18 @@ def add_commands(sub, register_once) -> None:
     from quanta.config import DEFAULT_BLOCK_SIZE
     from quanta.engine.policies.knobs import PREFILL_CAP
     from quanta.flags import add_dtype_flag
+    from quanta.tools import make_model as make_gguf
 
-    make = sub.add_parser("make-model", help="write a synthetic random-weight model for cost experiments")
+    make = sub.add_parser("make-model", help="write a synthetic random-weight model: an HF directory of a preset, "
+                          "or a GGUF of a real model's shape")
     register_once(make)
-    make.add_argument("--preset", required=True, choices=_PresetNames(), metavar="PRESET", help="model shape: %(choices)s")
-    make.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
+    what = make.add_mutually_exclusive_group(required=True)
+    what.add_argument("--preset", choices=_PresetNames(), metavar="PRESET", help="HF directory of a preset: %(choices)s")
+    what.add_argument("--shape", choices=make_gguf.SHAPES, metavar="SHAPE", help="GGUF of a real model's shape: %(choices)s")
+    make.add_argument("--out", required=True, help="--preset: directory to create (must not exist or be empty); "
+                      "--shape: the .gguf file to write (must not exist)")
     make.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    make_gguf.add_arguments(make)
 
     prof = sub.add_parser("profile", help="measure pure prefill cost per token against the quantum")
     register_once(prof)
@@ -98,6 +105,10 @@ def add_commands(sub, register_once) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Validate a subcommand's flags without loading anything; raises ValueError."""
+    if args.command == "make-model" and args.preset and (args.type or args.layers is not None):
+        raise ValueError("--type and --layers go with --shape")
+    if args.command == "make-model" and args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be positive, got {args.layers}")
     if args.command == "profile":
         quanta = _ints(args.quanta, "--quanta")
         if args.prompt_tokens < max(quanta):
@@ -133,6 +144,10 @@ def _check_pool_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``make-model``, ``profile`` or ``advise``; returns the exit code."""
+    if args.command == "make-model" and args.shape:
+        from quanta.tools.make_model import main as make_gguf
+
+        return make_gguf(args)
     if args.command == "make-model":
         from quanta.model.presets import make_model, parameter_count
 

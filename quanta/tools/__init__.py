@@ -1,0 +1,1 @@
+"""Tools around the engine that do not serve: :mod:`.make_model` writes random-weight GGUFs of real model shapes."""

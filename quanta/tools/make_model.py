@@ -1,0 +1,427 @@
+"""Random-weight GGUFs of real model shapes: ``quanta make-model --shape NAME --out FILE.gguf [--type Q4_K_M]``.
+
+Real sizes, memory and speed need files of real shapes; their weights need not be trained.
+A shape (:data:`SHAPES`) is the subset of the model's Hugging Face ``config.json`` that
+decides the file, and the file is written as llama.cpp's ``convert_hf_to_gguf.py`` writes
+that architecture (``LlamaModel`` / ``Qwen2Model`` and ``TextModel.set_gguf_parameters``):
+the same ``general.*`` and ``{arch}.*`` keys (``{arch}.attention.key_length`` only where the
+config names ``head_dim``; ``llama.vocab_size`` and ``llama.rope.dimension_count`` for
+``llama``), tensors named ``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``, ``output``
+(absent for tied embeddings), 1-D tensors in F32, matrices in F16, and for a Llama 3.x
+``rope_scaling`` of type ``llama3`` the ``rope_freqs.weight`` F32 tensor of per-frequency
+factors computed as the converter computes them (:func:`llama3_rope_factors`).
+
+The tokenizer is the embedded SmolLM2 GGUF's (every ``tokenizer.*`` key, chat template
+included) with control tokens ``<|reserved_N|>`` appended up to the shape's vocabulary, so
+llama.cpp finds as many tokens as embedding rows. A shape whose vocabulary is smaller than
+SmolLM2's 49,152 tokens (Mistral 7B's 32,768) cannot be written this way and is not offered.
+
+Weights are normal: projections and biases with std ``1 / sqrt(fan_in)`` (each block adds a
+token-specific term of RMS ~1 to the residual stream), the embedding and an untied output
+matrix with std 0.02 (transformers' ``initializer_range``: small beside the blocks' terms, so
+a tied head does not echo the input token back), block norms 1, and the output norm
+``LOGIT_STD / (0.02 sqrt(hidden))`` so logits have std :data:`LOGIT_STD` whether the head is
+tied or not: the top-1 logit then leads the next by ~``LOGIT_STD / sqrt(2 ln vocab)`` (about 2)
+on average, no near-tie for greedy decoding. The reserved tokens' rows of the embedding and of
+the output matrix are zero (as Llama 3's untrained reserved tokens are near zero): their logits
+are 0, some 4 std below the top ones, so generated tokens are the tokenizer's own, not
+unprintable control tokens. Each tensor's generator is seeded
+from ``--seed`` and the tensor's name, so ``--layers`` keeps the remaining tensors the same.
+Tensors are generated and written one at a time (an 8B F16 file is 16 GB; the largest
+tensor held is the embedding). Other ``--type`` values write the F16 file next to ``--out``,
+run llama.cpp's own ``llama-quantize`` on it (see :func:`llama_quantize_binary`) and delete it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import subprocess
+import sys
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: the llama-cpp-python sdist whose vendored llama.cpp ``benchmarks/peer_llama_cpp.py`` builds
+LLAMA_CPP_PYTHON = "0.3.36"
+
+SYNTHETIC_LABEL = "random weights of the {name} shape (quanta make-model --shape {name}); outputs are meaningless"
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 131072}
+
+#: name -> the ``config.json`` keys of the real model that decide its GGUF
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": {**_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": _llama3_rope(32.0)},
+    "llama-3.2-3b": {**_LLAMA3, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+                     "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True, "rope_scaling": _llama3_rope(32.0)},
+    "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "tie_word_embeddings": False, "rope_scaling": _llama3_rope(8.0)},
+    "qwen2.5-7b": {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
+                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+    # for tests: Llama 3.x layout (rope_freqs, tied embeddings) at toy width; SmolLM2's vocabulary plus 128 reserved tokens
+    "tiny-llama3": {**_LLAMA3, "vocab_size": 49152 + 128, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True,
+                    "max_position_embeddings": 8192, "rope_scaling": _llama3_rope(8.0)},
+}
+
+#: ``--type`` values: F16 is written directly, the others by ``llama-quantize`` (those needing an imatrix left out)
+TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
+         "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K")
+
+#: llama.cpp's GGUF architecture of each HF ``architectures[0]``
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+#: std of the embedding and of an untied output matrix
+EMBEDDING_STD = 0.02
+#: std of the logits (set by the output norm's weights)
+LOGIT_STD = 10.0
+
+#: files of at least this many bytes get progress lines
+_PROGRESS_BYTES = 1 << 30
+
+Progress = Callable[[str], None]
+
+
+# ------------------------------------------------------------------ llama.cpp
+
+
+def peer_cache() -> Path:
+    """Where ``benchmarks/peer_llama_cpp.py`` keeps llama.cpp: ``$QUANTA_PEER_CACHE`` or ``~/.cache/quanta/peer``."""
+    return Path(os.environ.get("QUANTA_PEER_CACHE", Path.home() / ".cache" / "quanta" / "peer"))
+
+
+def llama_cpp_source() -> Path:
+    """The llama.cpp tree vendored in the llama-cpp-python sdist, under :func:`peer_cache`."""
+    return peer_cache() / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def llama_quantize_binary() -> Path:
+    """The built ``llama-quantize``.
+
+    Raises:
+        FileNotFoundError: not built; the one-line message names the commands that build it.
+    """
+    binary = llama_cpp_source() / "build" / "bin" / "llama-quantize"
+    if binary.exists():
+        return binary
+    build = f"cmake --build {binary.parents[1]} --target llama-quantize -j{os.cpu_count() or 2}"
+    fetch = "" if binary.parents[1].is_dir() else "python benchmarks/peer_llama_cpp.py (fetches and configures llama.cpp), then "
+    raise FileNotFoundError(f"{binary} is not built; run: {fetch}{build}")
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def shape_config(name: str, layers: int | None = None) -> dict:
+    """Shape ``name``'s config dict, with ``layers`` decoder blocks when given.
+
+    Raises:
+        ValueError: unknown shape or a layer count below 1.
+    """
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of: {', '.join(SHAPES)}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be positive, got {layers}")
+    return {**SHAPES[name], "num_hidden_layers": layers or SHAPES[name]["num_hidden_layers"]}
+
+
+def gguf_arch(cfg: dict) -> str:
+    return _GGUF_ARCH[cfg["architectures"][0]]
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def llama3_rope_factors(cfg: dict) -> Any:
+    """The ``rope_freqs.weight`` values (float32 array of ``head_dim / 2``) for a ``llama3``
+    ``rope_scaling``, computed as ``LlamaModel.generate_extra_tensors`` in llama.cpp's
+    converter computes them (float32 torch arithmetic); None for other RoPE."""
+    import math
+
+    import torch
+
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", "").lower() != "llama3":
+        return None
+    base, dim = cfg.get("rope_theta", 10000.0), _head_dim(cfg)
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor, high_freq_factor = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(GGUF name, numpy shape, kind)`` of every tensor in writing order (the converter's: ``rope_freqs``
+    first, then HF's alphabetical order within a block); kinds: ``rope``, ``norm``, ``embedding``,
+    ``output_norm``, ``output``, ``weight``, ``bias``. A numpy shape is ``(rows, columns)``; GGUF lists it reversed."""
+    hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
+    q_rows = cfg["num_attention_heads"] * _head_dim(cfg)
+    kv_rows = cfg["num_key_value_heads"] * _head_dim(cfg)
+    bias = gguf_arch(cfg) == "qwen2"  # Qwen2's q/k/v projections always carry a bias
+    plan: list[tuple[str, tuple[int, ...], str]] = []
+    if (rope := llama3_rope_factors(cfg)) is not None:
+        plan.append(("rope_freqs.weight", rope.shape, "rope"))
+    plan.append(("token_embd.weight", (cfg["vocab_size"], hidden), "embedding"))
+    for i in range(cfg["num_hidden_layers"]):
+        blk = f"blk.{i}."
+        plan += [(blk + "attn_norm.weight", (hidden,), "norm"), (blk + "ffn_down.weight", (hidden, ffn), "weight"),
+                 (blk + "ffn_gate.weight", (ffn, hidden), "weight"), (blk + "ffn_up.weight", (ffn, hidden), "weight"),
+                 (blk + "ffn_norm.weight", (hidden,), "norm")]
+        for proj, rows in (("k", kv_rows), ("output", hidden), ("q", q_rows), ("v", kv_rows)):
+            if bias and proj != "output":
+                plan.append((f"{blk}attn_{proj}.bias", (rows,), "bias"))
+            plan.append((f"{blk}attn_{proj}.weight", (rows, hidden if proj != "output" else q_rows), "weight"))
+    plan.append(("output_norm.weight", (hidden,), "output_norm"))
+    if not cfg["tie_word_embeddings"]:
+        plan.append(("output.weight", (cfg["vocab_size"], hidden), "output"))
+    return plan
+
+
+def parameter_count(cfg: dict) -> int:
+    """Weights of the model (``rope_freqs`` is not one)."""
+    import math
+
+    return sum(math.prod(shape) for _, shape, kind in tensor_plan(cfg) if kind != "rope")
+
+
+# ------------------------------------------------------------------ writing
+
+
+def _add_metadata(writer: Any, name: str, cfg: dict) -> None:
+    """``general.*``, ``{arch}.*`` and ``tokenizer.*`` keys in the converter's order."""
+    import gguf
+
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(f"{name} (random weights)")
+    writer.add_description(SYNTHETIC_LABEL.format(name=name))
+    writer.add_size_label(gguf.size_label(parameter_count(cfg), 0, 0, 0))
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "head_dim" in cfg:
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if gguf_arch(cfg) == "llama":
+        writer.add_vocab_size(cfg["vocab_size"])
+        writer.add_rope_dimension_count(_head_dim(cfg))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value, vtype, sub_type in padded_tokenizer(cfg["vocab_size"]):
+        writer.add_key_value(key, value, vtype, sub_type)
+
+
+def padded_tokenizer(vocab_size: int) -> list[tuple[str, Any, Any, Any]]:
+    """``(key, value, type, array item type)`` of every ``tokenizer.*`` key of the embedded SmolLM2
+    GGUF, its token list and token types padded with ``<|reserved_N|>`` CONTROL tokens to ``vocab_size``.
+
+    Raises:
+        ValueError: ``vocab_size`` is below the embedded tokenizer's.
+    """
+    import gguf
+
+    out = []
+    for key, value, vtype, sub_type in _embedded_tokenizer():
+        if key == "tokenizer.ggml.tokens":
+            if vocab_size < len(value):
+                raise ValueError(f"vocab {vocab_size} is smaller than the embedded tokenizer's {len(value)} tokens")
+            known = set(value)
+            extra = [f"<|reserved_{i}|>" for i in range(vocab_size - len(value))]
+            if known.intersection(extra):
+                raise ValueError("the embedded tokenizer already has <|reserved_N|> tokens")
+            value = value + extra
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [gguf.TokenType.CONTROL] * (vocab_size - len(value))
+        out.append((key, value, vtype, sub_type))
+    return out
+
+
+def tokenizer_size() -> int:
+    """Tokens of the embedded tokenizer (49,152 for SmolLM2), before the reserved ones."""
+    return len(dict((k, v) for k, v, *_ in _embedded_tokenizer())["tokenizer.ggml.tokens"])
+
+
+@functools.cache
+def _embedded_tokenizer() -> tuple[tuple[str, Any, Any, Any], ...]:
+    """``(key, value, type, array item type)`` of the embedded GGUF's ``tokenizer.*`` keys (read once: ~6 s)."""
+    import gguf
+
+    from quanta.model.loader import embedded_model_path
+
+    fields = gguf.GGUFReader(embedded_model_path()).fields
+    return tuple((key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+                 for key, f in fields.items() if key.startswith("tokenizer."))
+
+
+def _progress_printer(total: int, verb: str, progress: Progress) -> Callable[[int], None]:
+    """A callback taking the amount done so far that calls ``progress`` once per ~10% of ``total``."""
+    state = {"next": 1}
+
+    def done(amount: int) -> None:
+        while state["next"] <= 10 and amount * 10 >= state["next"] * total:
+            progress(f"make-model: {verb} {state['next'] * 10}%")
+            state["next"] += 1
+
+    return done
+
+
+def write_f16(name: str, out: str | Path, seed: int = 0, layers: int | None = None, progress: Progress = print) -> Path:
+    """Write shape ``name`` with random F16 weights to ``out``, one tensor at a time (a partial file is removed).
+
+    Raises:
+        ValueError: unknown shape, or a vocabulary below the embedded tokenizer's.
+    """
+    import gguf
+    import numpy as np
+    import torch
+
+    cfg, out = shape_config(name, layers), Path(out)
+    plan = tensor_plan(cfg)
+    writer = gguf.GGUFWriter(out, gguf_arch(cfg))
+    _add_metadata(writer, name, cfg)
+    for tensor_name, shape, _ in plan:
+        dtype = np.float16 if len(shape) > 1 else np.float32
+        writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    total = sum(int(np.prod(shape)) * (2 if len(shape) > 1 else 4) for _, shape, _ in plan)
+    report = _progress_printer(total, "wrote", progress) if total >= _PROGRESS_BYTES else lambda _: None
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        written = 0
+        for tensor_name, shape, kind in plan:
+            writer.write_tensor_data(_random_tensor(tensor_name, shape, kind, cfg, seed, torch))
+            written += int(np.prod(shape)) * (2 if len(shape) > 1 else 4)
+            report(written)
+        writer.close()
+    except BaseException:
+        writer.close()
+        out.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], kind: str, cfg: dict, seed: int, torch: Any) -> Any:
+    """One tensor's values as a numpy array (F16 matrices, F32 vectors); see the module docstring."""
+    if kind == "rope":
+        return llama3_rope_factors(cfg)
+    if kind in ("norm", "output_norm"):
+        weight = LOGIT_STD / (EMBEDDING_STD * cfg["hidden_size"] ** 0.5) if kind == "output_norm" else 1.0
+        return torch.full(shape, weight, dtype=torch.float32).numpy()
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # torch's CPU generator keeps 32 seed bits
+    if kind in ("embedding", "output"):  # the reserved tokens' rows stay zero
+        values = torch.zeros(shape, dtype=torch.float16)
+        values[:tokenizer_size()].normal_(0.0, EMBEDDING_STD, generator=gen)
+        return values.numpy()
+    std = shape[-1] ** -0.5 if kind == "weight" else cfg["hidden_size"] ** -0.5
+    dtype = torch.float16 if len(shape) > 1 else torch.float32
+    return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen).numpy()
+
+
+def quantize(src: str | Path, out: str | Path, qtype: str, progress: Progress = print) -> None:
+    """``llama-quantize src out qtype`` on all cores; for a big ``src`` a progress line per ~10% of its tensors.
+
+    Raises:
+        FileNotFoundError: ``llama-quantize`` is not built.
+        RuntimeError: it failed (the message carries its last output line).
+    """
+    cmd = [str(llama_quantize_binary()), str(src), str(out), qtype, str(os.cpu_count() or 2)]
+    tail: deque[str] = deque(maxlen=20)
+    report: Callable[[int], None] | None = None if Path(src).stat().st_size >= _PROGRESS_BYTES else lambda _: None
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            # tensor lines read "[  12/ 292]  blk.0.attn_q.weight - ..."
+            if line.startswith("[") and "/" in line.split("]", 1)[0]:
+                done, total = (int(v) for v in line[1:].split("]", 1)[0].split("/"))
+                report = report or _progress_printer(total, f"quantized ({qtype})", progress)
+                report(done)
+    if proc.returncode != 0:
+        Path(out).unlink(missing_ok=True)
+        last = next((t for t in reversed(tail) if t.strip()), "")
+        raise RuntimeError(f"llama-quantize exited with {proc.returncode}: {last}")
+
+
+def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, layers: int | None = None,
+              progress: Progress = print) -> Path:
+    """Shape ``name`` as a ``qtype`` GGUF at ``out`` (F16 written directly; other types through an F16
+    file beside ``out`` and ``llama-quantize``, the F16 file removed afterwards).
+
+    Raises:
+        ValueError: unknown shape or type, ``out`` exists, or a bad layer count.
+        FileNotFoundError: a quantized type and ``llama-quantize`` is not built (checked first).
+        RuntimeError: ``llama-quantize`` failed.
+    """
+    out, qtype = Path(out), qtype.upper()
+    if qtype not in TYPES:
+        raise ValueError(f"unknown --type {qtype!r}; choose one of: {', '.join(TYPES)}")
+    if out.exists():
+        raise ValueError(f"{out} exists; remove it or choose another --out")
+    shape_config(name, layers)
+    if qtype == "F16":
+        return write_f16(name, out, seed, layers, progress)
+    llama_quantize_binary()
+    f16 = out.with_name(f".{out.stem}.f16-{os.getpid()}.gguf")
+    try:
+        write_f16(name, f16, seed, layers, progress)
+        quantize(f16, out, qtype, progress)
+    finally:
+        f16.unlink(missing_ok=True)
+    return out
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """``make-model``'s ``--type`` and ``--layers`` (``--shape`` is added beside ``--preset``)."""
+    parser.add_argument("--type", type=str.upper, choices=TYPES, metavar="TYPE",
+                        help="with --shape: weight type, F16 written directly, the others by llama.cpp's llama-quantize: "
+                        "%(choices)s (default F16)")
+    parser.add_argument("--layers", type=int, help="with --shape: decoder blocks, instead of the shape's own count")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``make-model --shape``; returns the exit code."""
+    start = time.monotonic()
+    qtype = args.type or "F16"
+    try:
+        out = make_gguf(args.shape, args.out, qtype, args.seed, args.layers, lambda line: print(line, flush=True))
+    except RuntimeError as exc:
+        print(f"quanta make-model: error: {exc}", file=sys.stderr)
+        return 1
+    cfg = shape_config(args.shape, args.layers)
+    print(f"wrote {out}: shape {args.shape}, {cfg['num_hidden_layers']} layers, {parameter_count(cfg) / 1e9:.2f} B parameters, "
+          f"{qtype}, {out.stat().st_size / 1e9:.2f} GB in {time.monotonic() - start:.0f} s (random weights: outputs are meaningless)")
+    return 0
