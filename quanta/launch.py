@@ -150,9 +150,8 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
     t0 = time.monotonic()
-    blocks = _blocks_wanted(model_path, quantization, prompt_weights)
-    if blocks:
-        cfg = load_config(model_path)
+    cfg = _blocks_config(model_path, quantization, prompt_weights)
+    if cfg is not None:
         model = load_block_model(model_path, cfg, dtype)
     else:
         cfg, model = _load_dequantized(model_path, dtype, quantization, prompt_weights)
@@ -169,20 +168,22 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
 
 
-def _blocks_wanted(path: Path, quantization: str, prompt_weights: str) -> bool:
-    """Whether to build the model from the GGUF's own blocks (``--prompt-weights blocks``, or ``auto``
-    where :func:`quanta.model.gguf_blocks.unsupported_reason` finds nothing against it).
+def _blocks_config(path: Path, quantization: str, prompt_weights: str) -> ModelConfig | None:
+    """The file's config where the model is to be built from the GGUF's own blocks
+    (``--prompt-weights blocks``, or ``auto`` where :func:`quanta.model.gguf_blocks.unsupported_reason`
+    finds nothing against it), else None.
 
     Raises:
         ValueError: ``blocks`` asked for a file or machine that cannot take it.
     """
     if prompt_weights not in ("auto", "blocks") or quantization != "auto":
-        return False
-    reason = "not a GGUF file" if not (path.is_file() and path.suffix == ".gguf") else None
-    reason = reason or blocks_unsupported(load_config(path), path)
+        return None
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    cfg = load_config(path) if is_gguf else None
+    reason = blocks_unsupported(cfg, path) if is_gguf else "not a GGUF file"
     if reason and prompt_weights == "blocks":
         raise ValueError(f"--prompt-weights blocks cannot read {path.name}: {reason}")
-    return reason is None
+    return None if reason else cfg
 
 
 def _load_dequantized(path: Path, dtype: torch.dtype, quantization: str, prompt_weights: str) -> tuple:

@@ -43,15 +43,14 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def unsupported_reason(cfg: ModelConfig, path: Path) -> str | None:
-    """Why the file's blocks cannot be used directly (None: they can): a MoE, a file whose projections
-    are float32, or no C library here."""
+    """Why the file's blocks cannot be used directly (None: they can): a MoE, a file with a float32
+    matrix (projection, embedding or head), or no C library here."""
     if cfg.num_experts:
         return "MoE experts"
     if not native_forms.available():
         return "no C kernels on this machine"
-    types = gguf_loader.gguf_tensor_types(path)
-    if types.get("blk.0.attn_q.weight") == "F32":
-        return "float32 projections"
+    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" for t in gguf_loader._reader(path).tensors):
+        return "float32 matrices"
     return None
 
 
@@ -73,7 +72,7 @@ class _File:
     def __init__(self, path: Path, cfg: ModelConfig) -> None:
         self.path, self.cfg = path, cfg
         self.tensors = {t.name: t for t in gguf_loader._reader(path).tensors}
-        self.permuted = gguf_loader._architecture(gguf_loader._reader(path), path) == "llama"
+        self.permuted = cfg.architecture == "llama"  # dense llama: llama.cpp's q/k row order
 
     def raw(self, name: str) -> np.ndarray:
         t = self.tensors[name]
@@ -138,13 +137,14 @@ def load_block_model(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaM
     for i, layer in enumerate(model.layers):
         _load_layer(file, layer, f"blk.{i}.", dtype, counts)
     model.norm.weight = nn.Parameter(file.floats("output_norm.weight", dtype), requires_grad=False)
-    head_kind = "fp16" if file.kind("token_embd.weight") == "fp16" else "q8_0"
+    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    head_kind = "fp16" if file.kind(head) == "fp16" else "q8_0"
+    head_form = file.form([head], head_kind, fine=True)
     if cfg.tie_word_embeddings:
-        model._tied_head_form = file.form(["token_embd.weight"], head_kind, fine=True)
-        model.embed_tokens = FormEmbedding(model._tied_head_form, dtype)
+        model._tied_head_form = head_form
+        model.embed_tokens = FormEmbedding(head_form, dtype)
     else:
-        model.lm_head = _form_linear(file.form(["output.weight"], "fp16" if file.kind("output.weight") == "fp16" else "q8_0",
-                                               fine=True))
+        model.lm_head = _form_linear(head_form)
         model.embed_tokens = FormEmbedding(file.form(["token_embd.weight"]), dtype)
     counts[head_kind] = counts.get(head_kind, 0) + 1
     model.quantized, model.weight_forms = counts, ("blocks", head_kind)
