@@ -49,11 +49,18 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+#: /proc/cpuinfo flags that choose kernels (every ``amx_*`` flag is shown too)
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+
+
+def isa_flags(flags: set[str]) -> list[str]:
+    """Those of :data:`ISA_FLAGS` and the ``amx_*`` flags that ``flags`` holds."""
+    return [f for f in ISA_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx"))
+
+
 def cpu_summary() -> str:
-    """The vector features that choose kernels, e.g. ``avx2 fma avx512f avx512_bf16``."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
-    flags = cpu_flags()
-    return " ".join(f for f in wanted if f in flags) or "no avx2"
+    """The vector features that choose kernels (:func:`isa_flags`), e.g. ``avx2 fma f16c avx512f avx512_bf16``."""
+    return " ".join(isa_flags(cpu_flags())) or "no avx2"
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:

@@ -12,17 +12,9 @@ import os
 
 import torch
 
-from quanta.launch import cpu_flags, resolve_dtype
+from quanta.launch import ISA_FLAGS, cpu_flags, isa_flags, resolve_dtype
 from quanta.model import native
 from quanta.model.cores import usable_cores
-
-#: /proc/cpuinfo flags that choose kernels (every ``amx_*`` flag is shown too)
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-
-
-def isa_flags(flags: set[str]) -> list[str]:
-    """Those of :data:`ISA_FLAGS` and the ``amx_*`` flags that ``flags`` holds."""
-    return [f for f in ISA_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx"))
 
 
 def c_kernels() -> str:

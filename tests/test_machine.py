@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from quanta.machine import isa_flags
+from quanta.launch import isa_flags
 from quanta.model import native
 
 

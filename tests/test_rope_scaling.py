@@ -23,6 +23,7 @@ from quanta.model.config import ModelConfig
 from quanta.model.loader import load_checkpoint, load_config
 from quanta.model.native.forms import available
 from quanta.model.rope import RotaryEmbedding, attention_factor, inverse_frequencies
+from quanta.tools.make_model import llama3_rope_factors
 from slot_cache import SlotCache
 from test_loader import _write_gguf as write_model_gguf
 from tiny_llama import LLAMA3_ROPE, TINY, load_ours
@@ -40,21 +41,9 @@ ULPS = 4 * torch.finfo(torch.float32).eps
 
 
 def _llama_cpp_rope_freqs(head_dim: int, rope: dict) -> np.ndarray:
-    """``rope_freqs.weight`` as llama.cpp's converter writes it (conversion/llama.py, generate_extra_tensors)."""
-    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    factor, low, high, old = (rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                                 "original_max_position_embeddings"))
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            factors.append(1)
-        elif wavelen > old / low:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32).numpy()
+    """``rope_freqs.weight`` as llama.cpp's converter writes it (conversion/llama.py, generate_extra_tensors),
+    by quanta's GGUF writer."""
+    return llama3_rope_factors({"rope_theta": rope["rope_theta"], "head_dim": head_dim, "rope_scaling": rope})
 
 
 def _llama_cpp_yarn(position: int, n_dims: int, base: float, factor: float, n_ctx_orig: int, beta_fast: float = 32.0,

@@ -239,7 +239,7 @@ class _Direct:
         self.form = form  # keeps data and scales alive
         self.kind = {"q4_1": 4, "q8_0": 8}.get(form.kind, 16)  # block_matmul's kinds; 16: fp16
         self.fine = int(form.fine)
-        self.n, self.k = form.data.shape if self.kind == 16 else (form.data.shape[0] * 8, form.data.shape[1] * forms.BLOCK)
+        self.n, self.k = form.shape
         self.data, self.scales = form.data.data_ptr(), form.scales.data_ptr()
 
     @classmethod
