@@ -72,6 +72,7 @@ from peer_llama_cpp import (  # noqa: E402
 )
 from quanta.bench.output import code_version  # noqa: E402
 from quanta.launch import cpu_flags  # noqa: E402
+from quanta.model.gguf_loader import gguf_tensor_types  # noqa: E402
 from quanta.model.loader import embedded_model_path  # noqa: E402
 
 #: ``quanta bench run`` flags of the 1,000-word prompt, the one stream and the 8 streams (peer_llama_cpp.py's first three)
@@ -183,13 +184,10 @@ def _exit_code(message: str) -> str | None:
 
 
 def gguf_summary(path: Path) -> dict:
-    """The file's size and its tensor count per type (``gguf.GGUFReader``); ``error`` where unreadable."""
+    """The file's size and its tensor count per type (:func:`gguf_tensor_types`); ``error`` where unreadable."""
     info: dict = {"path": str(path), "bytes": path.stat().st_size}
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        info["tensor_types"] = dict(Counter(t.tensor_type.name for t in reader.tensors).most_common())
+        info["tensor_types"] = dict(Counter(gguf_tensor_types(path).values()).most_common())
     except Exception as exc:  # noqa: BLE001 - a file the reader refuses is still benchmarked
         info["error"] = f"{type(exc).__name__}: {exc}"
     return info

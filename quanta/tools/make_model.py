@@ -273,12 +273,11 @@ def tokenizer_size() -> int:
 
 @functools.cache
 def _embedded_tokenizer() -> tuple[tuple[str, Any, Any, Any], ...]:
-    """``(key, value, type, array item type)`` of the embedded GGUF's ``tokenizer.*`` keys (read once: ~6 s)."""
-    import gguf
-
+    """``(key, value, type, array item type)`` of the embedded GGUF's ``tokenizer.*`` keys (read once)."""
+    from quanta.model.gguf_header import GGUFHeader
     from quanta.model.loader import embedded_model_path
 
-    fields = gguf.GGUFReader(embedded_model_path()).fields
+    fields = GGUFHeader(embedded_model_path()).fields
     return tuple((key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
                  for key, f in fields.items() if key.startswith("tokenizer."))
 
