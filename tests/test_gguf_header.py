@@ -12,8 +12,23 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
 from quanta.model.gguf_header import GGUFHeader
-from quanta.model.gguf_loader import ArrayGGUFReader
 from quanta.model.loader import embedded_model_path
+
+
+class ArrayGGUFReader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` over a plain ndarray view of its memory map, the reference reader of the
+    embedded model: the stock reader slices a ``np.memmap`` hundreds of thousands of times while
+    parsing the tokenizer arrays, and every memmap slice pays for ``memmap.__array_finalize__``; a
+    base-class view of the same mapping parses about 3x faster (0.9 s instead of 3 s for SmolLM2)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._array = np.asarray(value)
+
 
 #: one scalar of every value type, and an array of each
 SCALARS = {

@@ -118,10 +118,10 @@ def test_encode_decode_round_trip(tok: Tokenizer, text: str) -> None:
 
 
 def test_vocab_size_matches_embedding_rows(tok: Tokenizer) -> None:
-    from quanta.model.gguf_loader import ArrayGGUFReader
+    from quanta.model.gguf_header import GGUFHeader
 
-    reader = ArrayGGUFReader(embedded_model_path())
-    assert tok.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data)
+    header = GGUFHeader(embedded_model_path())
+    assert tok.vocab_size == len(header.fields["tokenizer.ggml.tokens"].value)
 
 
 def test_eos_includes_tokenizer_eos_and_caller_ids(cache_dir: Path, tok: Tokenizer) -> None:

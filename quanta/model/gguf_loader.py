@@ -58,26 +58,6 @@ _NOT_WEIGHTS = ("rope_freqs.weight",)
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-class ArrayGGUFReader(gguf.GGUFReader):
-    """``GGUFReader`` over a plain ndarray view of its memory map.
-
-    The stock reader slices a ``np.memmap`` hundreds of thousands of times while
-    parsing the tokenizer arrays, and every memmap slice pays for
-    ``memmap.__array_finalize__``; a base-class view of the same mapping parses
-    about 3x faster (0.9 s instead of 3 s for SmolLM2). Data stays mapped and
-    read-only. Loading reads headers with :class:`GGUFHeader` (0.04 s); this reader is for
-    code that wants ``gguf.GGUFReader``'s own objects (its ``parts``), and checks the header's.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._array
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._array = np.asarray(value)
-
-
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFHeader:
     return GGUFHeader(path)
