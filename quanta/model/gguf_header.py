@@ -77,7 +77,6 @@ class GGUFField:
 
     Attributes:
         name: the key (``tokenizer.ggml.tokens``).
-        offset: where the key/value starts in the file.
         types: the value type, then for an array its element type (and theirs, for an array of
             arrays, taken from the first element), as in ``ReaderField.types``.
         value: the value: ``int`` / ``float`` / ``bool`` / ``str`` for a scalar, a read-only numpy
@@ -85,10 +84,10 @@ class GGUFField:
             ``list`` of those for an array of arrays.
     """
 
-    __slots__ = ("name", "offset", "types", "value")
+    __slots__ = ("name", "types", "value")
 
-    def __init__(self, name: str, offset: int, types: list[GGUFValueType], value: Any) -> None:
-        self.name, self.offset, self.types, self.value = name, offset, types, value
+    def __init__(self, name: str, types: list[GGUFValueType], value: Any) -> None:
+        self.name, self.types, self.value = name, types, value
 
     def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
         """The value as ``ReaderField.contents`` gives it: a Python scalar or ``str``; for an array
@@ -190,9 +189,6 @@ class GGUFHeader:
     def get_field(self, key: str) -> GGUFField | None:
         return self.fields.get(key)
 
-    def get_tensor(self, index: int) -> GGUFTensorInfo:
-        return self.tensors[index]
-
     def __repr__(self) -> str:
         return f"GGUFHeader({self.path!r}, v{self.version}, {len(self.fields) - 3} keys, {len(self.tensors)} tensors)"
 
@@ -234,9 +230,9 @@ class _Parser:
         n_tensors, n_kv = self.u64(buf, 8)[0], self.u64(buf, 16)[0]
         u32, u64 = [GGUFValueType.UINT32], [GGUFValueType.UINT64]
         self.fields = {
-            "GGUF.version": GGUFField("GGUF.version", 4, u32, version),
-            "GGUF.tensor_count": GGUFField("GGUF.tensor_count", 8, u64, n_tensors),
-            "GGUF.kv_count": GGUFField("GGUF.kv_count", 16, u64, n_kv),
+            "GGUF.version": GGUFField("GGUF.version", u32, version),
+            "GGUF.tensor_count": GGUFField("GGUF.tensor_count", u64, n_tensors),
+            "GGUF.kv_count": GGUFField("GGUF.kv_count", u64, n_kv),
         }
         # a key/value takes at least 12 bytes, a tensor info 24: garbage counts stop here
         if n_kv * 12 + n_tensors * 24 > size - 24:
@@ -245,14 +241,13 @@ class _Parser:
         pos = 24
         for i in range(n_kv):
             self.where = f"key/value {i}"
-            start = pos
             key, pos = self.string(pos)
             self.where = f"key {key!r}"
             (vtype,) = self.u32(buf, pos)
             value, types, pos = self.value(vtype, pos + 4)
             if key in self.fields:
                 raise self.fail(f"duplicate key {key!r}")
-            self.fields[key] = GGUFField(key, start, types, value)
+            self.fields[key] = GGUFField(key, types, value)
 
         self.infos = []
         for i in range(n_tensors):
