@@ -45,10 +45,10 @@ import httpx
 from quanta.bench.output import machine
 from quanta.launch import cpu_summary
 from quanta.model.loader import embedded_model_path
+from quanta.tools.make_model import LLAMA_CPP_PYTHON, llama_cpp_source, peer_cache
 
-LLAMA_CPP_PYTHON = "0.3.36"
-CACHE = Path(os.environ.get("QUANTA_PEER_CACHE", Path.home() / ".cache" / "quanta" / "peer"))
-SRC = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+CACHE = peer_cache()
+SRC = llama_cpp_source()
 BINARY = SRC / "build" / "bin" / "llama-server"
 THREADS = os.cpu_count() or 2
 LLAMA_ARGS = ["-t", str(THREADS), "-np", "8", "-c", "32768"]
