@@ -43,7 +43,6 @@ build (or ``--llama-server PATH``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -58,10 +57,12 @@ from peer_llama_cpp import (  # noqa: E402
     ENV_KNOBS,
     LLAMA_CPP_PYTHON,
     WORKLOADS,
+    ServerStartError,
     bench_run,
     build_llama_server,
     figure,
     free_port,
+    read_run,
     run_record,
     server_command,
     start,
@@ -140,7 +141,7 @@ def workload(url: str, flags: list[str], out: Path) -> dict:
         run = bench_run(url, flags, out)
     except subprocess.CalledProcessError as exc:
         try:  # a bench whose every request failed exits 1 after writing its result
-            run = json.loads(out.with_suffix(".json").read_text())["conditions"][0]["runs"][0]
+            run = read_run(out)
         except (OSError, ValueError, KeyError, IndexError):
             raise RuntimeError(f"quanta bench run exited with {exc.returncode}") from None
     client = run["metrics"]["client"]
@@ -156,8 +157,8 @@ def one_round(cmd: list[str], port: int, log: Path, timeout: float, bench_flags:
     t0 = time.monotonic()
     try:
         proc = start(cmd, port, log, timeout, poll=0.1)
-    except RuntimeError as exc:  # exited, or not healthy in time
-        why = f"exited with {proc_code}" if (proc_code := _exit_code(str(exc))) else f"not healthy in {timeout:g} s"
+    except ServerStartError as exc:  # exited, or not healthy in time
+        why = f"exited with {exc.returncode}" if exc.returncode is not None else f"not healthy in {timeout:g} s"
         return {"failed": f"{last_line(log)} ({why})", "error": str(exc)}
     row["load_s"] = time.monotonic() - t0
     try:
@@ -176,11 +177,6 @@ def one_round(cmd: list[str], port: int, log: Path, timeout: float, bench_flags:
     finally:
         stop(proc)
     return row
-
-
-def _exit_code(message: str) -> str | None:
-    """The exit code in :func:`start`'s "exited with N" message, else None."""
-    return message.split(" exited with ", 1)[1].split(";")[0] if " exited with " in message else None
 
 
 def gguf_summary(path: Path) -> dict:

@@ -142,17 +142,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerStartError(RuntimeError):
+    """:func:`start`'s failure; ``returncode``: the server's exit code, None when it was not healthy in time."""
+
+    def __init__(self, message: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def start(cmd: list[str], port: int, log: Path, timeout: float = 300, poll: float = 0.5) -> subprocess.Popen:
     """Start a server and wait for its ``/health`` to answer 200 (bounded by ``timeout`` s, asked every ``poll`` s).
 
     Raises:
-        RuntimeError: the server exited, or was not healthy in time (then it is killed).
+        ServerStartError: the server exited, or was not healthy in time (then it is killed).
     """
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+            raise ServerStartError(f"{cmd[0]} exited with {proc.returncode}; see {log}", proc.returncode)
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -161,7 +169,7 @@ def start(cmd: list[str], port: int, log: Path, timeout: float = 300, poll: floa
         time.sleep(poll)
     proc.kill()
     proc.wait()
-    raise RuntimeError(f"{cmd[0]} did not become healthy in {timeout} s; see {log}")
+    raise ServerStartError(f"{cmd[0]} did not become healthy in {timeout} s; see {log}", None)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -201,6 +209,11 @@ def bench_run(url: str, flags: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "quanta.cli", "bench", "run", "--base-url", url, "--repeats", "1", "--no-progress",
            "--no-plots", "--out", str(out), *flags]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return read_run(out)
+
+
+def read_run(out: Path) -> dict:
+    """The single run of the ``quanta bench run`` result ``out``.json."""
     return json.loads(out.with_suffix(".json").read_text())["conditions"][0]["runs"][0]
 
 
