@@ -23,6 +23,7 @@ import argparse
 import time
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quanta.bench.output import machine
 from quanta.launch import cpu_flags, cpu_summary
@@ -44,7 +45,7 @@ def tensor(ggml_type: str, n: int, k: int) -> np.ndarray:
     if ggml_type in ("F16", "BF16"):
         w = rng.standard_normal(n * k, dtype=np.float32) * 0.02
         return w.astype(np.float16).view(np.uint8) if ggml_type == "F16" else (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    values, size = repack._BLOCKS[ggml_type]
+    values, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
     blocks = rng.integers(0, 256, (n * k // values, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 2e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
     for at in SCALE_AT[ggml_type]:
@@ -65,11 +66,11 @@ def best_new(raw: np.ndarray, ggml_type: str, n: int, k: int, kind: str, passes:
 def best_warm(raw: np.ndarray, ggml_type: str, n: int, k: int, kind: str, passes: int) -> float:
     """Best seconds of the C conversion alone, again and again into the same (touched) result."""
     data, scales = repack.to_form(raw, ggml_type, n, k, kind)
-    convert = native.load().gguf_repack
+    convert, type_id = native.load().gguf_repack, int(GGMLQuantizationType[ggml_type])
     best = float("inf")
     for _ in range(passes):
         start = time.perf_counter()
-        convert(repack._TYPES[ggml_type], repack._KIND_IDS[kind], n, k, raw.ctypes.data, None, data.data_ptr(), scales.data_ptr())
+        convert(type_id, repack._KIND_IDS[kind], n, k, raw.ctypes.data, None, data.data_ptr(), scales.data_ptr())
         best = min(best, time.perf_counter() - start)
     return best
 

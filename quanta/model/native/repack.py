@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quanta.model import native
 
-#: ggml type ids (``gguf.GGMLQuantizationType``) of the source types, and (values, bytes) per block
-_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
-_BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 #: the forms each source type converts to, its natural one first
 _TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1", "q8_0"), "Q5_0": ("q8_0",), "Q5_1": ("q8_0",),
             "Q5_K": ("q8_0",), "Q6_K": ("q8_0",), "Q8_0": ("q8_0",), "F16": ("fp16",), "BF16": ("fp16",)}
+#: ggml type ids of the source types (repack.c's), and (values, bytes) per block
+_TYPES = {name: int(GGMLQuantizationType[name]) for name in _TARGETS}
+_BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]] for name in _TARGETS}
 _KIND_IDS = {"q4_1": 4, "q8_0": 8, "fp16": 16}
 
 SUPPORTED = frozenset(_TYPES)
