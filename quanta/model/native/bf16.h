@@ -1,5 +1,6 @@
 /* bf16 <-> float32 and row copies between the io dtype and float32, shared by decode.c and qmatmul.c.
- * bf16 values are converted with round-to-nearest-even, as torch does. */
+ * bf16 values are converted with round-to-nearest-even, as torch does. Also the KV cache's element
+ * kinds and the horizontal sum of one 8-float vector (hsum256, decode.c and f16matmul.c). */
 #ifndef QUANTA_BF16_H
 #define QUANTA_BF16_H
 #include <immintrin.h>
@@ -117,5 +118,12 @@ static inline void store_kv(void *dst, int kind, int64_t offset, int64_t n, cons
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
     for (; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* v's lanes added in one fixed tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)). */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif

@@ -69,12 +69,6 @@ static inline __m256 hsum8(const __m256 *s) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20), _mm256_permute2f128_ps(a, c, 0x31));
 }
 
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 /* Where one row's cache positions are: its block table, the pool's block size, a position's row
  * (kv_row units), a block's units and KV head g's offset within a block (g * block_size * row). */
 struct kv_pages {
@@ -121,7 +115,7 @@ static inline __attribute__((always_inline)) void score8(const float *q, int nq,
 static inline __attribute__((always_inline)) float score1(const float *q, int dim, const float *key) {
     __m256 s = _mm256_setzero_ps();
     for (int c = 0; c < dim; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(key + c), s);
-    return hsum(s);
+    return hsum256(s);
 }
 
 /* score8 for query rows q_0 .. q_{group - 1}, SCORE_HEADS at a time: out[j] at scores + j * ld. */

@@ -5,7 +5,7 @@
  * Each output element is the same arithmetic whatever the rows in the call, the tile that
  * computes it and the thread that runs it: 8 lanes along k, lane i summing w[c][kk] * x[r][kk]
  * for kk = i, i + 8, ... in order (one FMA chain; a last partial block of 8 zero-padded), then
- * the 8 lanes added in one fixed tree (hsum8). A tile of R rows by C columns only shares loads:
+ * the 8 lanes added in one fixed tree (hsum256, bf16.h). A tile of R rows by C columns only shares loads:
  * each weight vector serves the tile's rows, each activation vector its columns. Rows go by
  * tiles of up to ROW_TILE (4 in AVX2's 16 vector registers, 8 in AVX-512's 32); the vectors
  * are 256-bit in both builds, so both give the same bits. A call of up to ROW_TILE rows reads
@@ -65,13 +65,6 @@ struct f16_job {
     void *out;
 };
 
-/* v's lanes added in one fixed tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)). */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* acc[r][c] += w[c] * x[r] over 8 k: the columns' weights at w + c ldw, the rows' activations at x + r ldx. */
 static inline __attribute__((always_inline)) void fma8(int R, int C, __m256 acc[ROW_TILE][COLS], const uint16_t *w,
                                                        int64_t ldw, const float *x, int64_t ldx) {
@@ -112,7 +105,7 @@ static inline __attribute__((always_inline)) void tile(const struct f16_job *j, 
     }
     for (int r = 0; r < R; r++) {
         float s[COLS];
-        for (int c = 0; c < C; c++) s[c] = hsum8(acc[r][c]);
+        for (int c = 0; c < C; c++) s[c] = hsum256(acc[r][c]);
         store_row(j->out, j->io_bf16, (int64_t)(r0 + r) * j->n + c0, C, s);
     }
 }
