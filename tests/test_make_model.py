@@ -43,13 +43,13 @@ def test_real_shapes_have_the_published_parameter_and_tensor_counts() -> None:
 
 
 def test_tensor_plans_follow_each_architecture() -> None:
-    qwen = {n: s for n, s, _ in mm.tensor_plan(mm.shape_config("qwen2.5-7b"))}
+    qwen = {n: s for n, s, *_ in mm.tensor_plan(mm.shape_config("qwen2.5-7b"))}
     assert qwen["blk.0.attn_q.bias"] == (3584,) and qwen["blk.0.attn_k.bias"] == (512,) and "blk.0.attn_output.bias" not in qwen
     assert qwen["output.weight"] == (152064, 3584) and "rope_freqs.weight" not in qwen
-    llama8 = {n: s for n, s, _ in mm.tensor_plan(mm.shape_config("llama-3.1-8b", layers=2))}
+    llama8 = {n: s for n, s, *_ in mm.tensor_plan(mm.shape_config("llama-3.1-8b", layers=2))}
     assert llama8["rope_freqs.weight"] == (64,) and llama8["output.weight"] == (128256, 4096)
     assert llama8["blk.1.attn_k.weight"] == (1024, 4096) and "blk.2.attn_q.weight" not in llama8
-    llama1 = {n: s for n, s, _ in mm.tensor_plan(mm.shape_config("llama-3.2-1b"))}
+    llama1 = {n: s for n, s, *_ in mm.tensor_plan(mm.shape_config("llama-3.2-1b"))}
     assert "output.weight" not in llama1 and llama1["blk.15.ffn_down.weight"] == (2048, 8192)
 
 
@@ -103,7 +103,7 @@ def test_tensors_match_the_shape(reader) -> None:
     cfg = mm.shape_config("tiny-llama3")
     plan = mm.tensor_plan(cfg)
     assert len(reader.tensors) == len(plan) == 1 + 1 + 2 * 9 + 1
-    for t, (name, shape, _) in zip(reader.tensors, plan, strict=True):
+    for t, (name, shape, *_) in zip(reader.tensors, plan, strict=True):
         assert t.name == name
         assert tuple(int(d) for d in t.shape) == shape[::-1], name  # GGUF lists dims innermost first
         want = gguf.GGMLQuantizationType.F16 if len(shape) > 1 else gguf.GGMLQuantizationType.F32

@@ -176,10 +176,13 @@ def llama3_rope_factors(cfg: dict) -> Any:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(GGUF name, numpy shape, kind)`` of every tensor in writing order (the converter's: ``rope_freqs``
-    first, then HF's alphabetical order within a block); kinds: ``rope``, ``norm``, ``embedding``,
-    ``output_norm``, ``output``, ``weight``, ``bias``. A numpy shape is ``(rows, columns)``; GGUF lists it reversed."""
+def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
+    """``(GGUF name, numpy shape, kind, numpy dtype)`` of every tensor in writing order (the converter's:
+    ``rope_freqs`` first, then HF's alphabetical order within a block); kinds: ``rope``, ``norm``,
+    ``embedding``, ``output_norm``, ``output``, ``weight``, ``bias``. A numpy shape is ``(rows, columns)``;
+    GGUF lists it reversed. The dtype: float16 for a matrix, float32 for a vector."""
+    import numpy as np
+
     hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
     q_rows = cfg["num_attention_heads"] * _head_dim(cfg)
     kv_rows = cfg["num_key_value_heads"] * _head_dim(cfg)
@@ -200,14 +203,14 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     plan.append(("output_norm.weight", (hidden,), "output_norm"))
     if not cfg["tie_word_embeddings"]:
         plan.append(("output.weight", (cfg["vocab_size"], hidden), "output"))
-    return plan
+    return [(name, shape, kind, np.dtype(np.float16 if len(shape) > 1 else np.float32)) for name, shape, kind in plan]
 
 
 def parameter_count(cfg: dict) -> int:
     """Weights of the model (``rope_freqs`` is not one)."""
     import math
 
-    return sum(math.prod(shape) for _, shape, kind in tensor_plan(cfg) if kind != "rope")
+    return sum(math.prod(shape) for _, shape, kind, _ in tensor_plan(cfg) if kind != "rope")
 
 
 # ------------------------------------------------------------------ writing
@@ -305,22 +308,22 @@ def write_f16(name: str, out: str | Path, seed: int = 0, layers: int | None = No
     import torch
 
     cfg, out = shape_config(name, layers), Path(out)
-    plan = tensor_plan(cfg)
+    plan = [(tensor_name, shape, kind, dtype, int(np.prod(shape)) * dtype.itemsize)
+            for tensor_name, shape, kind, dtype in tensor_plan(cfg)]
     writer = gguf.GGUFWriter(out, gguf_arch(cfg))
     _add_metadata(writer, name, cfg)
-    for tensor_name, shape, _ in plan:
-        dtype = np.float16 if len(shape) > 1 else np.float32
-        writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    total = sum(int(np.prod(shape)) * (2 if len(shape) > 1 else 4) for _, shape, _ in plan)
+    for tensor_name, shape, _, dtype, nbytes in plan:
+        writer.add_tensor_info(tensor_name, shape, dtype, nbytes)
+    total = sum(nbytes for *_, nbytes in plan)
     report = _progress_printer(total, "wrote", progress) if total >= _PROGRESS_BYTES else lambda _: None
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         written = 0
-        for tensor_name, shape, kind in plan:
-            writer.write_tensor_data(_random_tensor(tensor_name, shape, kind, cfg, seed, torch))
-            written += int(np.prod(shape)) * (2 if len(shape) > 1 else 4)
+        for tensor_name, shape, kind, dtype, nbytes in plan:
+            writer.write_tensor_data(_random_tensor(tensor_name, shape, kind, getattr(torch, dtype.name), cfg, seed, torch))
+            written += nbytes
             report(written)
         writer.close()
     except BaseException:
@@ -330,20 +333,19 @@ def write_f16(name: str, out: str | Path, seed: int = 0, layers: int | None = No
     return out
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], kind: str, cfg: dict, seed: int, torch: Any) -> Any:
-    """One tensor's values as a numpy array (F16 matrices, F32 vectors); see the module docstring."""
+def _random_tensor(name: str, shape: tuple[int, ...], kind: str, dtype: Any, cfg: dict, seed: int, torch: Any) -> Any:
+    """One tensor's values as a numpy array of torch dtype ``dtype`` (:func:`tensor_plan`'s); see the module docstring."""
     if kind == "rope":
         return llama3_rope_factors(cfg)
     if kind in ("norm", "output_norm"):
         weight = LOGIT_STD / (EMBEDDING_STD * cfg["hidden_size"] ** 0.5) if kind == "output_norm" else 1.0
-        return torch.full(shape, weight, dtype=torch.float32).numpy()
+        return torch.full(shape, weight, dtype=dtype).numpy()
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # torch's CPU generator keeps 32 seed bits
     if kind in ("embedding", "output"):  # the reserved tokens' rows stay zero
-        values = torch.zeros(shape, dtype=torch.float16)
+        values = torch.zeros(shape, dtype=dtype)
         values[:tokenizer_size()].normal_(0.0, EMBEDDING_STD, generator=gen)
         return values.numpy()
     std = shape[-1] ** -0.5 if kind == "weight" else cfg["hidden_size"] ** -0.5
-    dtype = torch.float16 if len(shape) > 1 else torch.float32
     return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen).numpy()
 
 
