@@ -107,8 +107,10 @@ def check_args(args: argparse.Namespace) -> None:
     """Validate a subcommand's flags without loading anything; raises ValueError."""
     if args.command == "make-model" and args.preset and (args.type or args.layers is not None):
         raise ValueError("--type and --layers go with --shape")
-    if args.command == "make-model" and args.layers is not None and args.layers < 1:
-        raise ValueError(f"--layers must be positive, got {args.layers}")
+    if args.command == "make-model" and args.shape:
+        from quanta.tools import make_model
+
+        make_model.shape_config(args.shape, args.layers)
     if args.command == "profile":
         quanta = _ints(args.quanta, "--quanta")
         if args.prompt_tokens < max(quanta):
