@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quanta.bench.output import machine
-from quanta.launch import cpu_flags, cpu_summary
+from quanta.launch import cpu_summary
 from quanta.model import native
 from quanta.model.native import repack
 
@@ -82,8 +82,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=2048)
     args = ap.parse_args()
     info, lib = machine(), native.load()
-    f16c = "f16c" if "f16c" in cpu_flags() else "no f16c"
-    print(f"machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {cpu_summary()} {f16c}; "
+    print(f"machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {cpu_summary()}; "
           f"{args.n} x {args.k} tensor, best of {args.passes} conversions\n")
     print("| source | form | MB | 1 thread: new result | warm result | 2 threads: new result | warm result |")
     print("|---|---|---|---|---|---|---|")

@@ -334,7 +334,7 @@ static void attention_part(void *arg, int part, int parts, int thread) {
 /* Float32 scratch attention_decode and attention_rows need (elements). */
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len) {
     int width = (heads + 2 * kv_heads) * dim;
-    return (int64_t)rows * heads * dim + width + dim + POOL_MAX_THREADS * part_scratch(dim, heads, max_len) +
+    return (int64_t)rows * heads * dim + width + POOL_MAX_THREADS * part_scratch(dim, heads, max_len) +
            (int64_t)ATT_PARTS * rows * heads * (dim + 2);
 }
 
@@ -380,7 +380,7 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim;
     float *qs = scratch, *row = qs + (int64_t)rows * heads * dim;
-    float *work = row + width + dim, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
+    float *work = row + width, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -410,7 +410,7 @@ void attention_rows(int rows, const void *q, int io_bf16, int heads, int kv_head
                     float *scratch) {
     int width = (heads + 2 * kv_heads) * dim;
     float *qs = scratch, *acc = qs + (int64_t)rows * heads * dim;
-    float *work = acc + width + dim, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
+    float *work = acc + width, *partials = work + POOL_MAX_THREADS * part_scratch(dim, heads, max_len);
     float scale = 1.0f / sqrtf((float)dim);
     load_row(q, io_bf16, 0, (int64_t)rows * heads * dim, qs);
     for (int64_t i = 0; i < (int64_t)rows * heads * dim; i++) qs[i] *= scale;
