@@ -152,3 +152,13 @@ def test_the_embedded_model_takes_its_blocks_by_default():
     loaded = load_model(None, torch.float32, "auto", prompt_weights="auto")
     assert "projections=q4_1:" in loaded.kernels and "from-blocks" in loaded.kernels
     assert loaded.model.weight_bytes() < 0.2e9
+
+
+def test_prompt_steps_give_the_c_pool_all_its_threads():
+    """A prompt step of a blocks model runs its matmuls on the C pool: the pool gets all its threads
+    (a dequantized model's prompt matmuls are torch's, and the pool keeps 1)."""
+    blocks = load_model(None, torch.float32, "auto", prompt_weights="auto").model.native
+    reference = load_model(None, torch.float32, "auto", prompt_weights="reference").model.native
+    assert blocks.prompts_covered() and not reference.prompts_covered()
+    assert blocks.claim_threads(False, 2) == 2 and blocks.lib.pool_threads() == blocks.threads
+    assert reference.claim_threads(False, 2) == 2 and reference.lib.pool_threads() == 1

@@ -95,6 +95,7 @@ class NativeDecoder:
         self.final_norm = f32(model.norm.weight)
         self._scratch: torch.Tensor | None = None
         self._plan: list[list[_Direct | None]] | None = None
+        self._prompts_covered: bool | None = None
         #: threads of the C kernels in a step (pool.c: 1 or 2)
         self.threads = default_threads()
         #: the threads each decode step gets, found by trying (1 or 2)
@@ -111,7 +112,7 @@ class NativeDecoder:
 
     def forget_plans(self) -> None:
         """Drop the prepared calls (the model's weight forms changed)."""
-        self._plan = None
+        self._plan = self._prompts_covered = None
 
     def plan(self) -> list[list[_Direct | None]]:
         """Per layer, its four projections (qkv, o, gate_up, down): the C decode form
@@ -128,8 +129,9 @@ class NativeDecoder:
         """Split the cores between the C kernels' pool and torch's for one forward.
 
         A decode forward the C kernels carry (:meth:`covers`) runs them on the threads
-        :attr:`tuner` picks and torch (the embedding lookup) on 1; any other
-        step runs the C kernels on 1 and torch on ``torch_threads``: each pool's
+        :attr:`tuner` picks and torch (the embedding lookup) on 1; a prompt forward whose
+        projections are C forms (:meth:`prompts_covered`) runs them on all of :attr:`threads`, and
+        torch on ``torch_threads``; any other step runs the C kernels on 1 and torch on ``torch_threads``: each pool's
         idle threads spin between calls and take the core the other pool needs. Measured in-process on the 2-core dev VM
         (AVX-512 + bf16, embedded model, ``benchmarks/engine_throughput.py``'s decode,
         medians of 3): 1 row 118 tok/s with both pools at 2 threads, 180 with C 1 /
@@ -137,8 +139,21 @@ class NativeDecoder:
         bf16 matmuls) 732 / 850 / 578. Returns torch's thread count for the step.
         """
         carried = decode and self.covers()
+        if not decode and self.prompts_covered():
+            self.lib.pool_set_threads(self.threads)
+            return torch_threads
         self.lib.pool_set_threads(self.tuner.pick() if carried else 1)
         return 1 if carried else torch_threads
+
+    def prompts_covered(self) -> bool:
+        """Whether prompt rows' projections are C forms too (a model built from a GGUF's blocks,
+        :attr:`~quanta.model.linear.PackedLinear.form_for_prompts`): such a step's matmuls run on
+        the pool, which then gets all of :attr:`threads` (on 1 thread a 1,000-token prompt of a
+        1B Q4_K_M took 2x as long)."""
+        if self._prompts_covered is None:
+            self._prompts_covered = all(getattr(lin, "form_for_prompts", False)
+                                        for layer in self.model.layers for lin in _projections(layer))
+        return self._prompts_covered
 
     def head_threads(self, torch_threads: int) -> int:
         """Split the cores for the LM head, as :meth:`claim_threads` does for the
