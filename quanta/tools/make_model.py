@@ -3,7 +3,8 @@
 Real sizes, memory and speed need files of real shapes; their weights need not be trained.
 A shape (:data:`SHAPES`) is the subset of the model's Hugging Face ``config.json`` that
 decides the file, and the file is written as llama.cpp's ``convert_hf_to_gguf.py`` writes
-that architecture (``LlamaModel`` / ``Qwen2Model`` and ``TextModel.set_gguf_parameters``):
+that architecture (``LlamaModel`` / ``Qwen2Model`` / ``Qwen3Model`` and ``TextModel.set_gguf_parameters``;
+shapes and tensor lists in :mod:`quanta.tools.model_shapes`):
 the same ``general.*`` and ``{arch}.*`` keys (``{arch}.attention.key_length`` only where the
 config names ``head_dim``; ``llama.vocab_size`` and ``llama.rope.dimension_count`` for
 ``llama``), tensors named ``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``, ``output``
@@ -28,8 +29,11 @@ are 0, some 4 std below the top ones, so generated tokens are the tokenizer's ow
 unprintable control tokens. Each tensor's generator is seeded
 from ``--seed`` and the tensor's name, so ``--layers`` keeps the remaining tensors the same.
 Tensors are generated and written one at a time (an 8B F16 file is 16 GB; the largest
-tensor held is the embedding). Other ``--type`` values write the F16 file next to ``--out``,
-run llama.cpp's own ``llama-quantize`` on it (see :func:`llama_quantize_binary`) and delete it.
+tensor held is the embedding). ``--type F32`` widens the F16 values; other ``--type`` values write
+the F16 file next to ``--out``, run llama.cpp's own ``llama-quantize`` on it (see
+:func:`llama_quantize_binary`) and delete it. :func:`write_direct` also writes Q8_0 / Q5_x / Q4_x
+files without llama.cpp (every matrix quantized by the ``gguf`` package; the test files of
+``tests/test_agreement_llama_cpp.py``).
 """
 
 from __future__ import annotations
@@ -46,43 +50,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from quanta.tools.model_shapes import (  # noqa: F401  (re-exported: make-model's shapes)
+    SHAPES,
+    gguf_arch,
+    head_dim,
+    llama3_rope_factors,
+    parameter_count,
+    shape_config,
+    tensor_plan,
+)
+
 #: the llama-cpp-python sdist whose vendored llama.cpp ``benchmarks/peer_llama_cpp.py`` builds
 LLAMA_CPP_PYTHON = "0.3.36"
 
 SYNTHETIC_LABEL = "random weights of the {name} shape (quanta make-model --shape {name}); outputs are meaningless"
 
 
-def _llama3_rope(factor: float) -> dict:
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
-
-
-_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-           "max_position_embeddings": 131072}
-
-#: name -> the ``config.json`` keys of the real model that decide its GGUF
-SHAPES: dict[str, dict] = {
-    "llama-3.2-1b": {**_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-                     "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": _llama3_rope(32.0)},
-    "llama-3.2-3b": {**_LLAMA3, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
-                     "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True, "rope_scaling": _llama3_rope(32.0)},
-    "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                     "num_key_value_heads": 8, "tie_word_embeddings": False, "rope_scaling": _llama3_rope(8.0)},
-    "qwen2.5-7b": {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
-                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
-    # for tests: Llama 3.x layout (rope_freqs, tied embeddings) at toy width; SmolLM2's vocabulary plus 128 reserved tokens
-    "tiny-llama3": {**_LLAMA3, "vocab_size": 49152 + 128, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
-                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True,
-                    "max_position_embeddings": 8192, "rope_scaling": _llama3_rope(8.0)},
-}
-
-#: ``--type`` values: F16 is written directly, the others by ``llama-quantize`` (those needing an imatrix left out)
-TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
+#: ``--type`` values: F16 and F32 are written directly, the others by ``llama-quantize`` (those needing an imatrix left out)
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
          "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K")
 
-#: llama.cpp's GGUF architecture of each HF ``architectures[0]``
-_GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+#: types make-model writes itself (:func:`write_direct`; all the others go through ``llama-quantize``)
+DIRECT_TYPES = ("F32", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+
+
+def _file_types() -> dict[str, Any]:
+    import gguf
+
+    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16"}
+    return {t: gguf.LlamaFileType[names.get(t, f"MOSTLY_{t}")] for t in DIRECT_TYPES}
+
 
 #: std of the embedding and of an untied output matrix
 EMBEDDING_STD = 0.02
@@ -122,101 +119,10 @@ def llama_quantize_binary() -> Path:
     raise FileNotFoundError(f"{binary} is not built; run: {fetch}{build}")
 
 
-# ------------------------------------------------------------------ shapes
-
-
-def shape_config(name: str, layers: int | None = None) -> dict:
-    """Shape ``name``'s config dict, with ``layers`` decoder blocks when given.
-
-    Raises:
-        ValueError: unknown shape or a layer count below 1.
-    """
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; choose one of: {', '.join(SHAPES)}")
-    if layers is not None and layers < 1:
-        raise ValueError(f"--layers must be positive, got {layers}")
-    return {**SHAPES[name], "num_hidden_layers": layers or SHAPES[name]["num_hidden_layers"]}
-
-
-def gguf_arch(cfg: dict) -> str:
-    return _GGUF_ARCH[cfg["architectures"][0]]
-
-
-def _head_dim(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
-def llama3_rope_factors(cfg: dict) -> Any:
-    """The ``rope_freqs.weight`` values (float32 array of ``head_dim / 2``) for a ``llama3``
-    ``rope_scaling``, computed as ``LlamaModel.generate_extra_tensors`` in llama.cpp's
-    converter computes them (float32 torch arithmetic); None for other RoPE."""
-    import math
-
-    import torch
-
-    rope = cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", "").lower() != "llama3":
-        return None
-    base, dim = cfg.get("rope_theta", 10000.0), _head_dim(cfg)
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = rope.get("factor", 8.0)
-    low_freq_factor, high_freq_factor = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old_context_len = rope.get("original_max_position_embeddings", 8192)
-    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            factors.append(1)
-        elif wavelen > low_freq_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32).numpy()
-
-
-def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
-    """``(GGUF name, numpy shape, kind, numpy dtype)`` of every tensor in writing order (the converter's:
-    ``rope_freqs`` first, then HF's alphabetical order within a block); kinds: ``rope``, ``norm``,
-    ``embedding``, ``output_norm``, ``output``, ``weight``, ``bias``. A numpy shape is ``(rows, columns)``;
-    GGUF lists it reversed. The dtype: float16 for a matrix, float32 for a vector."""
-    import numpy as np
-
-    hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
-    q_rows = cfg["num_attention_heads"] * _head_dim(cfg)
-    kv_rows = cfg["num_key_value_heads"] * _head_dim(cfg)
-    bias = gguf_arch(cfg) == "qwen2"  # Qwen2's q/k/v projections always carry a bias
-    plan: list[tuple[str, tuple[int, ...], str]] = []
-    if (rope := llama3_rope_factors(cfg)) is not None:
-        plan.append(("rope_freqs.weight", rope.shape, "rope"))
-    plan.append(("token_embd.weight", (cfg["vocab_size"], hidden), "embedding"))
-    for i in range(cfg["num_hidden_layers"]):
-        blk = f"blk.{i}."
-        plan += [(blk + "attn_norm.weight", (hidden,), "norm"), (blk + "ffn_down.weight", (hidden, ffn), "weight"),
-                 (blk + "ffn_gate.weight", (ffn, hidden), "weight"), (blk + "ffn_up.weight", (ffn, hidden), "weight"),
-                 (blk + "ffn_norm.weight", (hidden,), "norm")]
-        for proj, rows in (("k", kv_rows), ("output", hidden), ("q", q_rows), ("v", kv_rows)):
-            if bias and proj != "output":
-                plan.append((f"{blk}attn_{proj}.bias", (rows,), "bias"))
-            plan.append((f"{blk}attn_{proj}.weight", (rows, hidden if proj != "output" else q_rows), "weight"))
-    plan.append(("output_norm.weight", (hidden,), "output_norm"))
-    if not cfg["tie_word_embeddings"]:
-        plan.append(("output.weight", (cfg["vocab_size"], hidden), "output"))
-    return [(name, shape, kind, np.dtype(np.float16 if len(shape) > 1 else np.float32)) for name, shape, kind in plan]
-
-
-def parameter_count(cfg: dict) -> int:
-    """Weights of the model (``rope_freqs`` is not one)."""
-    import math
-
-    return sum(math.prod(shape) for _, shape, kind, _ in tensor_plan(cfg) if kind != "rope")
-
-
 # ------------------------------------------------------------------ writing
 
 
-def _add_metadata(writer: Any, name: str, cfg: dict) -> None:
+def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
     """``general.*``, ``{arch}.*`` and ``tokenizer.*`` keys in the converter's order."""
     import gguf
 
@@ -235,10 +141,10 @@ def _add_metadata(writer: Any, name: str, cfg: dict) -> None:
     if "head_dim" in cfg:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(file_type)
     if gguf_arch(cfg) == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
-        writer.add_rope_dimension_count(_head_dim(cfg))
+        writer.add_rope_dimension_count(head_dim(cfg))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, vtype, sub_type in padded_tokenizer(cfg["vocab_size"]):
         writer.add_key_value(key, value, vtype, sub_type)
@@ -298,22 +204,36 @@ def _progress_printer(total: int, verb: str, progress: Progress) -> Callable[[in
 
 
 def write_f16(name: str, out: str | Path, seed: int = 0, layers: int | None = None, progress: Progress = print) -> Path:
-    """Write shape ``name`` with random F16 weights to ``out``, one tensor at a time (a partial file is removed).
+    """Write shape ``name`` with random F16 weights to ``out`` (:func:`write_direct` with ``F16``)."""
+    return write_direct(name, out, "F16", seed, layers, progress)
+
+
+def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, layers: int | None = None,
+                 progress: Progress = print) -> Path:
+    """Write shape ``name`` with random weights to ``out``, every matrix in ``qtype`` (one of
+    :data:`DIRECT_TYPES`), one tensor at a time (a partial file is removed). The matrices' values
+    are the F16 file's: kept (``F16``), widened (``F32``) or quantized by the ``gguf`` package (its
+    numpy port of ggml's reference quantizers), so a file depends on the shape, ``seed``, ``layers``
+    and ``qtype`` only.
 
     Raises:
-        ValueError: unknown shape, or a vocabulary below the embedded tokenizer's.
+        ValueError: unknown shape or type, or a vocabulary below the embedded tokenizer's.
     """
     import gguf
     import numpy as np
     import torch
 
-    cfg, out = shape_config(name, layers), Path(out)
-    plan = [(tensor_name, shape, kind, dtype, int(np.prod(shape)) * dtype.itemsize)
+    if qtype not in DIRECT_TYPES:
+        raise ValueError(f"{qtype} is not written directly; choose one of: {', '.join(DIRECT_TYPES)}")
+    cfg, out, ggml_type = shape_config(name, layers), Path(out), gguf.GGMLQuantizationType[qtype]
+    plan = [(tensor_name, shape, kind, dtype, _stored_bytes(shape, dtype, ggml_type))
             for tensor_name, shape, kind, dtype in tensor_plan(cfg)]
     writer = gguf.GGUFWriter(out, gguf_arch(cfg))
-    _add_metadata(writer, name, cfg)
+    _add_metadata(writer, name, cfg, _file_types()[qtype])
     for tensor_name, shape, _, dtype, nbytes in plan:
-        writer.add_tensor_info(tensor_name, shape, dtype, nbytes)
+        matrix = len(shape) > 1
+        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32) if matrix else dtype, nbytes,
+                               ggml_type if matrix else None)
     total = sum(nbytes for *_, nbytes in plan)
     report = _progress_printer(total, "wrote", progress) if total >= _PROGRESS_BYTES else lambda _: None
     try:
@@ -322,7 +242,10 @@ def write_f16(name: str, out: str | Path, seed: int = 0, layers: int | None = No
         writer.write_ti_data_to_file()
         written = 0
         for tensor_name, shape, kind, dtype, nbytes in plan:
-            writer.write_tensor_data(_random_tensor(tensor_name, shape, kind, getattr(torch, dtype.name), cfg, seed, torch))
+            values = _random_tensor(tensor_name, shape, kind, getattr(torch, dtype.name), cfg, seed, torch)
+            if len(shape) > 1 and qtype != "F16":
+                values = gguf.quants.quantize(values.astype(np.float32), ggml_type)
+            writer.write_tensor_data(values)
             written += nbytes
             report(written)
         writer.close()
@@ -331,6 +254,17 @@ def write_f16(name: str, out: str | Path, seed: int = 0, layers: int | None = No
         out.unlink(missing_ok=True)
         raise
     return out
+
+
+def _stored_bytes(shape: tuple[int, ...], dtype: Any, ggml_type: Any) -> int:
+    """Bytes of a tensor in the file: a vector in its float ``dtype``, a matrix in ``ggml_type``."""
+    import math
+
+    import gguf
+
+    if len(shape) == 1:
+        return math.prod(shape) * dtype.itemsize
+    return math.prod(gguf.quants.quant_shape_to_byte_shape(shape, ggml_type))
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], kind: str, dtype: Any, cfg: dict, seed: int, torch: Any) -> Any:
@@ -376,7 +310,7 @@ def quantize(src: str | Path, out: str | Path, qtype: str, progress: Progress = 
 
 def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, layers: int | None = None,
               progress: Progress = print) -> Path:
-    """Shape ``name`` as a ``qtype`` GGUF at ``out`` (F16 written directly; other types through an F16
+    """Shape ``name`` as a ``qtype`` GGUF at ``out`` (F16 / F32 written directly; other types through an F16
     file beside ``out`` and ``llama-quantize``, the F16 file removed afterwards).
 
     Raises:
@@ -390,8 +324,8 @@ def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, lay
     if out.exists():
         raise ValueError(f"{out} exists; remove it or choose another --out")
     shape_config(name, layers)
-    if qtype == "F16":
-        return write_f16(name, out, seed, layers, progress)
+    if qtype in ("F16", "F32"):
+        return write_direct(name, out, qtype, seed, layers, progress)
     llama_quantize_binary()
     f16 = out.with_name(f".{out.stem}.f16-{os.getpid()}.gguf")
     try:
@@ -408,7 +342,7 @@ def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, lay
 def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """``make-model``'s ``--type`` and ``--layers`` (``--shape`` is added beside ``--preset``)."""
     parser.add_argument("--type", type=str.upper, choices=TYPES, metavar="TYPE",
-                        help="with --shape: weight type, F16 written directly, the others by llama.cpp's llama-quantize: "
+                        help="with --shape: weight type, F16 and F32 written directly, the others by llama.cpp's llama-quantize: "
                         "%(choices)s (default F16)")
     parser.add_argument("--layers", type=int, help="with --shape: decoder blocks, instead of the shape's own count")
 
