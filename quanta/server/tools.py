@@ -32,6 +32,7 @@ from quanta.server.tool_scan import BlockScanner, ObjectScanner
 
 if TYPE_CHECKING:  # grammars load torch and transformers: imported when one is written (``quanta --help`` needs none)
     from quanta.engine.grammar import Grammar
+    from quanta.server.tools_stream import ToolStream
 
 
 @dataclass(slots=True)
@@ -155,6 +156,13 @@ class ToolParser:
         """A grammar whose every match is one (or, if ``parallel``, one or more) call of ``tools``."""
         raise NotImplementedError
 
+    def stream(self) -> ToolStream:
+        """A fresh :class:`quanta.server.tools_stream.ToolStream` for one output in this format
+        (content streamed up to the call marker, the calls sent whole at the end)."""
+        from quanta.server.tools_stream import WholeCallStream
+
+        return WholeCallStream(self)
+
     def call_start(self, text: str) -> int:
         """Index where a call begins in ``text`` (``len(text)`` if none); text before it is content."""
         i = text.find(self.start)
@@ -191,6 +199,11 @@ class HermesParser(ToolParser):
     """
 
     name, start, end = "hermes", "<tool_call>", BlockScanner.END
+
+    def stream(self) -> ToolStream:
+        from quanta.server.tools_stream import HermesStream
+
+        return HermesStream(self)
 
     def parse(self, text: str) -> Parsed:
         calls, parts, pieces, pos, broken = [], [], [], 0, False

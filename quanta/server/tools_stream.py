@@ -88,8 +88,8 @@ Event = TextDelta | CallOpened | ArgumentsDelta | CallClosed
 
 
 def tool_stream(parser: ToolParser) -> ToolStream:
-    """A fresh stream for one output in ``parser``'s format (incremental for Hermes)."""
-    return HermesStream(parser) if isinstance(parser, HermesParser) else WholeCallStream(parser)
+    """A fresh stream for one output in ``parser``'s format (:meth:`ToolParser.stream`)."""
+    return parser.stream()
 
 
 class ToolStream:
