@@ -53,6 +53,9 @@ class Tokenizer:
         if self._backend is not None:
             self._plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
             self._plain.encode_special_tokens = True
+        # transformers' len() asks the Rust tokenizer, which counts the whole
+        # vocabulary each time (~20 ms at 128k tokens): read once, it never changes.
+        self._vocab_size = len(hf_tokenizer)
         self.eos_token_ids: set[int] = set(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(hf_tokenizer.eos_token_id)
@@ -89,7 +92,7 @@ class Tokenizer:
 
         May be smaller than the model's embedding rows (padded vocabularies).
         """
-        return len(self._hf)
+        return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, special-token text (``<|im_start|>``) as its special token;

@@ -111,9 +111,10 @@ async def serve_completion(state, request: Request, body: CompletionsRequest) ->
             prompt = await state.prompts.encode(body.prompt, "prompt")
         except PromptError as exc:
             raise APIError(400, str(exc), exc.param) from exc
-    bad = [t for t in prompt if not 0 <= t < state.tokenizer.vocab_size]
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{state.tokenizer.vocab_size - 1})", "prompt")
+        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
     return await _serve(state, request, body, prompt, CompletionFormat(LogprobFormatter(state.tokenizer)))
 
 
