@@ -8,7 +8,8 @@ A :class:`ToolParser` knows one family's format:
   ``{"name": ..., "parameters": {...}}``, several separated by ``;``,
   optionally after ``<|python_tag|>``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (also
-  the v11 form ``[TOOL_CALLS]name[ARGS]{...}``).
+  the v11 form ``[TOOL_CALLS]name[ARGS]{...}``, with ``[CALL_ID]id`` before
+  ``[ARGS]`` from Mistral Small 3.2 on).
 
 Each parser splits a finished output into text and calls (:meth:`ToolParser.parse`;
 a Hermes call's ``arguments`` are the object's text as the model wrote it,
@@ -17,7 +18,9 @@ writes the grammar that forces calls for ``tool_choice`` ``required`` or a
 named function (:meth:`ToolParser.grammar`). The parser is chosen from the
 chat template's text (:func:`choose_parser`) unless ``--tool-call-parser``
 names one. What the template gets for a request with tools is
-:mod:`quanta.server.tool_templates`.
+:mod:`quanta.server.tool_templates`. The other families (DeepSeek, Kimi-K2,
+Qwen3-Coder, GLM, gpt-oss harmony, ...) and reasoning are in
+:mod:`quanta.server.tool_formats`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class Parsed:
     broken: bool = False
     #: the text pieces and calls in output order (:func:`in_order`); empty without calls
     order: list[str | ToolCall] = field(default_factory=list)
+    #: the reasoning before the answer (:mod:`quanta.server.tool_formats.reasoning`), None if none
+    reasoning: str | None = None
 
     @property
     def made_calls(self) -> bool:
@@ -298,7 +303,7 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     name, start = "mistral", "[TOOL_CALLS]"
-    _v11 = re.compile(r"\s*([A-Za-z0-9_.-]+)\[ARGS\](.*)", re.S)
+    _v11 = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\](.*)", re.S)
 
     def call_start(self, text: str) -> int:
         stripped = text.lstrip()
@@ -322,11 +327,14 @@ class MistralParser(ToolParser):
                 continue
             parsed = parse_json(segment.strip())
             if parsed is None and (m := self._v11.match(segment)):
-                parsed = {"name": m.group(1), "arguments": parse_json(m.group(2).strip())}
+                parsed = {"name": m.group(1), "arguments": parse_json(m.group(3).strip()), "id": m.group(2)}
             items = parsed if isinstance(parsed, list) else [parsed]
             found = [_call(obj) for obj in items]
             if not found or None in found:
                 return Parsed(text or None, [])
+            for call, obj in zip(found, items, strict=True):
+                if isinstance(obj.get("id"), str) and obj["id"]:
+                    call.id = obj["id"]
             calls += found
         return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
 
@@ -339,24 +347,14 @@ class MistralParser(ToolParser):
         return Grammar(f'start: "[TOOL_CALLS]" {json_rule(array)}')
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
-
-
 def choose_parser(template: str | None, override: str | None = None) -> ToolParser:
-    """The parser ``override`` names, else the one whose markers the chat template writes
-    (``<tool_call>``: hermes, ``[TOOL_CALLS]``: mistral, ``<|python_tag|>``/``ipython``:
-    llama3_json), else hermes (the fallback prompt's format).
+    """The parser ``override`` names (vLLM's names), else the one whose markers the chat
+    template writes (:func:`quanta.server.tool_formats.registry.detect`), else hermes (the
+    fallback prompt's format).
 
     Raises:
         ValueError: an unknown ``override``.
     """
-    if override:
-        if override not in PARSERS:
-            raise ValueError(f"unknown tool call parser {override!r}; choose one of: {', '.join(PARSERS)}")
-        return PARSERS[override]()
-    text = template or ""
-    if "[TOOL_CALLS]" in text:
-        return MistralParser()
-    if "<|python_tag|>" in text or "ipython" in text:
-        return Llama3JsonParser()
-    return HermesParser()
+    from quanta.server.tool_formats.registry import choose_parser as choose
+
+    return choose(template, override)

@@ -64,6 +64,13 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """Reasoning text (``<think>`` and its kin, harmony's analysis channel): :mod:`quanta.server.tool_formats.reasoning`."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class CallOpened:
     index: int
     id: str
@@ -84,7 +91,7 @@ class CallClosed:
     complete: bool = True
 
 
-Event = TextDelta | CallOpened | ArgumentsDelta | CallClosed
+Event = TextDelta | ReasoningDelta | CallOpened | ArgumentsDelta | CallClosed
 
 
 def tool_stream(parser: ToolParser) -> ToolStream:
@@ -148,8 +155,8 @@ class ToolStream:
         out: list[Event] = []
         for e in self._events:
             last = out[-1] if out else None
-            if isinstance(e, TextDelta) and isinstance(last, TextDelta):
-                out[-1] = TextDelta(last.text + e.text)
+            if isinstance(e, TextDelta | ReasoningDelta) and type(last) is type(e):
+                out[-1] = type(e)(last.text + e.text)
             elif isinstance(e, ArgumentsDelta) and isinstance(last, ArgumentsDelta) and last.index == e.index:
                 out[-1] = ArgumentsDelta(e.index, last.text + e.text)
             elif not (isinstance(e, ArgumentsDelta) and not e.text):
@@ -288,3 +295,13 @@ class WholeCallStream(ToolStream):
             self._text(self.text[self._released:])
         for call in parsed.calls:
             self._whole_call(call)
+
+
+class PlainStream(ToolStream):
+    """Content only (a request without tools behind a reasoning splitter)."""
+
+    def _feed(self, delta: str) -> None:
+        self._text(delta)
+
+    def _finish(self) -> None:
+        pass

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from quanta.server.tool_formats.params import ParamReader, ParamSyntax
 from quanta.server.tool_scan import ObjectScanner
 from quanta.server.tools import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, ToolStream
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, ReasoningDelta, ToolStream
 
 
 def plain_name(raw: str) -> tuple[str, str | None]:
@@ -102,6 +102,7 @@ class Sink:
     """What the machine reports to (see the module docstring)."""
 
     def text(self, text: str) -> None: ...
+    def reasoning(self, text: str) -> None: ...
     def open(self, name: str, call_id: str | None) -> None: ...
     def args(self, text: str) -> None: ...
     def close(self, complete: bool, raw: str) -> None: ...
@@ -259,16 +260,20 @@ class Machine:
         return True
 
 
-class _Pieces(Sink):
+class Pieces(Sink):
     """Collects a finished output's text and calls in order (for :meth:`MarkedParser.parse`)."""
 
     def __init__(self) -> None:
         self.pieces: list[str | ToolCall] = []
         self.call: ToolCall | None = None
         self.broken = False
+        self.thought: list[str] = []
 
     def text(self, text: str) -> None:
         self.pieces.append(text)
+
+    def reasoning(self, text: str) -> None:
+        self.thought.append(text)
 
     def open(self, name: str, call_id: str | None) -> None:
         self.call = ToolCall(name, "")
@@ -287,13 +292,20 @@ class _Pieces(Sink):
         self.pieces.append(call)
 
 
-def parsed_of(pieces: list[str | ToolCall], broken: bool) -> Parsed:
+def parsed_of(pieces: list[str | ToolCall], broken: bool, reasoning: str | None = None) -> Parsed:
     """A :class:`Parsed` of text pieces and calls in output order."""
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     texts = [p for p in pieces if isinstance(p, str)]
     if not calls:
-        return Parsed("".join(texts) or None, [], broken)
-    return Parsed(_content(texts), calls, broken, in_order(pieces))
+        return Parsed("".join(texts) or None, [], broken, reasoning=reasoning)
+    return Parsed(_content(texts), calls, broken, in_order(pieces), reasoning)
+
+
+def run_sink(machine, sink: Pieces, text: str) -> Parsed:
+    """Feed a finished output to ``machine`` (reporting to ``sink``) and read what it found."""
+    machine.feed(text)
+    machine.finish()
+    return parsed_of(sink.pieces, sink.broken, "".join(sink.thought) or None)
 
 
 class MarkedParser(ToolParser):
@@ -306,11 +318,8 @@ class MarkedParser(ToolParser):
         return self.syntax.begins[0]
 
     def parse(self, text: str) -> Parsed:
-        sink = _Pieces()
-        machine = Machine(self.syntax, sink)
-        machine.feed(text)
-        machine.finish()
-        return parsed_of(sink.pieces, sink.broken)
+        sink = Pieces()
+        return run_sink(Machine(self.syntax, sink), sink, text)
 
     def stream(self) -> ToolStream:
         return MarkedStream(self)
@@ -319,9 +328,9 @@ class MarkedParser(ToolParser):
 class MarkedStream(ToolStream, Sink):
     """The stream of a :class:`MarkedParser`'s format."""
 
-    def __init__(self, parser: MarkedParser) -> None:
+    def __init__(self, parser: ToolParser, machine=None) -> None:
         super().__init__(parser)
-        self._machine = Machine(parser.syntax, self)
+        self._machine = machine(self) if machine else Machine(parser.syntax, self)
         self._call: ToolCall | None = None
 
     def _feed(self, delta: str) -> None:
@@ -332,6 +341,9 @@ class MarkedStream(ToolStream, Sink):
 
     def text(self, text: str) -> None:
         self._text(text)
+
+    def reasoning(self, text: str) -> None:
+        self._events.append(ReasoningDelta(text))
 
     def open(self, name: str, call_id: str | None) -> None:
         self._call = ToolCall(name, "")

@@ -1,0 +1,99 @@
+"""Which tool-call and reasoning format a model writes: by name, or detected from its chat template.
+
+``--tool-call-parser`` and ``--reasoning-parser`` take vLLM's names where
+vLLM has the format (:data:`TOOL_PARSERS`, :data:`REASONING`); otherwise
+:func:`detect` reads the markers the chat template writes. :func:`output_parser`
+builds what one request's output goes through: the tool format (or none when
+the request has no tools) behind the reasoning splitter.
+"""
+
+from __future__ import annotations
+
+from quanta.server.tool_formats.families import FAMILIES
+from quanta.server.tool_formats.harmony import HarmonyParser
+from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax
+from quanta.server.tools import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, HarmonyParser, *FAMILIES)}
+#: vLLM's other names for the same formats
+ALIASES = {"qwen3_xml": "qwen3_coder", "glm47": "glm45", "gpt_oss": "openai", "deepseek_r1": "deepseek_v3"}
+
+#: (marker in the template, tool parser), first match wins
+_TOOL_MARKERS = (
+    ("<|channel|>", "openai"), ("tool▁sep", None), ("tool_calls_section_begin", "kimi_k2"),
+    ("<arg_key>", "glm45"), ("<parameter=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"),
+    ("<|START_ACTION|>", "command_r"), ("Action:", "command_r"), ("<|tool_call|>", "granite"),
+    ("functools", "firefunction"), ("<function=", "functionary"), ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"), ("ipython", "llama3_json"),
+)
+#: (marker in the template, reasoning parser), first match wins
+_REASONING_MARKERS = (
+    ("<seed:think>", "seed_oss"), ("[THINK]", "mistral"), ("<|START_THINKING|>", "command_r"), ("<think>", "deepseek_r1"),
+)
+
+
+def tool_parser_name(name: str) -> str:
+    """``name`` as :data:`TOOL_PARSERS` spells it. Raises ValueError for an unknown name."""
+    name = ALIASES.get(name, name)
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of: {', '.join(sorted(TOOL_PARSERS))}")
+    return name
+
+
+def reasoning_name(name: str) -> str:
+    """``name`` as :data:`REASONING` spells it (``openai``/``gpt_oss``: harmony's own). Raises ValueError if unknown."""
+    if name not in REASONING and name not in ("openai", "gpt_oss", "none"):
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: {', '.join(sorted(REASONING))}, openai, none")
+    return name
+
+
+def detect(template: str | None) -> tuple[str, str | None]:
+    """(tool parser, reasoning parser or None) for a chat template's text (hermes when nothing matches)."""
+    text = template or ""
+    tool = next((name for marker, name in _TOOL_MARKERS if marker in text), "hermes")
+    if tool is None:  # DeepSeek: V3/R1 write the arguments in a ```json fence, V3.1 does not
+        tool = "deepseek_v3" if "```json" in text else "deepseek_v31"
+    if tool == "openai":
+        return tool, "openai"
+    return tool, next((name for marker, name in _REASONING_MARKERS if marker in text), None)
+
+
+def choose_parser(template: str | None, override: str | None = None) -> ToolParser:
+    """The tool parser ``override`` names, else the template's (:func:`detect`). Raises ValueError for an unknown name."""
+    name = tool_parser_name(override) if override else detect(template)[0]
+    return TOOL_PARSERS[name]()
+
+
+def choose_reasoning(template: str | None, override: str | None = None) -> ReasoningSyntax | None:
+    """The reasoning syntax ``override`` names (``none``: no reasoning), else the template's; None for
+    none (or harmony, whose parser reads reasoning itself). Raises ValueError for an unknown name."""
+    name = reasoning_name(override) if override else detect(template)[1]
+    return REASONING.get(name) if name else None
+
+
+class PlainParser(ToolParser):
+    """Content only (a request without tools)."""
+
+    name, start = "none", ""
+
+    def parse(self, text: str) -> Parsed:
+        return Parsed(text or None, [])
+
+    def stream(self):
+        from quanta.server.tools_stream import PlainStream
+
+        return PlainStream(self)
+
+
+def output_parser(tools: ToolParser, reasoning: ReasoningSyntax | None, with_tools: bool,
+                  opened: bool = False) -> ToolParser | None:
+    """What one request's output is read with: ``tools`` (or content only when the request
+    has none) behind ``reasoning`` (``opened``: the prompt left the model inside it); None when
+    the output is plain text."""
+    if getattr(tools, "reasons", False):
+        return tools
+    inner = tools if with_tools else PlainParser()
+    if reasoning is None:
+        return inner if with_tools else None
+    return ReasoningParser(inner, reasoning, opened)
