@@ -209,9 +209,19 @@ def add_kv_cache_flags(p, default_cap: str) -> None:
                         "fp32, bf16, fp16, or q8_0 (llama.cpp's 8-bit blocks: 34 bytes per 32 values, ~0.53x fp16) (default: auto)")
 
 
+def name_type(check):
+    """An argparse type that spells a name as ``check`` does; its ValueError is the one-line error."""
+    def parse(value: str) -> str:
+        try:
+            return check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return parse
+
+
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     """Every ``quanta serve`` flag (repeats refused)."""
-    from quanta.server.tools import PARSERS as TOOL_PARSERS
+    from quanta.server.tool_formats.registry import REASONING, TOOL_PARSERS, reasoning_name, tool_parser_name
 
     register_once(serve)
     add_engine_flags(serve)
@@ -224,8 +234,12 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--chat-template", metavar="FILE",
                        help="Jinja chat template to render chat prompts with instead of the model's own "
                             "(a file, or the template text itself)")
-    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
-                       help="tool-call format to parse and enforce (default: chosen from the model's chat template)")
+    serve.add_argument("--tool-call-parser", type=name_type(tool_parser_name), metavar="NAME",
+                       help=f"tool-call format to parse and enforce, vLLM's names: {', '.join(sorted(TOOL_PARSERS))} "
+                            "(default: chosen from the model's chat template)")
+    serve.add_argument("--reasoning-parser", type=name_type(reasoning_name), metavar="NAME",
+                       help=f"reasoning format split from the answer: {', '.join(sorted(REASONING))}, openai "
+                            "(gpt-oss), none (default: chosen from the model's chat template)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"request bodies over this many bytes get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     serve.add_argument("--max-connections", type=int, default=None, metavar="N",
@@ -399,7 +413,8 @@ def _keys(given: list[str] | None, flag: str, env_name: str) -> tuple[str, ...]:
 def server_options(args: argparse.Namespace, chat_template: str | None) -> dict:
     """``quanta serve``'s flags as :func:`quanta.server.run.build_server`'s keyword arguments (less ``host``)."""
     return {"max_request_bytes": args.max_request_bytes, "aliases": tuple(args.served_model_name[1:]),
-            "tool_call_parser": args.tool_call_parser, "access": access_policy(args),
+            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
+            "access": access_policy(args),
             "max_connections": args.max_connections, "max_tokens_default": args.max_tokens_default,
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
             "chat_template": chat_template}

@@ -21,7 +21,9 @@ prefix reuse is automatic. Other fields follow :mod:`quanta.server.field_rule`
 schema constraint, a mid-conversation ``system`` message a system turn,
 ``thinking``, ``output_config.effort`` and ``context_management`` have no
 effect. Tool names must be unique. A non-streamed answer lists text and
-tool_use blocks in output order, as the stream does.
+tool_use blocks in output order, as the stream does; reasoning the model
+writes first (:mod:`quanta.server.tool_formats`) is a ``thinking`` block
+ahead of them (``thinking_delta`` events when streamed).
 
 Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens
 computed for this request, ``cache_read_input_tokens`` those served from the
@@ -52,7 +54,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
 from quanta.server.anthropic_requests import ContentBlock, CountTokensRequest, MessagesRequest
-from quanta.server.anthropic_tools import chat_messages, tool_use_block, tool_use_id
+from quanta.server.anthropic_tools import chat_messages, thinking_block, tool_use_block, tool_use_id
 from quanta.server.chat import constrain
 from quanta.server.chat_tokens import text_ids
 from quanta.server.defaults import served_model, with_defaults
@@ -62,9 +64,10 @@ from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_templates import render_for_template, template_reads_tools
+from quanta.server.tool_formats.registry import request_parser
+from quanta.server.tool_templates import template_input
 from quanta.server.tools import ToolCall
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
 
 def _text(content: str | list[ContentBlock], where: str) -> str:
@@ -98,9 +101,9 @@ async def render_prompt(state: ServerState, body: CountTokensRequest) -> list[in
     prefill = None
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
         prefill = chat.pop()["content"]
-    chat, template_tools = render_for_template(chat, tools, template_reads_tools(state.tokenizer.chat_template))
+    chat, template_tools = template_input(state.tokenizer, chat, tools)
     try:
-        state.prompts.check([*(m["content"] for m in chat), prefill or ""], "messages")  # the prefill is prompt text too
+        state.prompts.check([*(m.get("content") or "" for m in chat), prefill or ""], "messages")  # the prefill is prompt text too
     except PromptError as exc:
         raise APIError(400, str(exc)) from exc
     try:
@@ -194,19 +197,23 @@ class ToolBlocks:
     """Content blocks of a streamed response with tools, from :mod:`quanta.server.tools_stream` events.
 
     A text block opens when text arrives and closes before a tool_use block;
-    a tool_use block opens (``input: {}``) with the call's name, gets one
+    a thinking block likewise with reasoning (``thinking_delta``s); a tool_use
+    block opens (``input: {}``) with the call's name, gets one
     ``input_json_delta`` per arguments fragment and closes with the call.
     """
 
     def __init__(self) -> None:
         self.index = -1  # of the block open or last closed
-        self.text_open = False
+        self.text_open: str | None = None  # the open text-like block's type (text, thinking)
 
     def events(self, event: Event) -> list[str]:
-        if isinstance(event, TextDelta):
-            opening = [] if self.text_open else self._open({"type": "text", "text": ""})
-            self.text_open = True
-            return opening + [_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": event.text}})]
+        if isinstance(event, TextDelta | ReasoningDelta):
+            kind, delta = ("text", {"type": "text_delta", "text": event.text}) if isinstance(event, TextDelta) \
+                else ("thinking", {"type": "thinking_delta", "thinking": event.text})
+            opening = [] if self.text_open == kind else self.close_text() + self._open(
+                {"type": "text", "text": ""} if kind == "text" else thinking_block(""))
+            self.text_open = kind
+            return opening + [_event("content_block_delta", {"index": self.index, "delta": delta})]
         if isinstance(event, CallOpened):
             block = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name, "input": {}}
             return self.close_text() + self._open(block)
@@ -218,7 +225,7 @@ class ToolBlocks:
     def close_text(self) -> list[str]:
         if not self.text_open:
             return []
-        self.text_open = False
+        self.text_open = None
         return [_event("content_block_stop", {"index": self.index})]
 
     def _open(self, block: dict) -> list[str]:
@@ -237,10 +244,12 @@ async def _collect(msg_id: str, model: str, stream: RequestStream, parser, cap: 
         last = out
     text = "".join(texts)
     parsed = parser.parse(text) if parser is not None else None
+    thinking = [thinking_block(parsed.reasoning)] if parsed is not None and parsed.reasoning is not None else []
     if parsed is None or not parsed.calls:
-        return JSONResponse(_message(msg_id, model, [{"type": "text", "text": text}], last, final=True, cap=cap))
+        answer = text if parsed is None else parsed.content or ""
+        return JSONResponse(_message(msg_id, model, thinking + [{"type": "text", "text": answer}], last, final=True, cap=cap))
     blocks = [tool_use_block(p) if isinstance(p, ToolCall) else {"type": "text", "text": p} for p in parsed.order]
-    return JSONResponse(_message(msg_id, model, blocks, last, final=True, cap=cap, called=parsed.made_calls))
+    return JSONResponse(_message(msg_id, model, thinking + blocks, last, final=True, cap=cap, called=parsed.made_calls))
 
 
 def router(state: ServerState) -> APIRouter:
@@ -270,9 +279,9 @@ def router(state: ServerState) -> APIRouter:
                               "messages")
         msg_id = "msg_" + uuid.uuid4().hex
         label_request(state.metrics.live, stream, msg_id, "/v1/messages")
-        parser = state.tool_parser if body.use_tools else None
+        parser = request_parser(state, body.use_tools, prompt)
         if body.stream:
-            events = (_tool_events(msg_id, body.model, stream, tool_stream(parser), body.max_tokens) if parser
+            events = (_tool_events(msg_id, body.model, stream, parser.stream(), body.max_tokens) if parser
                       else _events(msg_id, body.model, stream, body.max_tokens))
             return StreamingResponse(ending_in_error(events, stream, _error_event), media_type="text/event-stream")
         return await until_disconnect(request, _collect(msg_id, body.model, stream, parser, body.max_tokens), stream)

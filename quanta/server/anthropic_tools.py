@@ -68,6 +68,11 @@ def tool_use_block(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
 
 
+def thinking_block(text: str) -> dict:
+    """The ``thinking`` content block of the model's reasoning (no signature: nothing is signed here)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _result_text(content, where: str, error) -> str:
     if content is None or isinstance(content, str):
         return content or ""

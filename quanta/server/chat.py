@@ -17,6 +17,9 @@ constraints, and the response shapes (JSON and SSE).
   complete calls; an output that ended inside a call (a stop string,
   ``max_tokens``, EOS) keeps ``stop`` or ``length`` (its streamed call's
   ``arguments`` are incomplete), streamed or not.
+- Reasoning the model writes before its answer (``<think>``, harmony's
+  analysis channel; :mod:`quanta.server.tool_formats`) is the message's
+  ``reasoning_content``, streamed as ``delta.reasoning_content``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_templates import render_for_template, template_reads_tools
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
+from quanta.server.tool_formats.registry import request_parser
+from quanta.server.tool_templates import template_input
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
 
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -55,10 +59,9 @@ async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> 
         APIError: 400 for lone surrogates, a prompt too long for the context,
             or when the template rejects the conversation.
     """
-    native = template_reads_tools(state.tokenizer.chat_template)
-    msgs, template_tools = render_for_template(messages, tools, native)
+    msgs, template_tools = template_input(state.tokenizer, messages, tools)
     try:
-        state.prompts.check((m["content"] for m in msgs), "messages")
+        state.prompts.check((m.get("content") or "" for m in msgs), "messages")
         return await state.prompts.run(prompt_ids, state.tokenizer, msgs, template_tools)
     except PromptError as exc:
         raise APIError(400, str(exc), exc.param) from exc
@@ -99,7 +102,8 @@ def _request_grammar(state, body) -> tuple[Grammar | None, str | None]:
 async def serve_chat(state, request: Request, body: ChatRequest) -> Response:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.use_tools else None
     prompt = await chat_prompt(state, [m.as_dict() for m in body.messages], tools)
-    fmt = ChatFormat(LogprobFormatter(state.tokenizer), tool_stream(state.tool_parser) if tools else None)
+    parser = request_parser(state, bool(tools), prompt)
+    fmt = ChatFormat(LogprobFormatter(state.tokenizer), parser.stream() if parser is not None else None)
     return await _serve(state, request, body, prompt, fmt)
 
 
@@ -253,8 +257,12 @@ class ChatFormat(_Format):
         finish = last.finish_reason
         if self.tools is not None:
             parsed = self.tools.parser.parse(text)
+            if parsed.calls or parsed.content != (text or None):
+                message["content"] = parsed.content
+            if parsed.reasoning is not None:
+                message["reasoning_content"] = parsed.reasoning
             if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content, "tool_calls": [c.openai() for c in parsed.calls]}
+                message["tool_calls"] = [c.openai() for c in parsed.calls]
             if parsed.made_calls:
                 finish = _tool_finish(finish)
         choice = {"index": 0, "message": message, "logprobs": self._lp(records), "finish_reason": finish}
@@ -283,6 +291,8 @@ def _tool_delta(event: Event) -> dict | None:
     """The chat ``delta`` of one stream event (None for a call's end, which OpenAI does not mark)."""
     if isinstance(event, TextDelta):
         return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
     if isinstance(event, CallOpened):
         return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                                 "function": {"name": event.name, "arguments": ""}}]}

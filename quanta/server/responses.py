@@ -12,6 +12,8 @@ what is mapped, accepted with no effect (hosted tools, ``client_metadata``,
 :mod:`quanta.server.field_rule`. Non-text inputs are refused. Output items
 come in output order (text, calls, text, as generated), streamed or not; a
 message item that ``max_output_tokens`` cut is ``incomplete``, as the response is.
+Reasoning the model writes first (:mod:`quanta.server.tool_formats`) is a
+``reasoning`` item ahead of them (``response.reasoning_text.delta`` events when streamed).
 
 Streaming sends the API's events, each with a ``sequence_number``:
 ``response.created``, ``response.in_progress``, per output item
@@ -40,8 +42,9 @@ from quanta.server.field_rule import log_fields
 from quanta.server.live_log import label_request
 from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
+from quanta.server.tool_formats.registry import request_parser
 from quanta.server.tools import ToolCall
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, TextDelta, ToolStream, tool_stream
+from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
 __all__ = ["ResponsesRequest", "router"]
 
@@ -59,6 +62,11 @@ class _Builder:
         """A message item (``in_progress``: no content yet; ``incomplete``: cut by ``max_output_tokens``)."""
         return {"type": "message", "id": msg_id or self.msg_id, "status": status, "role": "assistant",
                 "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]}
+
+    def reasoning(self, text: str, item_id: str | None = None, status: str = "completed") -> dict:
+        """A reasoning item: the model's reasoning before its answer, as ``reasoning_text`` content."""
+        return {"type": "reasoning", "id": item_id or "rs_" + self.id.removeprefix("resp_"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
     def call(self, call: ToolCall, status: str = "completed") -> dict:
         """A function_call item; a namespaced tool's call names its ``namespace`` apart."""
@@ -115,8 +123,9 @@ async def _collect(builder: _Builder, stream: RequestStream, parser) -> Response
         last = out
     text = "".join(texts)
     parsed = parser.parse(text) if parser is not None else None
-    order = parsed.order if parsed is not None and parsed.calls else [text]
-    return JSONResponse(builder.response(builder.items(order, last.finish_reason == "length"), last))
+    order = parsed.order if parsed is not None and parsed.calls else [text if parsed is None else parsed.content or ""]
+    thinking = [builder.reasoning(parsed.reasoning)] if parsed is not None and parsed.reasoning is not None else []
+    return JSONResponse(builder.response(thinking + builder.items(order, last.finish_reason == "length"), last))
 
 
 class _Events:
@@ -170,9 +179,17 @@ class _Items:
         self.text: str | None = None  # of the open message; None when none is open
         self.msg_id = b.msg_id
         self.call_item_id = ""
+        self.thought: str | None = None  # of the open reasoning item; None when none is open
+        self.reasoning_id = ""
 
     def on(self, event: Event) -> list[str]:
         """The SSE events of one stream event."""
+        if isinstance(event, ReasoningDelta):
+            return self._reason(event.text)
+        closing = self._close_reasoning()
+        return closing + self._on(event)
+
+    def _on(self, event: Event) -> list[str]:
         if isinstance(event, TextDelta):
             return self._text(event.text)
         if isinstance(event, CallOpened):
@@ -184,6 +201,25 @@ class _Items:
             return [self.ev("response.function_call_arguments.delta",
                             {"item_id": self.call_item_id, "output_index": len(self.output), "delta": event.text})]
         return self._call_done(event.call, "completed" if event.complete else "incomplete")
+
+    def _reason(self, delta: str) -> list[str]:
+        opening = []
+        if self.thought is None:
+            self.thought, self.reasoning_id = "", "rs_" + uuid.uuid4().hex
+            opening = self._close_message() + [self.ev("response.output_item.added", {
+                "output_index": len(self.output), "item": {**self.b.reasoning("", self.reasoning_id, "in_progress"), "content": []}})]
+        self.thought += delta
+        return opening + [self.ev("response.reasoning_text.delta", {"item_id": self.reasoning_id, "output_index": len(self.output),
+                                                                    "content_index": 0, "delta": delta})]
+
+    def _close_reasoning(self) -> list[str]:
+        if self.thought is None:
+            return []
+        item, index, self.thought = self.b.reasoning(self.thought, self.reasoning_id), len(self.output), None
+        self.output.append(item)
+        return [self.ev("response.reasoning_text.done", {"item_id": item["id"], "output_index": index, "content_index": 0,
+                                                         "text": item["content"][0]["text"]}),
+                self.ev("response.output_item.done", {"output_index": index, "item": item})]
 
     def _text(self, delta: str) -> list[str]:
         opening = self._open_message() if self.text is None else []
@@ -203,8 +239,9 @@ class _Items:
     def close(self, cut: bool = False) -> list[str]:
         """Events that end the output: the open message done (an empty one if there was no item),
         ``incomplete`` when ``max_output_tokens`` (``cut``) ended the output inside it."""
+        closing = self._close_reasoning()
         opening = self._open_message() if not self.output and self.text is None else []
-        return opening + self._close_message("incomplete" if cut else "completed")
+        return closing + opening + self._close_message("incomplete" if cut else "completed")
 
     def _open_message(self) -> list[str]:
         if self.output:
@@ -251,9 +288,9 @@ def router(state: ServerState) -> APIRouter:
                               "input")
         builder = _Builder(body, tools)
         label_request(state.metrics.live, stream, builder.id, "/v1/responses")
-        parser = state.tool_parser if tools else None
+        parser = request_parser(state, bool(tools), prompt)
         if body.stream:
-            return StreamingResponse(_stream(builder, stream, tool_stream(parser) if parser else None), media_type="text/event-stream")
+            return StreamingResponse(_stream(builder, stream, parser.stream() if parser else None), media_type="text/event-stream")
         return await until_disconnect(request, _collect(builder, stream, parser), stream)
 
     return routes

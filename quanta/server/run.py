@@ -61,13 +61,15 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
                  max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, access: AccessPolicy | None = None,
                  max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-                 sampling: dict | None = None, chat_template: str | None = None) -> BuiltServer:
+                 sampling: dict | None = None, chat_template: str | None = None,
+                 reasoning_parser: str | None = None) -> BuiltServer:
     """Load the model, start the engine thread and build the app that serves it (``quanta serve``'s
     server, and each replica's under :mod:`quanta.cluster`).
 
     ``max_request_bytes``: request bodies over this size get HTTP 413 (None: no limit).
     ``aliases``: more model ids the routes accept; ``tool_call_parser``: a
-    :data:`quanta.server.tools.PARSERS` name (None: chosen from the chat template);
+    :data:`quanta.server.tool_formats.registry.TOOL_PARSERS` name and ``reasoning_parser`` a
+    reasoning format's (None: chosen from the chat template);
     ``access``: API key, allowed hosts, CORS origins (None: no key, only local names and IP literals as ``Host``);
     ``max_connections``: open connections at most (None: the default, within the open-file limit,
     :mod:`quanta.server.connections`); ``max_tokens_default``: the output cap of a request that names none
@@ -92,7 +94,7 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
         "kv_cache_dtype": engine.executor.kv.format.name,
         "kv_cache_blocks": engine.executor.kv.num_blocks, "kv_cache_tokens": engine.executor.kv.num_blocks * engine_cfg.block_size,
         "max_request_bytes": max_request_bytes, "aliases": list(aliases),
-        "tool_call_parser": tool_call_parser, "quantization": engine_cfg.quantization,
+        "tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser, "quantization": engine_cfg.quantization,
         "prompt_weights": engine_cfg.prompt_weights, "kernels": loaded.kernels,
         "cpu_flags": cpu_summary(), "decode_threads": engine.executor.decode_threads,
         "prefill_threads": engine.executor.prefill_threads,
@@ -126,7 +128,7 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     engine.step_listeners += [metrics.observe_step, live.observe_step]
     async_engine.start()
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,
-                                aliases, tool_call_parser, access or AccessPolicy(bound_host=host)))
+                                aliases, tool_call_parser, access or AccessPolicy(bound_host=host), reasoning_parser))
     return BuiltServer(app, async_engine, live, connections)
 
 

@@ -24,6 +24,8 @@ from quanta.server.access import TENANT_STATE, AccessPolicy, tenant_salt
 from quanta.server.errors import APIError, internal_error_message, log_internal_error
 from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, RESERVATION, BuildTimeout, PromptWork
 from quanta.server.metrics import EngineMetrics
+from quanta.server.tool_formats.reasoning import ReasoningSyntax
+from quanta.server.tool_formats.registry import choose_reasoning
 from quanta.server.tools import ToolParser, choose_parser
 
 
@@ -36,6 +38,7 @@ class ServerState:
         model_name: the model's id (the first ``--served-model-name``).
         aliases: further ids the routes accept (later ``--served-model-name`` values).
         tool_call_parser: ``--tool-call-parser`` (None: chosen from the chat template).
+        reasoning_parser: ``--reasoning-parser`` (None: chosen from the chat template).
         access: ``--api-key``, ``--allowed-hosts``, ``--cors-origin`` (:mod:`quanta.server.access`).
     """
 
@@ -50,13 +53,16 @@ class ServerState:
     aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None
     access: AccessPolicy = field(default_factory=AccessPolicy)
+    reasoning_parser: str | None = None
     prompts: PromptWork = field(init=False)
     tool_parser: ToolParser = field(init=False)
+    reasoning: ReasoningSyntax | None = field(init=False)
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompts = PromptWork(self.tokenizer, self.max_model_len)
         self.tool_parser = choose_parser(self.tokenizer.chat_template, self.tool_call_parser)
+        self.reasoning = choose_reasoning(self.tokenizer.chat_template, self.reasoning_parser)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.tokenizer.eos_token_ids)
 
     @property

@@ -7,7 +7,7 @@
   (the call's id is ``functions.NAME:0`` as written);
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5, Nemotron 3, StepFun 3.5):
   ``<tool_call>\\n<function=NAME>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``
-  (the first ``<tool_call>`` may be missing);
+  (the first ``<tool_call>`` may be missing; Seed-OSS wraps calls in ``<seed:tool_call>``);
 - ``glm45`` (GLM-4.5/4.6/4.7, Laguna, Ling):
   ``<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``;
 - ``functionary`` (Functionary v3.1): ``<function=NAME>{...}</function>``;
@@ -56,8 +56,8 @@ class KimiK2Parser(MarkedParser):
 
 class Qwen3CoderParser(MarkedParser):
     name = "qwen3_coder"
-    syntax = Syntax(begins=("<function=",), drops=("<tool_call>",), name_ends=(">",),
-                    closers=("</tool_call>",),
+    syntax = Syntax(begins=("<function=",), drops=("<tool_call>", "<seed:tool_call>"), name_ends=(">",),
+                    closers=("</tool_call>", "</seed:tool_call>"),
                     params=ParamSyntax("<parameter=", ">", "", "</parameter>", "</function>"))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from quanta.server.tool_formats.families import FAMILIES
 from quanta.server.tool_formats.harmony import HarmonyParser
-from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax
+from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax, prompt_opens
 from quanta.server.tools import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -97,3 +97,13 @@ def output_parser(tools: ToolParser, reasoning: ReasoningSyntax | None, with_too
     if reasoning is None:
         return inner if with_tools else None
     return ReasoningParser(inner, reasoning, opened)
+
+
+def request_parser(state, with_tools: bool, prompt: list[int]) -> ToolParser | None:
+    """:func:`output_parser` for one request of a server ``state`` (its tool parser and reasoning
+    syntax); the prompt's last tokens say whether the template opened the reasoning."""
+    opened = False
+    if state.reasoning is not None and prompt:
+        tail = state.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+        opened = prompt_opens(tail, state.reasoning)
+    return output_parser(state.tool_parser, state.reasoning, with_tools, opened)
