@@ -279,3 +279,53 @@ def test_names_and_overrides():
         tool_parser_name("nope")
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
         reasoning_name("nope")
+
+
+# --- round trip: parse a test-chat.cpp output, render the calls with the model's template, parse again ---
+#: end-of-turn markers: the engine stops at them, so a model's output never holds them
+TURN_ENDS = ("</s>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<｜end▁of▁sentence｜>", "<|call|>", "<|END_OF_TURN_TOKEN|>")
+ROUND_TRIP = [  # (template, index of a case above whose calls are rendered)
+    ("Qwen-Qwen2.5-7B-Instruct", 2), ("Qwen3-Coder", 9), ("deepseek-ai-DeepSeek-V3.1", 13), ("GLM-4.6", 20),
+    ("moonshotai-Kimi-K2", 25), ("mistralai-Mistral-Nemo-Instruct-2407", 27), ("Mistral-Small-3.2-24B-Instruct-2506", 29),
+    ("unsloth-mistral-Devstral-Small-2507", 30), ("meetkai-functionary-medium-v3.1", 32),
+    ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", 35), ("openai-gpt-oss-120b", 48),
+    ("meta-llama-Llama-3.1-8B-Instruct", 2),  # the Qwen2.5 case's call: test-chat.cpp has no Llama 3 call
+]
+TOOLS = [{"type": "function", "function": {"name": name, "description": name, "parameters": {
+    "type": "object", "properties": {k: {"type": "integer"} for k in ("arg1", "arg2", "city")}}}}
+    for name in ("special_function", "special_function_with_opt", "get_time", "get_weather")]
+
+
+def _assistant_text(template: str, calls) -> str:
+    """What the template writes for an assistant turn with ``calls`` (after the generation prompt, up to its end marker)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(msgs, gen):
+        out, _ = render_jinja_template(conversations=[msgs], tools=TOOLS, chat_template=template,
+                                       add_generation_prompt=gen, bos_token="<s>", eos_token="</s>")
+        return out[0]
+
+    user = [{"role": "user", "content": "Hi"}]
+    tool_calls = [{"id": c.id if c.id.isalnum() and len(c.id) == 9 else "123456789", "type": "function",
+                   "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]
+    prefix, full = render(user, True), render(user + [{"role": "assistant", "content": "", "tool_calls": tool_calls}], False)
+    assert full.startswith(prefix)
+    tail = full[len(prefix):]
+    ends = [i for i in (tail.find(m) for m in TURN_ENDS) if i >= 0]
+    return tail[:min(ends)] if ends else tail
+
+
+@pytest.mark.parametrize("stem,index", ROUND_TRIP)
+def test_calls_round_trip_through_the_template(stem, index):
+    template = next((p.read_text() for p in chat_templates() if p.stem == stem), None)
+    if template is None:
+        llama_cpp_tree()
+        pytest.skip(f"{stem} not in this llama.cpp tree")
+    case = CASES[index]
+    calls = _parser(case).parse(case.text).calls
+    assert calls, case.where
+    tool, reasoning = detect(template)
+    assert (tool, reasoning) == EXPECTED[stem]
+    parser = output_parser(TOOL_PARSERS[tool](), REASONING.get(reasoning) if reasoning else None, True, False)
+    again = parser.parse(_assistant_text(template, calls))
+    assert _calls(again.calls) == _calls(calls)
