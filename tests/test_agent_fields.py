@@ -556,11 +556,11 @@ LATER = [{"role": "system", "content": "You are terse."}, {"role": "user", "cont
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def tok():
     from quanta.model.loader import embedded_model_path
     from quanta.model.tokenizer import Tokenizer
 
-    return Tokenizer.from_path(embedded_model_path(), cache_dir=tmp_path_factory.mktemp("tok"))
+    return Tokenizer.from_path(embedded_model_path())
 
 
 @pytest.mark.parametrize("template", [REFUSING_TEMPLATE, DROPPING_TEMPLATE], ids=["refusing", "dropping"])

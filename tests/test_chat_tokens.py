@@ -20,8 +20,8 @@ PLAIN = "hi"
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_path(embedded_model_path(), cache_dir=tmp_path_factory.mktemp("tok"))
+def tok() -> Tokenizer:
+    return Tokenizer.from_path(embedded_model_path())
 
 
 def _markers(tok: Tokenizer, ids: list[int]) -> int:

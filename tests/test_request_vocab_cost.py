@@ -17,8 +17,8 @@ from quanta.server.chat_tokens import chat_prompt_ids, control_token_ids
 
 
 @pytest.fixture()
-def tok(tmp_path) -> Tokenizer:
-    return Tokenizer.from_path(embedded_model_path(), cache_dir=tmp_path)
+def tok() -> Tokenizer:
+    return Tokenizer.from_path(embedded_model_path())
 
 
 def _forbid_vocabulary_walks(tok: Tokenizer, monkeypatch) -> None:

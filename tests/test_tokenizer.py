@@ -1,95 +1,25 @@
-"""Tokenizer loading (GGUF + cache, HF directory), chat template, streaming detokenization."""
+"""Tokenizer loading (GGUF, HF directory), chat template, streaming detokenization."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import transformers
 
-from quanta.model import tokenizer as tokenizer_module
 from quanta.model.loader import embedded_model_path
-from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_cache_dir
+from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE = "Hello 世界! 🎉🇯🇵 naïve café — 東京タワー 👩‍👩‍👧 ok.\n  Ω≈ç√ 🤖"
 CHAT = [{"role": "user", "content": "What is 2+2? 🤔"}]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tokenizer-cache")
-
-
-@pytest.fixture(scope="module")
-def cold(cache_dir: Path) -> Tokenizer:
-    """Converted from the GGUF (fills ``cache_dir``)."""
-    return Tokenizer.from_path(embedded_model_path(), cache_dir=cache_dir)
-
-
-@pytest.fixture(scope="module")
-def tok(cold: Tokenizer, cache_dir: Path) -> Tokenizer:
-    """Loaded from the cache that ``cold`` wrote."""
-    return Tokenizer.from_path(embedded_model_path(), cache_dir=cache_dir)
-
-
-def _convert_spy(monkeypatch: pytest.MonkeyPatch, result: Tokenizer | None = None) -> list[dict]:
-    """Record AutoTokenizer.from_pretrained calls; with ``result``, answer GGUF conversions with it."""
-    calls: list[dict] = []
-    real = transformers.AutoTokenizer.from_pretrained
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        if result is not None and "gguf_file" in kwargs:
-            return result._hf
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", spy)
-    return calls
+def tok() -> Tokenizer:
+    """Built from the embedded GGUF's metadata."""
+    return Tokenizer.from_path(embedded_model_path())
 
 
 # ------------------------------------------------------------------ loading
-
-
-def test_cache_is_written_once_and_used(cold: Tokenizer, tok: Tokenizer, cache_dir: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    entries = [p for p in cache_dir.iterdir()]
-    assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
-    calls = _convert_spy(monkeypatch)
-    Tokenizer.from_path(embedded_model_path(), cache_dir=cache_dir)
-    assert calls and not any("gguf_file" in c for c in calls)
-
-
-def test_cached_tokenizer_behaves_like_converted(cold: Tokenizer, tok: Tokenizer) -> None:
-    assert tok.encode(MULTIBYTE) == cold.encode(MULTIBYTE)
-    assert tok.apply_chat_template(CHAT) == cold.apply_chat_template(CHAT)
-    assert tok.eos_token_ids == cold.eos_token_ids
-    assert tok.vocab_size == cold.vocab_size
-
-
-def test_corrupt_cache_falls_back_to_conversion(cold: Tokenizer, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    path = embedded_model_path()
-    entry = tmp_path / tokenizer_module._cache_key(path)
-    entry.mkdir()
-    (entry / "tokenizer.json").write_text("not json")
-    calls = _convert_spy(monkeypatch, result=cold)
-    fallback = Tokenizer.from_path(path, cache_dir=tmp_path)
-    assert any("gguf_file" in c for c in calls)
-    assert fallback.encode(MULTIBYTE) == cold.encode(MULTIBYTE)
-
-
-def test_unwritable_cache_is_ignored(cold: Tokenizer, tmp_path: Path,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    _convert_spy(monkeypatch, result=cold)
-    loaded = Tokenizer.from_path(embedded_model_path(), cache_dir=blocker / "cache")
-    assert loaded.encode(MULTIBYTE) == cold.encode(MULTIBYTE)
-
-
-def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tokenizer_cache_dir() == tmp_path / "quanta" / "tokenizers"
 
 
 def test_hf_directory(tok: Tokenizer, tmp_path: Path) -> None:
@@ -124,10 +54,10 @@ def test_vocab_size_matches_embedding_rows(tok: Tokenizer) -> None:
     assert tok.vocab_size == len(header.fields["tokenizer.ggml.tokens"].value)
 
 
-def test_eos_includes_tokenizer_eos_and_caller_ids(cache_dir: Path, tok: Tokenizer) -> None:
+def test_eos_includes_tokenizer_eos_and_caller_ids(tok: Tokenizer) -> None:
     (im_end,) = tok.encode("<|im_end|>", add_special_tokens=False)
     assert im_end in tok.eos_token_ids
-    extra = Tokenizer.from_path(embedded_model_path(), eos_token_ids=[5, 6], cache_dir=cache_dir)
+    extra = Tokenizer.from_path(embedded_model_path(), eos_token_ids=[5, 6])
     assert extra.eos_token_ids == tok.eos_token_ids | {5, 6}
 
 

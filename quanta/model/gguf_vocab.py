@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerFast
 from quanta.model.gguf_header import GGUFHeader
 from quanta.model.gguf_pretokenizers import ADD_BOS, IGNORE_MERGES, NO_BOS, split_patterns
 
-__all__ = ["GGUFVocab", "build_tokenizer", "load_gguf_tokenizer", "read_vocab"]
+__all__ = ["GGUFTokenizerFast", "GGUFVocab", "build_tokenizer", "load_gguf_tokenizer", "read_vocab"]
 
 # token types, as llama.cpp's ``llama_token_type``
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -165,9 +165,16 @@ def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
              if (text := vocab.token(role)) is not None}
     if vocab.model == "bert" and "bos_token" in roles:
         roles["cls_token"] = roles["bos_token"]
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=vocab.chat_template,
-                                 clean_up_tokenization_spaces=False, **roles)
-    return hf
+    return GGUFTokenizerFast(backend, chat_template=vocab.chat_template, clean_up_tokenization_spaces=False, **roles)
+
+
+class GGUFTokenizerFast(PreTrainedTokenizerFast):
+    """A fast tokenizer over a backend built here, taken as is: ``tokenizer_object=`` would
+    deep-copy it (a JSON round trip, ~0.5 s for a 128k vocabulary)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, **kwargs) -> None:
+        self._tokenizer = backend
+        super().__init__(**kwargs)
 
 
 def build_tokenizer(vocab: GGUFVocab) -> tokenizers.Tokenizer:

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
-import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-logger = logging.getLogger(__name__)
+from quanta.model.gguf_vocab import load_gguf_tokenizer
 
 #: What a byte-level decoder yields for an incomplete UTF-8 sequence.
 _REPLACEMENT_CHAR = "\ufffd"
-
-
-def tokenizer_cache_dir() -> Path:
-    """Where tokenizers converted from GGUF are kept: ``$XDG_CACHE_HOME/quanta/tokenizers``
-    (``~/.cache/quanta/tokenizers`` when the variable is unset)."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "quanta" / "tokenizers"
 
 
 class Tokenizer:
@@ -61,19 +48,17 @@ class Tokenizer:
             self.eos_token_ids.add(hf_tokenizer.eos_token_id)
 
     @classmethod
-    def from_path(
-        cls, path: str | Path, eos_token_ids: Iterable[int] = (), cache_dir: Path | None = None
-    ) -> Tokenizer:
+    def from_path(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """Load the tokenizer of a ``.gguf`` file or a Hugging Face directory, offline.
 
-        A GGUF tokenizer is converted by transformers (seconds) and the result
-        saved under ``cache_dir`` (default :func:`tokenizer_cache_dir`), keyed
-        by the file's path, size, mtime and the transformers version; later
-        loads read the cached copy. Any cache failure falls back to converting.
+        A GGUF's tokenizer is built from its own ``tokenizer.ggml.*`` metadata
+        (:func:`quanta.model.gguf_vocab.load_gguf_tokenizer`), tokenizing as
+        llama.cpp does.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ValueError: ``path`` is neither a ``.gguf`` file nor a directory.
+            ValueError: ``path`` is neither a ``.gguf`` file nor a directory, or
+                its GGUF tokenizer model or pre-tokenizer is not supported.
         """
         path = Path(path)
         if not path.exists():
@@ -81,7 +66,7 @@ class Tokenizer:
         if path.is_dir():
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         elif path.suffix == ".gguf":
-            hf = _load_gguf_tokenizer(path, cache_dir or tokenizer_cache_dir())
+            hf = load_gguf_tokenizer(path)
         else:
             raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face directory")
         return cls(hf, eos_token_ids)
@@ -192,37 +177,3 @@ class IncrementalDetokenizer:
         emitted = decode(window[: self._read_offset - self._prefix_offset], self._skip_special_tokens)
         return emitted, decode(window, self._skip_special_tokens)
 
-
-def _load_gguf_tokenizer(path: Path, cache_root: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer embedded in GGUF ``path``, from the cache when possible."""
-    cached = cache_root / _cache_key(path)
-    if cached.is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable cache means: convert again
-            logger.warning("ignoring tokenizer cache %s: %s", cached, e)
-    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    _save_to_cache(hf, cached)
-    return hf
-
-
-def _cache_key(path: Path) -> str:
-    """Hex digest identifying this file version and converter version."""
-    stat = path.stat()
-    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:32]
-
-
-def _save_to_cache(hf: PreTrainedTokenizerBase, target: Path) -> None:
-    """Save ``hf`` to ``target`` atomically (temp dir + rename); log and go on on failure."""
-    tmp: str | None = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=target.parent)
-        hf.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except Exception as e:  # noqa: BLE001 - caching is an optimisation only
-        logger.warning("could not cache tokenizer in %s: %s", target, e)
-    finally:
-        if tmp is not None and os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
