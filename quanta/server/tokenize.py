@@ -30,8 +30,8 @@ from quanta.server.protocol import turns
 from quanta.server.serving import ServerState, check_model
 
 #: options of vLLM's and llama-server's tokenizer routes that change nothing here
-_NO_EFFECT = frozenset({"add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template",
-                        "chat_template_kwargs", "mm_processor_kwargs", "add_special", "with_pieces", "parse_special"})
+_NO_EFFECT = frozenset({"add_generation_prompt", "continue_final_message", "chat_template",
+                        "chat_template_kwargs", "mm_processor_kwargs", "with_pieces", "parse_special"})
 
 
 class TokenizeRequest(FieldRule):
@@ -44,6 +44,8 @@ class TokenizeRequest(FieldRule):
     messages: turns(Message) | None = None
     tools: Annotated[list[Tool], FEW_TOOLS] | None = None
     return_token_strs: StrictBool = False
+    add_special_tokens: StrictBool = True  # vLLM's name; false: no BOS/EOS around prompt or content
+    add_special: StrictBool | None = None  # llama-server's name for the same
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -77,7 +79,11 @@ def router(state: ServerState) -> APIRouter:
         else:
             param = "prompt" if body.prompt is not None else "content"
             try:
-                ids = await state.prompts.encode(getattr(body, param), param)
+                if body.add_special_tokens and body.add_special is not False:
+                    ids = await state.prompts.encode(getattr(body, param), param)
+                else:
+                    state.prompts.check([getattr(body, param)], param)
+                    ids = await state.prompts.run(state.tokenizer.encode, getattr(body, param), False)
             except PromptError as exc:
                 raise APIError(400, str(exc), exc.param) from exc
         strs = state.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
