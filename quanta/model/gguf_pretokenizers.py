@@ -83,7 +83,6 @@ _FAMILIES: dict[str, tuple[str, ...]] = {
     "spark2_5": (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
                  r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                  r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"),
-    "whitespace": (r"\S+",),
 }
 
 #: ``tokenizer.ggml.pre`` names -> family, as llama.cpp groups them
@@ -116,7 +115,6 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "minicpm5": ("minicpm5",),
     "laguna": ("laguna",),
     "spark2_5": ("spark2_5",),
-    "whitespace": ("whitespace",),
 }
 _FAMILY_OF = {name: family for family, names in _NAMES.items() for name in names}
 
