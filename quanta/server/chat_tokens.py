@@ -12,7 +12,8 @@ modes), then joins them in order.
 
 Which strings are replaced:
 
-* free text, always: message ``content``, tool ``description``, and every
+* free text, always: message ``content`` and ``reasoning_content``, tool
+  ``description``, and every
   string value inside a tool's ``parameters`` or a call's ``arguments``;
 * every other string the client sent (JSON keys of parameters and arguments,
   ``type`` names inside a schema, tool and call names, call ids,
@@ -40,6 +41,7 @@ import uuid
 from collections import Counter
 
 from quanta.model.tokenizer import Tokenizer
+from quanta.server.chat_render import render_chat
 
 log = logging.getLogger("quanta.server")
 
@@ -77,26 +79,24 @@ def added_token_pattern(tokenizer: Tokenizer) -> re.Pattern | None:
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of ``messages`` (and ``tools``) through the model's template,
-    ending with the generation prompt; no client string yields a control token.
+    """Prompt ids of ``messages`` (and ``tools``) through the model's template
+    (:func:`quanta.server.chat_render.render_chat`), ending with the generation
+    prompt; no client string yields a control token.
 
     Raises:
         ValueError: the model ships no chat template.
+        TemplateRejected: the template raised on the conversation.
         ForgedControlToken: the template rewrites the client's text (so it cannot
             be split out) and that text holds control-token text.
-        Exception: whatever the model's template raises for the conversation.
     """
-    hf = tokenizer.hf
-    if not hf.chat_template:
-        return tokenizer.apply_chat_template(messages, tools)  # raises its clear ValueError
+    real = render_chat(tokenizer, messages, tools)
     masker = _Masker(added_token_pattern(tokenizer))
     masked = [masker.message(m) for m in messages]
     masked_tools = [masker.function(t, "parameters", True) for t in tools] if tools else None
-
-    def render(msgs: list[dict], tool_list: list[dict] | None) -> str:
-        return hf.apply_chat_template(msgs, tools=tool_list or None, tokenize=False, add_generation_prompt=True)
-
-    template_text, real = render(masked, masked_tools), render(messages, tools)
+    try:
+        template_text = render_chat(tokenizer, masked, masked_tools)
+    except ValueError:  # the template reads the client's text (placeholders broke it)
+        return _unsplit(tokenizer, real, masker)
     parts = re.split(f"({masker.prefix}\\d+e)", template_text)
     contents = masker.restored()
     if set(parts[1::2]) - set(contents) or "".join(contents.get(p, p) for p in parts) != real:
@@ -108,6 +108,16 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict
         elif part:
             ids += tokenizer.encode(part, add_special_tokens=False)  # the template writes BOS etc. itself
     return ids
+
+
+def _unsplit(tokenizer: Tokenizer, real: str, masker: _Masker) -> list[int]:
+    """``real`` encoded whole where the template cannot render placeholders: refused
+    if any client string holds an added token's text."""
+    if masker.holds_added_text():
+        raise ForgedControlToken(
+            "the conversation's text contains control-token text and this model's chat template "
+            "reads the text itself, so it cannot be kept as plain text; remove it")
+    return tokenizer.encode(real, add_special_tokens=False)
 
 
 def _whole(tokenizer: Tokenizer, real: str, template_text: str) -> list[int]:
@@ -141,6 +151,10 @@ class _Masker:
         if as_json:
             self.escaped.add(name)
         return name
+
+    def holds_added_text(self) -> bool:
+        """Whether any replaced client string holds an added token's text."""
+        return self._added is not None and any(self._added.search(t) for t in self.contents.values())
 
     def restored(self) -> dict[str, str]:
         """Placeholder -> the text it stands for in the rendering (JSON-escaped where written as JSON)."""
@@ -188,7 +202,7 @@ class _Masker:
         for key, value in message.items():
             if key == "role":
                 out[key] = value
-            elif key == "content":
+            elif key in ("content", "reasoning_content"):
                 out[key] = self.text(value, False) if isinstance(value, str) else self.other(value, False)
             elif key == "tool_calls" and isinstance(value, list):
                 out[key] = [self.function(c, "arguments", False) if isinstance(c, dict) else self.other(c, False) for c in value]

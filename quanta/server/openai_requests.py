@@ -185,6 +185,8 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    #: an earlier assistant turn's reasoning, handed to the chat template (which may write or drop it)
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -217,6 +219,8 @@ class Message(BaseModel):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
         return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 
 from quanta.model.tokenizer import Tokenizer
+from quanta.server.chat_render import render_chat
 from quanta.server.chat_tokens import chat_prompt_ids
 
 
@@ -25,13 +26,11 @@ def later_system(messages: list[dict]) -> list[int]:
 
 def _template_writes(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None, later: list[int]) -> bool:
     """Whether the template renders ``messages`` with each later system message's text in place."""
-    if not tokenizer.chat_template:
-        return True  # chat_prompt_ids refuses a model without a template, with its own message
     nonce = uuid.uuid4().hex
     probe = [{**m, "content": f"quantasys{nonce}n{i}e"} if i in later else m for i, m in enumerate(messages)]
     try:
-        text = tokenizer.hf.apply_chat_template(probe, tools=tools or None, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a template that refuses the turn: fold it
+        text = render_chat(tokenizer, probe, tools)
+    except ValueError:  # a template that refuses the turn: fold it (no template: chat_prompt_ids says so)
         return False
     return all(f"quantasys{nonce}n{i}e" in text for i in later)
 
@@ -55,3 +54,8 @@ def place_system_turns(tokenizer: Tokenizer, messages: list[dict], tools: list[d
 def prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
     """:func:`quanta.server.chat_tokens.chat_prompt_ids` of ``messages`` with their system turns placed."""
     return chat_prompt_ids(tokenizer, place_system_turns(tokenizer, messages, tools), tools)
+
+
+def prompt_text(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """The prompt text :func:`prompt_ids` encodes (the template's rendering, system turns placed)."""
+    return render_chat(tokenizer, place_system_turns(tokenizer, messages, tools), tools)

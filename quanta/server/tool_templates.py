@@ -1,11 +1,25 @@
-"""Tools on the way in: what the chat template gets for a request with tools.
+"""Tools on the way in: what the chat template gets for a request
+(:func:`template_input`).
 
-A template that reads the ``tools`` variable (:func:`template_reads_tools`;
-Qwen's, Hermes') gets the tools and the conversation's calls in Hugging Face's
-shape. One that does not (SmolLM2's) gets the tools in a Hermes-style system
-prompt, as Qwen 2.5's template writes it, and earlier calls and results as
-Hermes text (:func:`render_for_template`), so the model answers in the format
-:class:`quanta.server.tools.HermesParser` reads.
+The template is the one the request is rendered with
+(:func:`quanta.server.chat_render.request_template`: a model's ``tool_use``
+variant when tools are sent). A template that reads the ``tools`` variable
+(:func:`template_reads_tools`; Qwen's, Llama 3.1's, Hermes') gets the tools
+and the conversation in Hugging Face's shape (calls' arguments as objects),
+so the prompt is exactly what transformers' ``apply_chat_template`` renders.
+So does any template when the request sends no tools and the conversation
+has no calls or results it ignores.
+
+A template that does not read ``tools`` (SmolLM2's, Phi-3.5's, gemma-2's)
+cannot tell the model about them. When a request sends tools to such a
+template, or earlier calls or tool results that it does not read (it never
+mentions ``tool_calls``), quanta writes them in as Qwen 2.5's template does
+(:func:`render_for_template`): the tools in a Hermes-style system prompt,
+calls as ``<tool_call>`` blocks in the assistant text and results as a user
+turn of ``<tool_response>`` blocks, so the model answers in the format
+:class:`quanta.server.tools.HermesParser` reads. Such a prompt is not
+transformers' (which would drop the tools); it is transformers' rendering of
+the rewritten conversation.
 """
 
 from __future__ import annotations
@@ -15,7 +29,27 @@ import json
 import jinja2
 import jinja2.meta
 
+from quanta.model.tokenizer import Tokenizer
+from quanta.server.chat_render import request_template
 from quanta.server.tools import parse_json
+
+
+def template_input(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """``(messages, tools)`` to render OpenAI-shaped ``messages`` and ``tools`` with (see the module docstring)."""
+    try:
+        template = request_template(tokenizer, tools)
+    except ValueError:
+        template = None  # no usable template: rendering refuses it with its own message
+    return render_for_template(messages, tools, not needs_hermes_text(template, messages, tools))
+
+
+def needs_hermes_text(template: str | None, messages: list[dict], tools: list[dict] | None) -> bool:
+    """Whether ``template`` gets the tools and calls as Hermes text: it does not read ``tools``
+    and the request sends tools, or calls or tool results that it never reads."""
+    if template is None or template_reads_tools(template):
+        return False
+    history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    return bool(tools) or (history and "tool_calls" not in template)
 
 
 def template_reads_tools(template: str | None) -> bool:
@@ -69,16 +103,26 @@ def render_for_template(messages: list[dict], tools: list[dict] | None, native: 
             blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
                       f'"arguments": {c["function"]["arguments"] or "{}"}}}\n</tool_call>'
                       for c in m["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m.get("content") else []) + blocks)})
+            text = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+            out.append({**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
-    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out], None
+            out.append({**m, "content": m.get("content") or ""})
+    return [{k: v for k, v in m.items() if k != "_tool_results" and v is not None} for m in out], None
 
 
 def _native_message(m: dict) -> dict:
+    """``m`` in Hugging Face's shape: no None values and a call's arguments as an object.
+    An assistant call's ``null`` content is an empty string, as vLLM gives it (Qwen3's,
+    QwQ's and Granite 3.3's templates raise on a call without ``content``)."""
+    out = {k: v for k, v in m.items() if v is not None}
     if m["role"] == "assistant" and m.get("tool_calls"):
-        calls = [{"id": c.get("id"), "type": "function",
-                  "function": {"name": c["function"]["name"], "arguments": parse_json(c["function"]["arguments"] or "{}") or {}}}
-                 for c in m["tool_calls"]]
-        return {"role": "assistant", "content": m.get("content") or "", "tool_calls": calls}
-    return {k: v for k, v in m.items() if v is not None}
+        out["tool_calls"] = [_native_call(c) for c in m["tool_calls"]]
+        out["content"] = m.get("content") or ""
+    return out
+
+
+def _native_call(call: dict) -> dict:
+    fn = call["function"]
+    native = {"id": call.get("id"), "type": "function",
+              "function": {"name": fn["name"], "arguments": parse_json(fn.get("arguments") or "{}") or {}}}
+    return {k: v for k, v in native.items() if v is not None}

@@ -1,0 +1,106 @@
+"""The model's chat template rendered as transformers' ``apply_chat_template`` renders it.
+
+:func:`render_chat` gives the prompt text of a conversation: the template is
+picked as transformers picks it (a dict of named templates gives ``tool_use``
+when tools are sent, else ``default``), messages lose their ``None``-valued
+keys, the tokenizer's special tokens (``bos_token``, ``eos_token``, ...) are
+template variables, and the text is rendered by transformers' own
+``render_jinja_template`` (its sandboxed Jinja environment with
+``raise_exception``, ``strftime_now``, the ``tojson`` options and loop
+controls; reasoning aliased as ``reasoning_content`` and ``thinking``). It
+reads only the tokenizer's ``chat_template``, ``special_tokens_map`` and
+``name_or_path`` attributes; nothing is tokenized.
+
+A template that raises on the conversation gives :class:`TemplateRejected`,
+whose message names the template (the tokenizer's ``name_or_path``, and the
+variant when the model has several) and the first message it cannot take.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from quanta.model.tokenizer import Tokenizer
+
+
+class TemplateRejected(ValueError):
+    """The model's chat template raised on the conversation (the message says where)."""
+
+
+def pick_template(chat_template: str | dict[str, str] | None, tools: list[dict] | None) -> tuple[str | None, str | None]:
+    """``(template text, variant name)`` of ``chat_template`` for a request with ``tools``
+    (``None`` tools: none sent); the name is None for a single template.
+
+    Raises:
+        ValueError: several named templates, none ``default`` (nor ``tool_use`` with tools).
+    """
+    if not isinstance(chat_template, dict):
+        return chat_template or None, None
+    for name in (("tool_use", "default") if tools is not None else ("default",)):
+        if name in chat_template:
+            return chat_template[name], name
+    raise ValueError(f"this model has several chat templates and none named 'default' (names: {sorted(chat_template)})")
+
+
+def request_template(tokenizer: Tokenizer, tools: list[dict] | None) -> str | None:
+    """The template text a request with ``tools`` (None or empty: none) is rendered with."""
+    return pick_template(tokenizer.hf.chat_template, tools or None)[0]
+
+
+def template_label(tokenizer: Tokenizer, variant: str | None = None) -> str:
+    """How errors name the model's template: ``chat template of <name>`` (``'tool_use' ...`` for a variant)."""
+    name = Path(str(getattr(tokenizer.hf, "name_or_path", "") or "")).name
+    label = f"chat template of {name}" if name else "the model's chat template"
+    return f"{variant!r} {label}" if variant else label
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """Prompt text of ``messages`` and ``tools`` through the model's template, with the generation prompt.
+
+    Raises:
+        ValueError: the model ships no chat template (or no default among several).
+        TemplateRejected: the template raised on the conversation.
+    """
+    hf = tokenizer.hf
+    tools = tools or None
+    template, variant = pick_template(hf.chat_template, tools)
+    if not template:
+        raise ValueError("this model has no chat template; use plain completions instead of chat")
+    special = dict(hf.special_tokens_map)
+    try:
+        return _render(template, special, messages, tools)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's template raises
+        where = _culprit(template, special, messages, tools)
+        raise TemplateRejected(f"{template_label(tokenizer, variant)} cannot take {where}: {exc}") from exc
+
+
+def _render(template: str, special: dict, messages: list[dict], tools: list[dict] | None) -> str:
+    chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    rendered, _ = render_jinja_template([chat], tools=tools, chat_template=template, add_generation_prompt=True, **special)
+    return rendered[0]
+
+
+def _culprit(template: str, special: dict, messages: list[dict], tools: list[dict] | None) -> str:
+    """What the template cannot take: the message after the longest prefix that renders, or the tools."""
+    def renders(msgs: list[dict], tool_list: list[dict] | None) -> bool:
+        try:
+            _render(template, special, msgs, tool_list)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    if tools is not None and renders(messages, None):
+        return "tools (it raises when given any)"
+    ok = max((k for k in range(1, len(messages)) if renders(messages[:k], tools)), default=0)
+    return f"message {ok} ({message_shape(messages[ok])})" if messages else "an empty conversation"
+
+
+def message_shape(message: dict) -> str:
+    """A message's shape in words: its role and the parts beyond plain text (``assistant with tool_calls``)."""
+    role = message.get("role")
+    extras = [k for k in ("tool_calls", "reasoning_content", "tool_call_id") if message.get(k)]
+    if isinstance(message.get("content"), list):
+        extras.append("content parts")
+    return f"role {role!r}" + (f" with {', '.join(extras)}" if extras else "")
