@@ -143,6 +143,25 @@ def test_row_map_moves_whole_rows():
     assert not torch.equal(mapped, plain)
 
 
+@pytest.mark.parametrize("ggml_type,kind", [("Q4_K", "q4_1"), ("Q6_K", "q8_0"), ("F16", "fp16")])
+def test_parts_written_in_place_equal_their_concatenation(ggml_type, kind):
+    """Fused projections: each part converted into its row slice of one form equals the parts
+    converted alone and concatenated; a slice of the wrong size is refused."""
+    k, sizes = 256, (16, 8, 24)
+    raws = [raw_tensor(ggml_type, n, k, seed=i) for i, n in enumerate(sizes)]
+    alone = [repack.to_form(raw, ggml_type, n, k, kind) for raw, n in zip(raws, sizes)]
+    data, scales = repack.empty_form(kind, sum(sizes), k)
+    step, start = (1 if kind == "fp16" else 8), 0
+    for raw, n in zip(raws, sizes):
+        part = slice(start // step, (start + n) // step)
+        repack.to_form(raw, ggml_type, n, k, kind, out=(data[part], scales if kind == "fp16" else scales[part]))
+        start += n
+    assert torch.equal(data, torch.cat([a[0] for a in alone]))
+    assert torch.equal(scales, alone[0][1] if kind == "fp16" else torch.cat([a[1] for a in alone]))
+    with pytest.raises(ValueError, match="out must be"):
+        repack.to_form(raws[0], ggml_type, sizes[0], k, kind, out=(data[: 1], scales[: 1]))
+
+
 @pytest.mark.parametrize("ggml_type,kind", [("Q8_0", "q8_0"), ("Q4_1", "q4_1")])
 def test_matmul_equals_packed_dequantized(ggml_type, kind):
     """forms.pack of the dequantized tensor recovers these blocks (but the quants of the tiny row's

@@ -114,10 +114,16 @@ class _File:
         """The tensors ``names`` stacked along their output rows, in ``kind`` (default: the widest
         part's natural form), read and converted one at a time."""
         kind = kind or max((self.kind(n) for n in names), key=_WIDTH.__getitem__)
-        parts = [repack.to_form(self.raw(n), self.tensors[n].tensor_type.name, *self.shape(n), kind, self.rows(n))
-                 for n in names]
-        data = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
-        scales = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        k = self.shape(names[0])[1]
+        data, scales = repack.empty_form(kind, sum(self.shape(n)[0] for n in names), k)
+        step = 1 if kind == "fp16" else 8  # form rows per output row
+        start = 0
+        for name in names:
+            n = self.shape(name)[0]
+            part = slice(start // step, (start + n) // step)
+            repack.to_form(self.raw(name), self.tensors[name].tensor_type.name, n, k, kind, self.rows(name),
+                           out=(data[part], scales if kind == "fp16" else scales[part]))
+            start += n
         return QuantizedWeight(kind, data, scales, fine)
 
 

@@ -75,21 +75,27 @@ def _as_rows(rows: np.ndarray | None, n: int) -> np.ndarray | None:
     return rows
 
 
-def _empty(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_form(kind: str, n: int, k: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised ``(data, scales)`` of form ``kind`` for an ``[n, k]`` weight; rows ``[i, j)``
+    (multiples of 8) are the slices ``[i // 8 : j // 8]`` of both (``[i:j]`` of fp16's matrix)."""
     if kind == "fp16":
-        return torch.empty(n, k, dtype=torch.float16), torch.empty(0)
+        return torch.empty(n, k, dtype=torch.float16, device=device), torch.empty(0, device=device)
     g, b = n // 8, k // 32
     if kind == "q4_1":
-        return torch.empty(g, b, 128, dtype=torch.uint8), torch.empty(g, b, 2, 8, dtype=torch.float16)
-    return torch.empty(g, b, 256, dtype=torch.int8), torch.empty(g, b, 8, dtype=torch.float16)
+        return (torch.empty(g, b, 128, dtype=torch.uint8, device=device),
+                torch.empty(g, b, 2, 8, dtype=torch.float16, device=device))
+    return torch.empty(g, b, 256, dtype=torch.int8, device=device), torch.empty(g, b, 8, dtype=torch.float16, device=device)
 
 
-def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | None = None,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scales)`` of form ``kind`` from the raw bytes ``raw`` (a uint8 numpy array or any
     bytes-like object) of a GGUF ``[n, k]`` tensor of type ``ggml_type`` (e.g. ``"Q4_K"``), laid
     out as :func:`quanta.model.native.forms.pack` lays out ``kind``; for ``fp16``, the ``[n, k]``
     fp16 matrix and an empty tensor. ``rows``: output row ``i`` is the file's row ``rows[i]``
-    (int32 ``[n]``; None: the file's order). Runs on the C pool's threads.
+    (int32 ``[n]``; None: the file's order). ``out``: where to write, as :func:`empty_form`
+    gives it or contiguous row slices of a larger one (fused projections are written in place,
+    not concatenated). Runs on the C pool's threads.
 
     Raises:
         ValueError: a type or kind with no conversion, a shape the form cannot take (``n % 8``,
@@ -99,7 +105,10 @@ def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | N
     """
     _check(ggml_type, n, k, kind)
     buf, row_map = _as_bytes(raw, ggml_type, n, k), _as_rows(rows, n)
-    data, scales = _empty(kind, n, k)
+    data, scales = out if out is not None else empty_form(kind, n, k)
+    if (data.shape, scales.shape) != tuple(t.shape for t in empty_form(kind, n, k, "meta")) or not (
+            data.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"out must be contiguous {kind} tensors of [{n}, {k}]")
     done = native.load().gguf_repack(_TYPES[ggml_type], _KIND_IDS[kind], n, k, buf.ctypes.data,
                                      None if row_map is None else row_map.ctypes.data, data.data_ptr(), scales.data_ptr())
     if done != 0:
