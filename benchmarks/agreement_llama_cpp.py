@@ -1,0 +1,232 @@
+"""quanta's next-token distributions against llama-server's on the same GGUF, teacher-forced.
+
+For each of 8 prompts: llama-server (``-t 2``, one slot) tokenizes the text and continues it
+greedily for 64 tokens, one ``/completion`` request per prefix (the prefix as token ids,
+``n_predict 1``, ``n_probs 5``, ``cache_prompt``: each request computes one new position). Its
+``n_probs`` are the raw log-softmax of the logits before any sampler (``post_sampling_probs`` off:
+``get_token_probabilities`` in tools/server), and each continuation token is their top-1, so the
+64 positions give llama.cpp's top-5 ids and logprobs on the fixed sequence prompt +
+continuation. quanta, loaded in-process as ``quanta serve`` loads the file, computes the same
+sequence as one prompt and gives its log-softmax at the same 64 positions
+(:mod:`quanta.tools.agreement`): one early difference cannot cascade. Reported per file: top-1
+agreement share, max and median ``|logprob difference|`` over llama.cpp's top 5.
+
+The tolerance comes from quantization, measured: ``--spread A.gguf B.gguf`` runs llama-server on
+two files of the same weights (an F16 file and its Q8_0) over the same sequences, teacher-forced
+(the same requests, now along the given sequences), and reports how far llama.cpp's own
+logprobs move under one 8-bit rounding of every weight and activation. The two engines differ on a
+file by no more than that: llama.cpp rounds activations to q8_0 / q8_K (F16 weights: to fp16),
+quanta keeps them in fp32 and re-encodes Q4_K as q4_1 (fp16 scale and minimum: the same values up
+to fp16 rounding) and Q5_K / Q6_K as q8_0 (one 8-bit rounding of the weights).
+
+Usage:
+    python benchmarks/agreement_llama_cpp.py --model F.gguf [--spread F16.gguf Q8_0.gguf] [--out R.json]
+    python benchmarks/agreement_llama_cpp.py --store --shape tiny-qwen3 --type Q8_0
+The second writes the file with make-model's :func:`~quanta.tools.make_model.write_direct` (seed 0)
+and stores llama.cpp's sequences and top-5 lists, with the measured spread of the shape's F16 and
+Q8_0 files, in ``tests/data/llama_cpp_agreement/SHAPE-TYPE.json`` for
+``tests/test_agreement_llama_cpp.py``. Never run in CI; llama-server must be built (peer_llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_llama_cpp import BINARY, LLAMA_CPP_PYTHON, free_port, start, stop  # noqa: E402
+from quanta.tools import agreement  # noqa: E402
+from quanta.tools.make_model import write_direct  # noqa: E402
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three laws of thermodynamics state that",
+    "Q: What is 17 times 23?\nA:",
+    "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
+    "In 1969, the Apollo 11 mission",
+    "SELECT name, COUNT(*) FROM orders GROUP BY",
+)
+#: generated (and compared) positions per prompt
+POSITIONS = 64
+STORE = Path(__file__).resolve().parents[1] / "tests" / "data" / "llama_cpp_agreement"
+#: one greedy token, no sampler state carried between requests
+_RAW = {"temperature": 0, "ignore_eos": True, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "dry_multiplier": 0.0}
+
+
+class LlamaServer:
+    """llama-server on one GGUF on a free local port (``-t 2``, one slot), stopped on exit."""
+
+    def __init__(self, gguf: Path, log: Path) -> None:
+        self.port = free_port()
+        cmd = [str(BINARY), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", "2", "-np", "1",
+               "-c", "2048"]
+        self.proc = start(cmd, self.port, log, timeout=120)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+        stop(self.proc)
+
+    def post(self, route: str, body: dict) -> dict:
+        response = self.client.post(route, json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+
+    def top_after(self, prefix: list[int], n_probs: int) -> list[list[float]]:
+        """llama.cpp's top ``n_probs`` ``[id, logprob]`` after ``prefix`` (its raw logits).
+
+        One token is generated, and a ``logit_bias`` makes it :attr:`plain`: llama-server drops the
+        probabilities of a generated token that ends in an incomplete UTF-8 character, and the bias
+        acts on the sampler's copy of the logits only, not on the ``n_probs`` it reports."""
+        out = self.post("/completion", {"prompt": prefix, "n_predict": 1, "n_probs": n_probs, "cache_prompt": True,
+                                        "logit_bias": [[self.plain, 1000.0]], **_RAW})
+        return _pairs(out["completion_probabilities"][0])
+
+    @functools.cached_property
+    def plain(self) -> int:
+        """An ASCII token (``.``)."""
+        return self.tokenize(".")[-1]
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[list[list[float]]]]:
+        """``n`` greedy tokens after ``prompt`` (each the top-1 of llama.cpp's raw logits) and the
+        top-5 ``[id, logprob]`` at each position."""
+        tokens, rows = list(prompt), []
+        for _ in range(n):
+            rows.append(self.top_after(tokens, agreement.TOP))
+            tokens.append(int(rows[-1][0][0]))
+        return tokens[len(prompt):], rows
+
+    def forced(self, tokens: list[int], first: int, n_probs: int) -> list[list[list[float]]]:
+        """Top ``n_probs`` ``[id, logprob]`` after each prefix ``tokens[:p]``, ``first <= p <= len(tokens) - 1``."""
+        return [self.top_after(tokens[:p], n_probs) for p in range(first, len(tokens))]
+
+
+def _pairs(position: dict) -> list[list[float]]:
+    return [[t["id"], t["logprob"]] for t in position["top_logprobs"]]
+
+
+def llama_cpp_cases(gguf: Path, workdir: Path) -> list[dict]:
+    """Per prompt: ``tokens`` (prompt + 64 greedy tokens), ``first`` (prompt length), ``top`` (64 top-5 lists)."""
+    cases = []
+    with LlamaServer(gguf, workdir / f"{gguf.stem}.log") as server:
+        for text in PROMPTS:
+            prompt = server.tokenize(text)
+            generated, top = server.greedy(prompt, POSITIONS)
+            cases.append({"tokens": prompt + generated, "first": len(prompt), "top": top})
+    return cases
+
+
+def measured_spread(a: Path, b: Path, cases: list[dict], workdir: Path) -> dict:
+    """llama.cpp on files ``a`` and ``b`` over ``cases``' sequences, teacher-forced: ``|logprob
+    difference|`` over ``a``'s top 5 (max, median)."""
+    tops = {}
+    for path, n_probs in ((a, agreement.TOP), (b, 40)):
+        with LlamaServer(path, workdir / f"{path.stem}.forced.log") as server:
+            tops[path] = [server.forced(c["tokens"], c["first"], n_probs) for c in cases]
+    diffs = [d for ta, tb in zip(tops[a], tops[b], strict=True) for d in agreement.spread(ta, tb)]
+    return {"files": [a.name, b.name], "max_diff": max(diffs), "median_diff": statistics.median(diffs), "values": len(diffs)}
+
+
+def quanta_report(gguf: Path, cases: list[dict], margin: float = 0.0) -> dict:
+    """:func:`quanta.tools.agreement.summarize` of quanta on ``gguf`` against ``cases``."""
+    loaded = agreement.load_as_served(gguf)
+    results = [agreement.compare(c["top"], agreement.position_logprobs(loaded, c["tokens"], c["first"]), margin)
+               for c in cases]
+    return {**agreement.summarize(results), "kernels": loaded.kernels}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def store(shape: str, qtype: str, seed: int, layers: int | None) -> Path:
+    """Write the shape's ``qtype`` file, run llama-server on it, measure the shape's F16 / Q8_0 spread, and
+    store everything the test needs; returns the JSON's path."""
+    with tempfile.TemporaryDirectory(prefix="agreement-") as tmp:
+        work = Path(tmp)
+        files = {t: write_direct(shape, work / f"{shape}-{t}.gguf", t, seed, layers, progress=lambda _: None)
+                 for t in dict.fromkeys((qtype, "F16", "Q8_0"))}
+        cases = llama_cpp_cases(files[qtype], work)
+        spread = measured_spread(files["F16"], files["Q8_0"], cases, work)
+        record = {
+            "command": "python benchmarks/agreement_llama_cpp.py " + shlex.join(sys.argv[1:]),
+            "llama_cpp": f"llama-server of llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored llama.cpp, -t 2 -np 1 -c 2048",
+            "file": {"shape": shape, "type": qtype, "seed": seed, "layers": layers, "sha256": sha256(files[qtype])},
+            "spread_f16_q8_0": spread,
+            "cases": cases,
+        }
+        report = quanta_report(files[qtype], cases, spread["max_diff"])
+    STORE.mkdir(parents=True, exist_ok=True)
+    out = STORE / f"{shape}-{qtype}.json"
+    out.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    print(f"{out}: {_line(report)}; llama.cpp F16 vs Q8_0 spread: max {spread['max_diff']:.3f}, "
+          f"median {spread['median_diff']:.4f}")
+    return out
+
+
+def _line(report: dict) -> str:
+    return (f"{report['positions']} positions, top-1 agreement {report['top1_share']:.1%}, |logprob diff| over llama.cpp's "
+            f"top 5: max {report['max_diff']:.3f}, median {report['median_diff']:.4f}; {report['near_ties']} near ties "
+            f"(llama.cpp's top two closer than the tolerance), top-1 agreement elsewhere {report['decisive_top1_share']:.1%}")
+
+
+def compare_file(model: Path, spread_files: list[Path] | None, out: Path | None) -> None:
+    """Run both engines on ``model`` (and llama.cpp on the two spread files) and print / write the report."""
+    with tempfile.TemporaryDirectory(prefix="agreement-") as tmp:
+        start_time = time.monotonic()
+        cases = llama_cpp_cases(model, Path(tmp))
+        spread = measured_spread(*spread_files, cases, Path(tmp)) if spread_files else None
+        report = quanta_report(model, cases, spread["max_diff"] if spread else 0.0)
+    print(f"{model.name}: {_line(report)}")
+    print(f"  quanta kernels: {report['kernels']}")
+    if spread:
+        print(f"  llama.cpp {spread['files'][0]} vs {spread['files'][1]} on the same sequences: max {spread['max_diff']:.3f}, "
+              f"median {spread['median_diff']:.4f} (the tolerance); within it: "
+              f"{report['max_diff'] <= spread['max_diff'] and report['median_diff'] <= spread['median_diff']}")
+    if out:
+        out.write_text(json.dumps({"model": str(model), "size": model.stat().st_size, "report": report, "spread": spread,
+                                   "seconds": round(time.monotonic() - start_time, 1)}, indent=1) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="the GGUF to compare")
+    parser.add_argument("--spread", type=Path, nargs=2, metavar=("F16", "Q8_0"),
+                        help="two files of the same weights: llama.cpp's own difference between them is the tolerance")
+    parser.add_argument("--out", type=Path, help="write the report as JSON")
+    parser.add_argument("--store", action="store_true", help="write --shape's --type file and store llama.cpp's outputs")
+    parser.add_argument("--shape", help="with --store: a make-model shape")
+    parser.add_argument("--type", default="F16", help="with --store: F32, F16, Q8_0, Q5_1, Q5_0, Q4_1 or Q4_0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int)
+    args = parser.parse_args()
+    if args.store == bool(args.model) or (args.store and not args.shape):
+        parser.error("give --model FILE, or --store with --shape")
+    if args.store:
+        store(args.shape, args.type.upper(), args.seed, args.layers)
+    else:
+        compare_file(args.model, args.spread, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""quanta against llama.cpp's stored outputs on small synthetic GGUFs, teacher-forced.
+
+Each ``tests/data/llama_cpp_agreement/SHAPE-TYPE.json`` holds, for 8 prompts, the token sequence
+(prompt + 64 greedy tokens) and llama-server's top-5 ids and logprobs at the 64 positions, as
+``benchmarks/agreement_llama_cpp.py --store`` wrote them (its ``command``), with the file's sha256
+and llama.cpp's own spread between the shape's F16 and Q8_0 files on the same sequences. The test
+writes the same file again (make-model's ``write_direct``, seed 0: the sha256 must match, else the
+stored outputs are stale), loads it as ``quanta serve`` does, computes each sequence as one prompt
+and checks, over 512 positions:
+
+- ``|logprob difference|`` over llama.cpp's top 5: max and median at most llama.cpp's own F16-vs-Q8_0
+  spread (max ~1.3, median ~0.18 nats on these files). The tolerance, derived: the two engines
+  compute a file's weights alike and differ in activations (llama.cpp rounds them to q8_0 for
+  quantized weights and to fp16 for F16 ones; quanta's projections round them to 8 bits in its
+  own blocks, its head to 15 bits, F16 / F32 weights take fp32 ones), which is no more than one
+  8-bit rounding of every weight and activation, the F16-vs-Q8_0 spread;
+- top-1 agreement in at least 95% of the positions where llama.cpp's top-1 leads its second by
+  more than that max (where one 8-bit rounding can swap them, the order is not the file's), and
+  in at least 95% of all positions for F16 / F32 files (activations differ by fp16 rounding only).
+
+Architectures: llama with Llama 3 ``rope_freqs`` (F16, F32 through the dequantizing loader, Q4_0),
+mistral (llama layout, untied head, Q4_0), qwen2 (q/k/v biases, Q8_0), qwen3 (q/k norms, Q8_0).
+A wrong RoPE layout or a wrong block decoding moves logprobs by several nats and fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from quanta.model.native import forms
+from quanta.tools import agreement
+from quanta.tools.make_model import write_direct
+
+DATA = Path(__file__).parent / "data" / "llama_cpp_agreement"
+CASES = sorted(p.stem for p in DATA.glob("*.json"))
+#: least top-1 agreement share
+TOP1 = 0.95
+
+
+def check_file(record: dict, path: Path) -> dict:
+    """quanta on ``path`` against ``record``'s llama.cpp outputs; returns the summary."""
+    loaded = agreement.load_as_served(path)
+    tolerance = record["spread_f16_q8_0"]
+    results = [agreement.compare(c["top"], agreement.position_logprobs(loaded, c["tokens"], c["first"]), tolerance["max_diff"])
+               for c in record["cases"]]
+    return agreement.summarize(results)
+
+
+def failures(summary: dict, record: dict) -> list[str]:
+    """What ``summary`` breaks of the rules in the module docstring (empty: it agrees)."""
+    tolerance, qtype = record["spread_f16_q8_0"], record["file"]["type"]
+    out = []
+    if summary["max_diff"] > tolerance["max_diff"] or summary["median_diff"] > tolerance["median_diff"]:
+        out.append(f"|logprob diff| max {summary['max_diff']:.3f} / median {summary['median_diff']:.4f} over llama.cpp's "
+                   f"F16-vs-Q8_0 spread {tolerance['max_diff']:.3f} / {tolerance['median_diff']:.4f}")
+    if summary["decisive_top1_share"] < TOP1:
+        out.append(f"top-1 agreement {summary['decisive_top1_share']:.1%} where no near tie")
+    if qtype in ("F16", "F32") and summary["top1_share"] < TOP1:
+        out.append(f"top-1 agreement {summary['top1_share']:.1%} of all positions")
+    return out
+
+
+@pytest.mark.skipif(not CASES, reason="no stored llama.cpp outputs")
+@pytest.mark.parametrize("case", CASES)
+def test_quanta_agrees_with_stored_llama_cpp_outputs(case: str, tmp_path: Path) -> None:
+    record = json.loads((DATA / f"{case}.json").read_text())
+    spec = record["file"]
+    if not forms.available():
+        pytest.skip("quanta's C kernels do not build here (the served model then takes other forms)")
+    path = write_direct(spec["shape"], tmp_path / f"{case}.gguf", spec["type"], spec["seed"], spec["layers"], progress=lambda _: None)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == spec["sha256"], \
+        f"make-model writes another {case} file than llama.cpp saw; rerun: {record['command']}"
+    summary = check_file(record, path)
+    assert summary["positions"] == 8 * 64
+    assert not failures(summary, record), f"{case}: {failures(summary, record)} ({summary})"
