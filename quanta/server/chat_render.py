@@ -18,6 +18,7 @@ variant when the model has several) and the first message it cannot take.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -83,7 +84,9 @@ def _render(template: str, special: dict, messages: list[dict], tools: list[dict
 
 
 def _culprit(template: str, special: dict, messages: list[dict], tools: list[dict] | None) -> str:
-    """What the template cannot take: the message after the longest prefix that renders, or the tools."""
+    """What the template cannot take: the tools (the conversation renders without them or with
+    none), else the message after the longest prefix that renders (message 0 only when the rest
+    renders without it)."""
     def renders(msgs: list[dict], tool_list: list[dict] | None) -> bool:
         try:
             _render(template, special, msgs, tool_list)
@@ -91,10 +94,33 @@ def _culprit(template: str, special: dict, messages: list[dict], tools: list[dic
             return False
         return True
 
-    if tools is not None and renders(messages, None):
-        return "tools (it raises when given any)"
+    if not messages:
+        return "an empty conversation"
+    if tools is not None and (renders(messages, None) or renders(messages, [])):
+        return "the tools it was given"
     ok = max((k for k in range(1, len(messages)) if renders(messages[:k], tools)), default=0)
-    return f"message {ok} ({message_shape(messages[ok])})" if messages else "an empty conversation"
+    if ok == 0 and not (len(messages) > 1 and renders(messages[1:], tools)):
+        return "any conversation (it raises on every one tried)"
+    return f"message {ok} ({message_shape(messages[ok])})"
+
+
+def takes_string_arguments(tokenizer: Tokenizer, template: str) -> bool:
+    """Whether ``template`` raises on a call's arguments as an object but renders them as JSON
+    text (Functionary v3.2's concatenates them to strings), as llama.cpp probes it."""
+    return _takes_string_arguments(template, tuple(sorted(tokenizer.hf.special_tokens_map.items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _takes_string_arguments(template: str, special: tuple) -> bool:
+    def renders(arguments) -> bool:
+        call = {"id": "call00001", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            _render(template, dict(special), chat, None)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+    return not renders({"a": 1}) and renders('{"a": 1}')
 
 
 def message_shape(message: dict) -> str:

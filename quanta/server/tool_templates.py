@@ -30,7 +30,7 @@ import jinja2
 import jinja2.meta
 
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.chat_render import request_template
+from quanta.server.chat_render import request_template, takes_string_arguments
 from quanta.server.tools import parse_json
 
 
@@ -40,7 +40,9 @@ def template_input(tokenizer: Tokenizer, messages: list[dict], tools: list[dict]
         template = request_template(tokenizer, tools)
     except ValueError:
         template = None  # no usable template: rendering refuses it with its own message
-    return render_for_template(messages, tools, not needs_hermes_text(template, messages, tools))
+    if needs_hermes_text(template, messages, tools):
+        return render_for_template(messages, tools, False)
+    return render_for_template(messages, tools, True, string_arguments=bool(template) and takes_string_arguments(tokenizer, template))
 
 
 def needs_hermes_text(template: str | None, messages: list[dict], tools: list[dict] | None) -> bool:
@@ -71,18 +73,20 @@ _FALLBACK_PROMPT = (
 )
 
 
-def render_for_template(messages: list[dict], tools: list[dict] | None, native: bool) -> tuple[list[dict], list[dict] | None]:
+def render_for_template(messages: list[dict], tools: list[dict] | None, native: bool,
+                        string_arguments: bool = False) -> tuple[list[dict], list[dict] | None]:
     """``(messages, tools)`` to hand the chat template.
 
     ``messages`` are OpenAI-shaped dicts (``tool_calls`` with JSON-text
     arguments, ``role: tool`` with ``tool_call_id``). A ``native`` template
     (one that reads ``tools``) gets them as Hugging Face templates expect:
-    arguments as objects. Otherwise tools go into the system prompt, calls
+    arguments as objects (as the JSON text sent with ``string_arguments``, for a
+    template that only takes that). Otherwise tools go into the system prompt, calls
     into the assistant text as Hermes blocks, and tool results into a user
     turn of ``<tool_response>`` blocks (consecutive results merged).
     """
     if native:
-        return [_native_message(m) for m in messages], tools
+        return [_native_message(m, string_arguments) for m in messages], tools
     out: list[dict] = []
     if tools:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -110,19 +114,20 @@ def render_for_template(messages: list[dict], tools: list[dict] | None, native: 
     return [{k: v for k, v in m.items() if k != "_tool_results" and v is not None} for m in out], None
 
 
-def _native_message(m: dict) -> dict:
+def _native_message(m: dict, string_arguments: bool) -> dict:
     """``m`` in Hugging Face's shape: no None values and a call's arguments as an object.
     An assistant call's ``null`` content is an empty string, as vLLM gives it (Qwen3's,
     QwQ's and Granite 3.3's templates raise on a call without ``content``)."""
     out = {k: v for k, v in m.items() if v is not None}
     if m["role"] == "assistant" and m.get("tool_calls"):
-        out["tool_calls"] = [_native_call(c) for c in m["tool_calls"]]
+        out["tool_calls"] = [_native_call(c, string_arguments) for c in m["tool_calls"]]
         out["content"] = m.get("content") or ""
     return out
 
 
-def _native_call(call: dict) -> dict:
+def _native_call(call: dict, string_arguments: bool) -> dict:
     fn = call["function"]
+    arguments = fn.get("arguments") or "{}"
     native = {"id": call.get("id"), "type": "function",
-              "function": {"name": fn["name"], "arguments": parse_json(fn.get("arguments") or "{}") or {}}}
+              "function": {"name": fn["name"], "arguments": arguments if string_arguments else parse_json(arguments) or {}}}
     return {k: v for k, v in native.items() if v is not None}
