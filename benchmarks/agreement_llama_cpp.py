@@ -24,7 +24,8 @@ Usage:
     python benchmarks/agreement_llama_cpp.py --store --shape tiny-qwen3 --type Q8_0
 The second writes the file with make-model's :func:`~quanta.tools.make_model.write_direct` (seed 0)
 and stores llama.cpp's sequences and top-5 lists, with the measured spread of the shape's F16 and
-Q8_0 files, in ``tests/data/llama_cpp_agreement/SHAPE-TYPE.json`` for
+Q8_0 files (and for an F16 / F32 file of its F32 and F16 files: fp16 activations, llama.cpp's only
+rounding of F16 weights' matmuls, which quanta computes in fp32), in ``tests/data/llama_cpp_agreement/SHAPE-TYPE.json`` for
 ``tests/test_agreement_llama_cpp.py``. Never run in CI; llama-server must be built (peer_llama_cpp.py).
 """
 
@@ -163,18 +164,21 @@ def store(shape: str, qtype: str, seed: int, layers: int | None) -> Path:
     store everything the test needs; returns the JSON's path."""
     with tempfile.TemporaryDirectory(prefix="agreement-") as tmp:
         work = Path(tmp)
+        floats = qtype in ("F16", "F32")
         files = {t: write_direct(shape, work / f"{shape}-{t}.gguf", t, seed, layers, progress=lambda _: None)
-                 for t in dict.fromkeys((qtype, "F16", "Q8_0"))}
+                 for t in dict.fromkeys((qtype, "F16", "Q8_0", *(("F32",) if floats else ())))}
         cases = llama_cpp_cases(files[qtype], work)
         spread = measured_spread(files["F16"], files["Q8_0"], cases, work)
+        float_spread = measured_spread(files["F32"], files["F16"], cases, work) if floats else None
         record = {
             "command": "python benchmarks/agreement_llama_cpp.py " + shlex.join(sys.argv[1:]),
             "llama_cpp": f"llama-server of llama-cpp-python {LLAMA_CPP_PYTHON}'s vendored llama.cpp, -t 2 -np 1 -c 2048",
             "file": {"shape": shape, "type": qtype, "seed": seed, "layers": layers, "sha256": sha256(files[qtype])},
             "spread_f16_q8_0": spread,
+            "spread_f32_f16": float_spread,
             "cases": cases,
         }
-        report = quanta_report(files[qtype], cases, spread["max_diff"])
+        report = quanta_report(files[qtype], cases, (float_spread or spread)["max_diff"])
     STORE.mkdir(parents=True, exist_ok=True)
     out = STORE / f"{shape}-{qtype}.json"
     out.write_text(json.dumps(record, separators=(",", ":")) + "\n")

@@ -8,15 +8,18 @@ writes the same file again (make-model's ``write_direct``, seed 0: the sha256 mu
 stored outputs are stale), loads it as ``quanta serve`` does, computes each sequence as one prompt
 and checks, over 512 positions:
 
-- ``|logprob difference|`` over llama.cpp's top 5: max and median at most llama.cpp's own F16-vs-Q8_0
-  spread (max ~1.3, median ~0.18 nats on these files). The tolerance, derived: the two engines
-  compute a file's weights alike and differ in activations (llama.cpp rounds them to q8_0 for
-  quantized weights and to fp16 for F16 ones; quanta's projections round them to 8 bits in its
-  own blocks, its head to 15 bits, F16 / F32 weights take fp32 ones), which is no more than one
-  8-bit rounding of every weight and activation, the F16-vs-Q8_0 spread;
+- ``|logprob difference|`` over llama.cpp's top 5: max and median at most llama.cpp's own spread
+  between two files of the same weights. The tolerance, derived: the two engines compute a file's
+  weights alike and differ in the rounding of activations. For Q8_0 / Q4_0 files llama.cpp rounds
+  them to q8_0 and quanta's projections to 8 bits in its own blocks (its head to 15 bits): no more
+  than one 8-bit rounding of every weight and activation, llama.cpp's F16-vs-Q8_0 spread (max
+  ~1.3, median ~0.18 nats on these files). For F16 / F32 files quanta keeps activations in fp32
+  and llama.cpp rounds them to fp16 twice: at the F16 projections' inputs (its F32-vs-F16 spread
+  measures that one: max ~0.07, median ~0.009) and in its attention (Q to fp16, in both of its
+  files, so not in that spread): twice the F32-vs-F16 spread;
 - top-1 agreement in at least 95% of the positions where llama.cpp's top-1 leads its second by
-  more than that max (where one 8-bit rounding can swap them, the order is not the file's), and
-  in at least 95% of all positions for F16 / F32 files (activations differ by fp16 rounding only).
+  more than that max (where the engines' rounding can swap them, the order is not the file's), and
+  in at least 95% of all positions for F16 / F32 files.
 
 Architectures: llama with Llama 3 ``rope_freqs`` (F16, F32 through the dequantizing loader, Q4_0),
 mistral (llama layout, untied head, Q4_0), qwen2 (q/k/v biases, Q8_0), qwen3 (q/k norms, Q8_0).
@@ -41,22 +44,30 @@ CASES = sorted(p.stem for p in DATA.glob("*.json"))
 TOP1 = 0.95
 
 
+def tolerance(record: dict) -> dict:
+    """The bound of ``record``'s file: twice the F32-vs-F16 spread for a float file, else the F16-vs-Q8_0 spread."""
+    if record.get("spread_f32_f16"):
+        spread = record["spread_f32_f16"]
+        return {**spread, "max_diff": 2 * spread["max_diff"], "median_diff": 2 * spread["median_diff"]}
+    return record["spread_f16_q8_0"]
+
+
 def check_file(record: dict, path: Path) -> dict:
     """quanta on ``path`` against ``record``'s llama.cpp outputs; returns the summary."""
     loaded = agreement.load_as_served(path)
-    tolerance = record["spread_f16_q8_0"]
-    results = [agreement.compare(c["top"], agreement.position_logprobs(loaded, c["tokens"], c["first"]), tolerance["max_diff"])
+    results = [agreement.compare(c["top"], agreement.position_logprobs(loaded, c["tokens"], c["first"]),
+                                 tolerance(record)["max_diff"])
                for c in record["cases"]]
     return agreement.summarize(results)
 
 
 def failures(summary: dict, record: dict) -> list[str]:
     """What ``summary`` breaks of the rules in the module docstring (empty: it agrees)."""
-    tolerance, qtype = record["spread_f16_q8_0"], record["file"]["type"]
+    bound, qtype = tolerance(record), record["file"]["type"]
     out = []
-    if summary["max_diff"] > tolerance["max_diff"] or summary["median_diff"] > tolerance["median_diff"]:
+    if summary["max_diff"] > bound["max_diff"] or summary["median_diff"] > bound["median_diff"]:
         out.append(f"|logprob diff| max {summary['max_diff']:.3f} / median {summary['median_diff']:.4f} over llama.cpp's "
-                   f"F16-vs-Q8_0 spread {tolerance['max_diff']:.3f} / {tolerance['median_diff']:.4f}")
+                   f"spread {bound['files']} {bound['max_diff']:.3f} / {bound['median_diff']:.4f}")
     if summary["decisive_top1_share"] < TOP1:
         out.append(f"top-1 agreement {summary['decisive_top1_share']:.1%} where no near tie")
     if qtype in ("F16", "F32") and summary["top1_share"] < TOP1:

@@ -20,10 +20,13 @@ SmolLM2's 49,152 tokens (Mistral 7B's 32,768) cannot be written this way and is 
 Weights are normal: projections and biases with std ``1 / sqrt(fan_in)`` (each block adds a
 token-specific term of RMS ~1 to the residual stream), the embedding and an untied output
 matrix with std 0.02 (transformers' ``initializer_range``: small beside the blocks' terms, so
-a tied head does not echo the input token back), block norms 1, and the output norm
+a tied head does not echo the input token back), block norms ``1 + N(0, NORM_STD)`` (not all
+1, so a norm weight read wrongly or not at all changes the output), and the output norm
 ``LOGIT_STD / (0.02 sqrt(hidden))`` so logits have std :data:`LOGIT_STD` whether the head is
 tied or not: the top-1 logit then leads the next by ~``LOGIT_STD / sqrt(2 ln vocab)`` (about 2)
-on average, no near-tie for greedy decoding. The reserved tokens' rows of the embedding and of
+on average. Rounding moves logits in proportion (an 8-bit rounding of activations by ~0.1-0.2),
+so some positions stay near ties between two engines (~5% at 8 bits, ~1% at fp16, on the tiny
+shapes: ``tests/test_agreement_llama_cpp.py`` counts them). The reserved tokens' rows of the embedding and of
 the output matrix are zero (as Llama 3's untrained reserved tokens are near zero): their logits
 are 0, some 4 std below the top ones, so generated tokens are the tokenizer's own, not
 unprintable control tokens. Each tensor's generator is seeded
@@ -83,6 +86,8 @@ def _file_types() -> dict[str, Any]:
 
 #: std of the embedding and of an untied output matrix
 EMBEDDING_STD = 0.02
+#: std of the block norms' weights around 1
+NORM_STD = 0.2
 #: std of the logits (set by the output norm's weights)
 LOGIT_STD = 10.0
 
@@ -271,10 +276,11 @@ def _random_tensor(name: str, shape: tuple[int, ...], kind: str, dtype: Any, cfg
     """One tensor's values as a numpy array of torch dtype ``dtype`` (:func:`tensor_plan`'s); see the module docstring."""
     if kind == "rope":
         return llama3_rope_factors(cfg)
-    if kind in ("norm", "output_norm"):
-        weight = LOGIT_STD / (EMBEDDING_STD * cfg["hidden_size"] ** 0.5) if kind == "output_norm" else 1.0
-        return torch.full(shape, weight, dtype=dtype).numpy()
+    if kind == "output_norm":
+        return torch.full(shape, LOGIT_STD / (EMBEDDING_STD * cfg["hidden_size"] ** 0.5), dtype=dtype).numpy()
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))  # torch's CPU generator keeps 32 seed bits
+    if kind == "norm":
+        return torch.empty(shape, dtype=dtype).normal_(1.0, NORM_STD, generator=gen).numpy()
     if kind in ("embedding", "output"):  # the reserved tokens' rows stay zero
         values = torch.zeros(shape, dtype=dtype)
         values[:tokenizer_size()].normal_(0.0, EMBEDDING_STD, generator=gen)

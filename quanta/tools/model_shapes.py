@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def _llama3_rope(factor: float) -> dict:
+def _llama3_rope(factor: float, original: int = 8192) -> dict:
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+            "original_max_position_embeddings": original}
 
 
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
@@ -33,10 +33,11 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-7b": {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
                    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
-    # for tests: Llama 3.x layout (rope_freqs, tied embeddings) at toy width; SmolLM2's vocabulary plus 128 reserved tokens
+    # for tests: Llama 3.x layout (rope_freqs, tied embeddings) at toy width; SmolLM2's vocabulary plus 128 reserved tokens;
+    # an original context of 64 so that the rope_freqs factors turn positions below 100 (Llama 3's 8192 would not)
     "tiny-llama3": {**_LLAMA3, "vocab_size": 49152 + 128, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True,
-                    "max_position_embeddings": 8192, "rope_scaling": _llama3_rope(8.0)},
+                    "max_position_embeddings": 8192, "rope_scaling": _llama3_rope(8.0, 64)},
     # for tests, each architecture's own parts at toy width: Mistral (llama layout, no rope_freqs, untied head),
     # Qwen2 (q/k/v biases), Qwen3 (q/k RMS norms, head_dim wider than hidden / heads)
     "tiny-mistral": {**_TINY, "architectures": ["MistralForCausalLM"], "head_dim": 32, "tie_word_embeddings": False,
