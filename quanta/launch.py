@@ -18,6 +18,7 @@ from quanta.engine.block_pool import BlockPool
 from quanta.engine.engine import Engine
 from quanta.engine.kv_budget import num_blocks
 from quanta.engine.model_executor import ModelExecutor
+from quanta.engine.sampling import SamplingParams
 from quanta.engine.stop_strings import TextState
 from quanta.model.attention import KVFormat, bytes_per_block, kv_format
 from quanta.model.config import ModelConfig
@@ -274,4 +275,12 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     eos = set(loaded.config.eos_token_ids) | loaded.tokenizer.eos_token_ids
     scheduler = sched_cfg.build()
     scheduler.use_blocks(BlockPool(num_blocks, engine_cfg.block_size), engine_cfg.prefix_cache)
-    return Engine(scheduler, executor, max_len, lambda p: TextState.create(IncrementalDetokenizer(loaded.tokenizer), p.stop), eos)
+    return Engine(scheduler, executor, max_len, lambda p: text_state(loaded.tokenizer, eos, p), eos)
+
+
+def text_state(tokenizer: Tokenizer, eos: set[int], params: SamplingParams) -> TextState:
+    """A request's :class:`TextState`: special tokens decoded as ``params`` says; when they are
+    kept, the end-of-output tokens (``eos``, ``stop_token_ids``) are still left out of the text."""
+    keep = not params.skip_special_tokens
+    hidden = eos | set(params.stop_token_ids) if keep else ()
+    return TextState.create(IncrementalDetokenizer(tokenizer, skip_special_tokens=not keep), params.stop, hidden)

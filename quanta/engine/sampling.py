@@ -45,6 +45,9 @@ class SamplingParams:
         cache_salt: prefix reuse happens only between requests with the same
             salt (None matches only None; as vLLM's ``cache_salt``), so a
             client cannot probe another's prompt through cached-token counts.
+        skip_special_tokens: the output text leaves special tokens out (as
+            vLLM's); False keeps them (a tool-call format whose markers are
+            special tokens) and leaves out only the end-of-output tokens.
 
     Raises:
         ValueError: a value out of its range.
@@ -65,6 +68,7 @@ class SamplingParams:
     logprobs: int | None = None
     logprob_records: list[TokenLogprob] = field(default_factory=list)
     cache_salt: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         checks = [

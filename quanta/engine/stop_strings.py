@@ -100,12 +100,15 @@ class TextState:
     scanned: int = 0
     stopped: bool = field(default=False)
     stop_string: str | None = None
+    #: token ids whose text never joins ``text`` (end-of-output tokens, when special tokens are decoded)
+    hidden: frozenset[int] = frozenset()
 
     @classmethod
-    def create(cls, detokenizer: IncrementalDetokenizer, stop: list[str]) -> TextState:
-        """A fresh state over ``detokenizer`` that ends at the first of ``stop`` (empty strings ignored)."""
+    def create(cls, detokenizer: IncrementalDetokenizer, stop: list[str], hidden=()) -> TextState:
+        """A fresh state over ``detokenizer`` that ends at the first of ``stop`` (empty strings
+        ignored) and leaves out the text of the ``hidden`` token ids."""
         stops = [s for s in stop if s]
-        return cls(detokenizer, StopMatcher(stops) if stops else None)
+        return cls(detokenizer, StopMatcher(stops) if stops else None, hidden=frozenset(hidden))
 
     def add(self, token_id: int, final: bool) -> str:
         """Append a token; returns text now safe to release.
@@ -114,7 +117,8 @@ class TextState:
         text is cut before it).
         ``final`` releases everything still held back.
         """
-        self.text += self.detokenizer.add(token_id)
+        if token_id not in self.hidden:
+            self.text += self.detokenizer.add(token_id)
         if final:
             self.text += self.detokenizer.flush()
         held = 0

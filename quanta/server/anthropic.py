@@ -64,7 +64,7 @@ from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_formats.registry import request_parser
+from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser
 from quanta.server.tool_templates import template_input
 from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
@@ -271,15 +271,15 @@ def router(state: ServerState) -> APIRouter:
         forced = body.forced_tools()  # a choice that forces a server tool, or no tool at all, is a 400
         parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         if forced:  # a forced call wins over output_config.format, which governs a text answer
-            grammar, param = state.tool_parser.grammar(forced, parallel), "tool_choice"
+            grammar, param = forced_grammar(state, prompt, forced, parallel), "tool_choice"
         else:
             grammar, param = body.format_grammar(), "output_config.format"
-        stream = await submit(state, request, prompt, body.max_tokens,
-                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param),
-                              "messages")
+        parser = request_parser(state, body.use_tools, prompt)
+        stream = await submit(state, request, prompt, body.max_tokens, lambda n: constrain(
+            state, parser_params(state, parser, with_defaults(state.config, body, body.sampling_params(n))), grammar, param),
+            "messages")
         msg_id = "msg_" + uuid.uuid4().hex
         label_request(state.metrics.live, stream, msg_id, "/v1/messages")
-        parser = request_parser(state, body.use_tools, prompt)
         if body.stream:
             events = (_tool_events(msg_id, body.model, stream, parser.stream(), body.max_tokens) if parser
                       else _events(msg_id, body.model, stream, body.max_tokens))

@@ -45,7 +45,7 @@ from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_formats.registry import request_parser
+from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser
 from quanta.server.tool_templates import template_input
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
@@ -83,7 +83,7 @@ def constrain(state, params: SamplingParams, grammar: Grammar | None, param: str
         raise APIError(400, f"{param}: cannot enforce it: {exc}", param) from exc
 
 
-def _request_grammar(state, body) -> tuple[Grammar | None, str | None]:
+def _request_grammar(state, body, prompt: list[int]) -> tuple[Grammar | None, str | None]:
     try:
         guided = body.guided_grammar()
     except ValueError as exc:
@@ -93,7 +93,7 @@ def _request_grammar(state, body) -> tuple[Grammar | None, str | None]:
     if isinstance(body, ChatRequest):
         forced = body.forced_tools()
         if forced:
-            return state.tool_parser.grammar(forced, body.parallel_tool_calls), "tool_choice"
+            return forced_grammar(state, prompt, forced, body.parallel_tool_calls), "tool_choice"
         if body.response_format is not None:
             return body.response_format.grammar(), "response_format"
     return None, None
@@ -104,7 +104,7 @@ async def serve_chat(state, request: Request, body: ChatRequest) -> Response:
     prompt = await chat_prompt(state, [m.as_dict() for m in body.messages], tools)
     parser = request_parser(state, bool(tools), prompt)
     fmt = ChatFormat(LogprobFormatter(state.tokenizer), parser.stream() if parser is not None else None)
-    return await _serve(state, request, body, prompt, fmt)
+    return await _serve(state, request, body, prompt, fmt, parser)
 
 
 async def serve_completion(state, request: Request, body: CompletionsRequest) -> Response:
@@ -122,14 +122,15 @@ async def serve_completion(state, request: Request, body: CompletionsRequest) ->
     return await _serve(state, request, body, prompt, CompletionFormat(LogprobFormatter(state.tokenizer)))
 
 
-async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format) -> Response:
+async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format, parser=None) -> Response:
     check_model(state, served_model(state, body))
     log_fields(request.url.path, body)
-    grammar, param = _request_grammar(state, body)
+    grammar, param = _request_grammar(state, body, prompt)
     made: list[SamplingParams] = []
 
     def make_params(max_tokens: int) -> SamplingParams:
         params = replace(with_defaults(state.config, body, body.sampling_params(max_tokens)), logprobs=body.num_logprobs)
+        params = parser_params(state, parser, params)
         made.append(constrain(state, params, grammar, param))
         return made[-1]
 

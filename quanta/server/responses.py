@@ -42,7 +42,7 @@ from quanta.server.field_rule import log_fields
 from quanta.server.live_log import label_request
 from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tool_formats.registry import request_parser
+from quanta.server.tool_formats.registry import parser_params, request_parser
 from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
@@ -281,14 +281,14 @@ def router(state: ServerState) -> APIRouter:
         log_fields("/v1/responses", body)
         tools = body.chat_tools() if body.tool_choice != "none" else []
         prompt = await chat_prompt(state, body.messages(), tools or None)
-        grammar, param = request_grammar(state, body, tools)
+        grammar, param = request_grammar(state, body, tools, prompt)
         max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_output_tokens)
-        stream = await submit(state, request, prompt, max_tokens,
-                              lambda n: constrain(state, with_defaults(state.config, body, body.sampling_params(n)), grammar, param),
-                              "input")
+        parser = request_parser(state, bool(tools), prompt)
+        stream = await submit(state, request, prompt, max_tokens, lambda n: constrain(
+            state, parser_params(state, parser, with_defaults(state.config, body, body.sampling_params(n))), grammar, param),
+            "input")
         builder = _Builder(body, tools)
         label_request(state.metrics.live, stream, builder.id, "/v1/responses")
-        parser = request_parser(state, bool(tools), prompt)
         if body.stream:
             return StreamingResponse(_stream(builder, stream, parser.stream() if parser else None), media_type="text/event-stream")
         return await until_disconnect(request, _collect(builder, stream, parser), stream)

@@ -48,6 +48,7 @@ from quanta.server.protocol import (
     only,
     turns,
 )
+from quanta.server.tool_formats.registry import forced_grammar
 
 
 def served(*kinds: str):
@@ -284,7 +285,7 @@ def _forced(body: ResponsesRequest, tools: list[dict]) -> list[dict] | None:
     return None
 
 
-def request_grammar(state, body: ResponsesRequest, tools: list[dict]):
+def request_grammar(state, body: ResponsesRequest, tools: list[dict], prompt: list[int]):
     """(grammar, the field it enforces) of the request: a forced call, else ``text.format``, else (None, None).
 
     Raises:
@@ -292,7 +293,7 @@ def request_grammar(state, body: ResponsesRequest, tools: list[dict]):
     """
     forced = _forced(body, tools) if tools else None
     if forced:
-        return state.tool_parser.grammar(forced, body.parallel_tool_calls), "tool_choice"
+        return forced_grammar(state, prompt, forced, body.parallel_tool_calls), "tool_choice"
     if body.tool_choice not in (None, "auto", "none") and not tools:
         raise APIError(400, "tool_choice requires function tools (hosted tools are not run here)", "tool_choice")
     fmt = body.text.format if body.text else None

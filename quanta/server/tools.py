@@ -35,6 +35,7 @@ from quanta.server.tool_scan import BlockScanner, ObjectScanner
 
 if TYPE_CHECKING:  # grammars load torch and transformers: imported when one is written (``quanta --help`` needs none)
     from quanta.engine.grammar import Grammar
+    from quanta.server.tool_formats.lark import Lark, Marks
     from quanta.server.tools_stream import ToolStream
 
 
@@ -133,33 +134,39 @@ def _content(parts: list[str]) -> str | None:
     return text or None
 
 
-def _tool_schema(tool: dict, args_key: str) -> dict:
-    fn = tool["function"]
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {
-        "type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-        "required": ["name", args_key], "additionalProperties": False,
-    }
-
-
-def _calls_schema(tools: list[dict], args_key: str) -> dict:
-    schemas = [_tool_schema(t, args_key) for t in tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-
-
 class ToolParser:
     """One native tool-call format (see the module docstring)."""
 
     name: str
     #: text that opens the first call; everything before it is plain content
     start: str
+    #: every marker the format writes (those that are special tokens must survive decoding)
+    markers: tuple[str, ...] = ()
 
     def parse(self, text: str) -> Parsed:
         raise NotImplementedError
 
-    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
-        """A grammar whose every match is one (or, if ``parallel``, one or more) call of ``tools``."""
-        raise NotImplementedError
+    def grammar(self, tools: list[dict], parallel: bool, marks: Marks | None = None) -> Grammar:
+        """A grammar whose every match is one (or, if ``parallel``, one or more) call of ``tools``
+        in this format (:mod:`quanta.server.tool_formats.forced`); ``marks``: which of its
+        :attr:`markers` are special tokens of the vocabulary (none if None).
+
+        Raises:
+            NotImplementedError: the format has no forced-call grammar.
+        """
+        from quanta.server.tool_formats.lark import Lark, Marks
+
+        lark = Lark(marks or Marks())
+        return lark.grammar(self.forced_call(lark, tools, parallel))
+
+    def forced_call(self, lark: Lark, tools: list[dict], parallel: bool) -> str:
+        """The start expression of :meth:`grammar`, its rules added to ``lark``."""
+        from quanta.server.tool_formats.forced import FORCED
+
+        build = FORCED.get(self.name)
+        if build is None:
+            raise NotImplementedError(f"the {self.name} format has no forced-call grammar")
+        return build(lark, tools, parallel)
 
     def stream(self) -> ToolStream:
         """A fresh :class:`quanta.server.tools_stream.ToolStream` for one output in this format
@@ -204,6 +211,7 @@ class HermesParser(ToolParser):
     """
 
     name, start, end = "hermes", "<tool_call>", BlockScanner.END
+    markers = (start, end)
 
     def stream(self) -> ToolStream:
         from quanta.server.tools_stream import HermesStream
@@ -230,13 +238,6 @@ class HermesParser(ToolParser):
         if not calls:
             return Parsed(text or None, [], broken)
         return Parsed(_content(parts), calls, broken, in_order(pieces + [text[pos:]]))
-
-    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
-        from quanta.engine.grammar import Grammar, json_rule
-
-        call = f'"<tool_call>\\n" {json_rule(_calls_schema(tools, "arguments"))} "\\n</tool_call>"'
-        more = ' ("\\n" call)*' if parallel else ""
-        return Grammar(f"start: call{more}\ncall: {call}")
 
 
 #: The start of a Hermes call object up to its arguments value: group 1 is the name's JSON string.
@@ -275,6 +276,7 @@ def hermes_call(block: str) -> ToolCall | None:
 
 class Llama3JsonParser(ToolParser):
     name, start = "llama3_json", "<|python_tag|>"
+    markers = (start,)
 
     def call_start(self, text: str) -> int:
         stripped = text.lstrip()
@@ -293,16 +295,10 @@ class Llama3JsonParser(ToolParser):
             calls.append(call)
         return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
 
-    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
-        from quanta.engine.grammar import Grammar, json_rule
-
-        call = json_rule(_calls_schema(tools, "parameters"))
-        more = ' ("; " call)*' if parallel else ""
-        return Grammar(f"start: call{more}\ncall: {call}")
-
 
 class MistralParser(ToolParser):
     name, start = "mistral", "[TOOL_CALLS]"
+    markers = (start, "[ARGS]", "[CALL_ID]")
     _v11 = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\](.*)", re.S)
 
     def call_start(self, text: str) -> int:
@@ -337,14 +333,6 @@ class MistralParser(ToolParser):
                     call.id = obj["id"]
             calls += found
         return Parsed(_content([text[:i]]), calls, order=in_order([text[:i], *calls])) if calls else Parsed(text or None, [])
-
-    def grammar(self, tools: list[dict], parallel: bool) -> Grammar:
-        from quanta.engine.grammar import Grammar, json_rule
-
-        array = {"type": "array", "items": _calls_schema(tools, "arguments"), "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
-        return Grammar(f'start: "[TOOL_CALLS]" {json_rule(array)}')
 
 
 def choose_parser(template: str | None, override: str | None = None) -> ToolParser:

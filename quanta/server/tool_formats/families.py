@@ -40,6 +40,7 @@ class DeepSeekV3Parser(MarkedParser):
     name = "deepseek_v3"
     syntax = Syntax(begins=(DS_CALL,), drops=(DS_CALLS,), name_ends=("```json",),
                     closers=("```", *DS_CLOSERS), name_of=_deepseek_v3_name)
+    inner_markers = (DS_SEP,)
 
 
 class DeepSeekV31Parser(MarkedParser):

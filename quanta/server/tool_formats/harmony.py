@@ -106,6 +106,7 @@ class HarmonyParser(ToolParser):
 
     name, start = "openai", "<|channel|>"
     reasons = True
+    markers = (MESSAGE, CHANNEL, START, "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
 
     def parse(self, text: str) -> Parsed:
         sink = Pieces()

@@ -312,10 +312,20 @@ class MarkedParser(ToolParser):
     """A format read by :class:`Machine` over its :class:`Syntax`."""
 
     syntax: Syntax
+    #: markers the format writes that its syntax reads inside a name (DeepSeek V3's ``<｜tool▁sep｜>``)
+    inner_markers: tuple[str, ...] = ()
 
     @property
     def start(self) -> str:
         return self.syntax.begins[0]
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        s = self.syntax
+        params = (s.params.key_open, s.params.key_close, s.params.value_open, s.params.value_close, s.params.end) \
+            if s.params else ()
+        every = (*s.begins, *s.drops, *s.closers, *s.name_ends, *params, *self.inner_markers)
+        return tuple(m for m in every if m.strip())
 
     def parse(self, text: str) -> Parsed:
         sink = Pieces()

@@ -129,8 +129,18 @@ class ReasoningParser(ToolParser):
         reasoning, content = self.split(text)
         return replace(self.inner.parse(content), reasoning=reasoning)
 
-    def grammar(self, tools, parallel):
-        return self.inner.grammar(tools, parallel)
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (*self.inner.markers, self.syntax.start, self.syntax.end)
+
+    def forced_call(self, lark, tools, parallel) -> str:
+        """The inner format's forced calls after the reasoning: its end marker first when the
+        prompt opened it, else an optional whole reasoning block."""
+        calls = self.inner.forced_call(lark, tools, parallel)
+        thought = f'{lark.until(self.syntax.end)} ("\\n" | "\\n\\n")?'
+        if self.opened:
+            return f"{thought} {calls}"
+        return f"({lark.marks.lit(self.syntax.start)} {thought})? {calls}"
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)

@@ -9,10 +9,16 @@ the request has no tools) behind the reasoning splitter.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from quanta.server.tool_formats.families import FAMILIES
 from quanta.server.tool_formats.harmony import HarmonyParser
+from quanta.server.tool_formats.lark import Marks, special_markers
 from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax, prompt_opens
 from quanta.server.tools import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
+
+if TYPE_CHECKING:
+    from quanta.engine.grammar import Grammar
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, HarmonyParser, *FAMILIES)}
@@ -107,3 +113,40 @@ def request_parser(state, with_tools: bool, prompt: list[int]) -> ToolParser | N
         tail = state.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
         opened = prompt_opens(tail, state.reasoning)
     return output_parser(state.tool_parser, state.reasoning, with_tools, opened)
+
+
+def request_marks(state, parser: ToolParser) -> Marks:
+    """Which of ``parser``'s markers are special tokens of the served tokenizer."""
+    return special_markers(state.tokenizer, tuple(parser.markers))
+
+
+def keeps_specials(state, parser: ToolParser | None) -> bool:
+    """Whether the text fed to ``parser`` must keep special tokens: some marker of its format
+    is one (gpt-oss ``<|channel|>``, a tekken ``[TOOL_CALLS]``); decoding would drop it."""
+    return parser is not None and bool(request_marks(state, parser).special)
+
+
+def parser_params(state, parser: ToolParser | None, params):
+    """``params`` decoding special tokens when ``parser``'s format needs them (:func:`keeps_specials`)."""
+    if keeps_specials(state, parser):
+        from dataclasses import replace
+
+        return replace(params, skip_special_tokens=False)
+    return params
+
+
+def forced_grammar(state, prompt: list[int], tools: list[dict], parallel: bool, param: str = "tool_choice") -> Grammar:
+    """The grammar that forces one call of ``tools`` (one or more if ``parallel``) in the served
+    model's format, after any reasoning (:func:`request_parser` of ``prompt``).
+
+    Raises:
+        APIError: 400 naming ``param`` for a format that has no forced-call grammar.
+    """
+    parser = request_parser(state, True, prompt)
+    try:
+        return parser.grammar(tools, parallel, request_marks(state, parser))
+    except NotImplementedError as exc:
+        from quanta.server.errors import APIError
+
+        raise APIError(400, f"{param}: the {parser.name} tool-call format cannot force a call; "
+                            "use tool_choice auto", param) from exc

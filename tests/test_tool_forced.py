@@ -1,0 +1,255 @@
+"""Forced tool calls in each format's own syntax, and special-token markers kept for the parser.
+
+The grammars are compiled by quanta's GrammarCompiler (llguidance) over the
+embedded SmolLM2 tokenizer, once as it is (every marker plain text) and once
+with the formats' markers added as special tokens (as gpt-oss, tekken and
+DeepSeek vocabularies have them). Each format's grammar must accept the
+token ids of a valid call in that syntax (which its parser reads back as
+the call), and refuse an invalid one (another syntax, a tool not offered,
+arguments off the schema, a second call when one was asked for).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+
+import llguidance
+import pytest
+
+from quanta.engine.grammar import GrammarCompiler
+from quanta.engine.sampling import SamplingParams
+from quanta.launch import text_state
+from quanta.model.loader import embedded_model_path
+from quanta.model.tokenizer import Tokenizer
+from quanta.server.tool_formats.forced import FORCED
+from quanta.server.tool_formats.lark import special_markers
+from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser
+from quanta.server.tool_formats.registry import TOOL_PARSERS, PlainParser, keeps_specials
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+ARGS = {"city": "Paris", "days": 2}
+
+DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+
+
+@dataclass
+class Form:
+    """One format's valid single call (of get_weather with :data:`ARGS`), two calls, and invalid outputs."""
+
+    fmt: str
+    one: str
+    two: str
+    bad: tuple[str, ...]
+
+
+def _ds3(name: str, args: str) -> str:
+    return f"{DS[1]}function{DS[2]}{name}\n```json\n{args}\n```{DS[3]}"
+
+
+def _ds31(name: str, args: str) -> str:
+    return f"{DS[1]}{name}{DS[2]}{args}{DS[3]}"
+
+
+def _kimi(name: str, args: str, i: int) -> str:
+    return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+
+
+def _qwen(name: str, params: dict) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def _glm(name: str, params: dict) -> str:
+    body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in params.items())
+    return f"<tool_call>{name}\n{body}</tool_call>"
+
+
+A = json.dumps(ARGS, separators=(",", ":"))
+T = json.dumps({"zone": "UTC"}, separators=(",", ":"))
+W_OBJ = json.dumps({"name": "get_weather", "arguments": ARGS}, separators=(",", ":"))
+T_OBJ = json.dumps({"name": "get_time", "arguments": {"zone": "UTC"}}, separators=(",", ":"))
+CMD = '{"tool_call_id":"0","tool_name":"get_weather","parameters":' + A + "}"
+CMD2 = '{"tool_call_id":"1","tool_name":"get_time","parameters":' + T + "}"
+HARMONY = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + A
+
+FORMS = [
+    Form("hermes", f"<tool_call>\n{W_OBJ}\n</tool_call>", f"<tool_call>\n{W_OBJ}\n</tool_call>\n<tool_call>\n{T_OBJ}\n</tool_call>",
+         (W_OBJ, f"<tool_call>\n{W_OBJ.replace('get_weather', 'get_news')}\n</tool_call>")),
+    Form("llama3_json", W_OBJ.replace('"arguments"', '"parameters"'),
+         W_OBJ.replace('"arguments"', '"parameters"') + "; " + T_OBJ.replace('"arguments"', '"parameters"'),
+         (W_OBJ, "<tool_call>" + W_OBJ)),
+    Form("mistral", f"[TOOL_CALLS][{W_OBJ}]", f"[TOOL_CALLS][{W_OBJ},{T_OBJ}]",
+         (f"[{W_OBJ}]", f"[TOOL_CALLS]{W_OBJ}")),
+    Form("deepseek_v3", f"{DS[0]}{_ds3('get_weather', A)}{DS[4]}",
+         f"{DS[0]}{_ds3('get_weather', A)}\n{_ds3('get_time', T)}{DS[4]}",
+         (f"{DS[0]}{_ds31('get_weather', A)}{DS[4]}", _ds3("get_weather", A))),
+    Form("deepseek_v31", f"{DS[0]}{_ds31('get_weather', A)}{DS[4]}",
+         f"{DS[0]}{_ds31('get_weather', A)}{_ds31('get_time', T)}{DS[4]}",
+         (f"{DS[0]}{_ds3('get_weather', A)}{DS[4]}", f"{DS[0]}{_ds31('get_weather', '{}')}{DS[4]}")),
+    Form("kimi_k2", f"<|tool_calls_section_begin|>{_kimi('get_weather', A, 0)}<|tool_calls_section_end|>",
+         f"<|tool_calls_section_begin|>{_kimi('get_weather', A, 0)}{_kimi('get_time', T, 1)}<|tool_calls_section_end|>",
+         (_kimi("get_weather", A, 0), f"<|tool_calls_section_begin|>{_kimi('weather', A, 0)}<|tool_calls_section_end|>")),
+    Form("qwen3_coder", _qwen("get_weather", {"city": "Paris", "days": 2}),
+         _qwen("get_weather", {"city": "Paris", "days": 2}) + "\n" + _qwen("get_time", {"zone": "UTC"}),
+         (_qwen("get_weather", {"days": 2}), _qwen("get_weather", {"city": "Paris", "days": "two"}))),
+    Form("glm45", _glm("get_weather", {"city": "Paris", "days": 2}),
+         _glm("get_weather", {"city": "Paris", "days": 2}) + "\n" + _glm("get_time", {"zone": "UTC"}),
+         (_glm("get_weather", {"days": 2}), _qwen("get_weather", {"city": "Paris"}))),
+    Form("functionary", f"<function=get_weather>{A}</function>",
+         f"<function=get_weather>{A}</function><function=get_time>{T}</function>",
+         (f"<function=get_weather>{T}</function>", W_OBJ)),
+    Form("granite", f"<|tool_call|>[{W_OBJ}]", f"<|tool_call|>[{W_OBJ},{T_OBJ}]", (f"[{W_OBJ}]", f"<|tool_call|>{W_OBJ}")),
+    Form("command_r", f"<|START_ACTION|>[{CMD}]<|END_ACTION|>", f"<|START_ACTION|>[{CMD},{CMD2}]<|END_ACTION|>",
+         (f"<|START_ACTION|>[{W_OBJ}]<|END_ACTION|>", f"<|START_ACTION|>[{CMD}]")),
+    Form("firefunction", f" functools[{W_OBJ}]", f" functools[{W_OBJ},{T_OBJ}]", (f"[{W_OBJ}]", f" functools{W_OBJ}")),
+    Form("openai", HARMONY + "<|call|>", HARMONY + "<|call|>",
+         (f"<|channel|>final<|message|>{A}<|call|>", HARMONY.replace("get_weather", "get_news") + "<|call|>")),
+]
+HARMONY_MARKERS = TOOL_PARSERS["openai"].markers
+#: markers that are special tokens in the models' own vocabularies (gpt-oss, DeepSeek, Kimi-K2,
+#: Mistral tekken, Llama 3, Granite, Command R7B, GLM-4.5)
+SPECIAL_MARKERS = [*HARMONY_MARKERS, *DS, "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                   "<|tool_call_end|>", "<|tool_calls_section_end|>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>",
+                   "<|START_ACTION|>", "<|END_ACTION|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                   "<arg_value>", "</arg_value>"]
+
+
+@pytest.fixture(scope="module")
+def plain() -> Tokenizer:
+    return Tokenizer.from_path(embedded_model_path())
+
+
+def _with_specials(base: Tokenizer, markers, eos=()) -> Tokenizer:
+    """A copy of ``base`` with ``markers`` added as special tokens; ``eos``: those of them that end an output."""
+    hf = copy.deepcopy(base.hf)
+    hf.add_special_tokens({"additional_special_tokens": list(markers)})
+    return Tokenizer(hf, [hf.convert_tokens_to_ids(m) for m in eos])
+
+
+@pytest.fixture(scope="module")
+def special(plain) -> Tokenizer:
+    """The embedded tokenizer with the markers that real vocabularies hold as special tokens
+    (Mistral's v11 [ARGS] aside: it selects the other syntax, tested apart); <|call|> and
+    <|return|> end an output."""
+    return _with_specials(plain, SPECIAL_MARKERS, eos=("<|call|>", "<|return|>"))
+
+
+class Checker:
+    """Compiles a format's forced-call grammar over one tokenizer and feeds it token ids."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.compiler = GrammarCompiler(tokenizer.hf, tokenizer.eos_token_ids)
+
+    def accepts(self, parser, text: str, parallel: bool = False, tools=TOOLS) -> bool:
+        grammar = parser.grammar(tools, parallel, special_markers(self.tok, tuple(parser.markers)))
+        self.compiler.constraint(grammar)  # compiles (GrammarError otherwise)
+        ll = self.compiler._tokenizer()
+        matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar.lark), log_level=0)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        if ids[-1] in self.tok.eos_token_ids:  # an end-of-output token: the grammar ends before it, EOS follows
+            ids = ids[:-1]
+        fed = matcher.try_consume_tokens(ids)
+        return fed == len(ids) and matcher.is_accepting() and not matcher.is_error()
+
+
+@pytest.mark.parametrize("vocab", ["plain", "special"])
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.fmt)
+def test_forced_grammar_accepts_its_own_call_and_refuses_others(form, vocab, request):
+    tok = request.getfixturevalue(vocab)
+    check = Checker(tok)
+    parser = TOOL_PARSERS[form.fmt]()
+    assert check.accepts(parser, form.one), form.one
+    parsed = parser.parse(form.one)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", ARGS)]
+    assert check.accepts(parser, form.two, parallel=True)
+    if form.fmt != "openai":  # harmony: one call per turn (<|call|> ends it)
+        assert [c.name for c in parser.parse(form.two).calls] == ["get_weather", "get_time"]
+        assert not check.accepts(parser, form.two, parallel=False), "two calls where one was asked for"
+    for bad in form.bad:
+        assert not check.accepts(parser, bad, parallel=True), bad
+    assert not check.accepts(parser, form.one, tools=[TIME]), "a tool that was not offered"
+
+
+def test_special_markers_are_written_as_their_tokens(plain, special):
+    parser = TOOL_PARSERS["openai"]()
+    marks = special_markers(special, parser.markers)
+    assert set(marks.special) == set(HARMONY_MARKERS)
+    lark = parser.grammar([WEATHER], False, marks).lark
+    assert f'<[{marks.special["<|channel|>"]}]>' in lark and '"<|channel|>"' not in lark
+    assert "<|call|>" not in lark and f'<[{marks.special["<|call|>"]}]>' not in lark  # EOS: the grammar ends before it
+    assert not special_markers(plain, parser.markers).special
+
+
+def test_mistral_v11_form_where_args_is_a_special_token(plain):
+    tok = _with_specials(plain, ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"])
+    check, parser = Checker(tok), TOOL_PARSERS["mistral"]()
+    one, two = f"[TOOL_CALLS]get_weather[ARGS]{A}", f"[TOOL_CALLS]get_weather[ARGS]{A}[TOOL_CALLS]get_time[ARGS]{T}"
+    assert check.accepts(parser, one) and check.accepts(parser, two, parallel=True)
+    assert not check.accepts(parser, two) and not check.accepts(parser, f"[TOOL_CALLS][{W_OBJ}]")
+    assert [c.name for c in parser.parse(two).calls] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_reasoning_comes_before_a_forced_call(plain, opened):
+    check = Checker(plain)
+    parser = ReasoningParser(TOOL_PARSERS["qwen3_coder"](), REASONING["qwen3"], opened)
+    call = _qwen("get_weather", {"city": "Paris"})
+    thought = ("" if opened else "<think>") + "Paris, so get_weather.\n</think>\n\n"
+    assert check.accepts(parser, thought + call)
+    assert check.accepts(parser, call) is not opened  # opened: the reasoning must end first
+    assert not check.accepts(parser, thought + "Sure.")
+    parsed = parser.parse(thought + call)
+    assert parsed.reasoning == "Paris, so get_weather." and [c.name for c in parsed.calls] == ["get_weather"]
+
+
+def test_a_format_without_a_grammar_says_so():
+    with pytest.raises(NotImplementedError, match="none"):
+        PlainParser().grammar(TOOLS, False)
+    assert set(FORCED) == set(TOOL_PARSERS)
+
+
+def test_special_markers_reach_the_parser_and_never_the_content(plain, special):
+    """A harmony output decoded as the server decodes it for a format with special markers: kept
+    for the parser, the end-of-output token hidden; the content shows none of them."""
+    parser = TOOL_PARSERS["openai"]()
+
+    class State:
+        tokenizer = special
+
+    assert keeps_specials(State, parser)
+    State.tokenizer = plain
+    assert not keeps_specials(State, parser) and not keeps_specials(State, None)
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hello there.<|return|>"
+    ids = special.encode(text, add_special_tokens=False)
+    eos = special.eos_token_ids
+    assert ids[-1] in eos
+    kept, skipped = _decode(special, ids, keep=True), _decode(special, ids, keep=False)
+    assert "<|return|>" not in kept and kept == text.removesuffix("<|return|>")
+    assert "<|channel|>" not in skipped  # what the parser got before: the markers gone
+    parsed = parser.parse(kept)
+    assert parsed.content == "Hello there." and parsed.reasoning == "Think."
+    assert parser.parse(skipped).reasoning is None
+
+
+def _decode(tok: Tokenizer, ids: list[int], keep: bool) -> str:
+    """The text the engine releases for ``ids`` (its TextState, as launch.py builds it), one token at a time."""
+    state = text_state(tok, set(tok.eos_token_ids), SamplingParams(skip_special_tokens=not keep))
+    return "".join(state.add(t, final=i == len(ids) - 1) for i, t in enumerate(ids))
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "glm45"])
+def test_xml_parameters_take_only_enum_values(plain, fmt):
+    tool = {"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "properties": {"to": {"type": "string", "enum": ["north", "south"]}}, "required": ["to"]}}}
+    check, parser = Checker(plain), TOOL_PARSERS[fmt]()
+    write = _qwen if fmt == "qwen3_coder" else _glm
+    assert check.accepts(parser, write("go", {"to": "north"}), tools=[tool])
+    assert not check.accepts(parser, write("go", {"to": "west"}), tools=[tool])
+    assert json.loads(parser.parse(write("go", {"to": "south"})).calls[0].arguments) == {"to": "south"}
