@@ -36,6 +36,7 @@ from quanta.logs import LOG_FORMATS, LOG_LEVELS
 from quanta.preflight import check_model_path
 from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.defaults import DEFAULT_MAX_TOKENS
+from quanta.server.keepalive import DEFAULT_KEEPALIVE_S
 from quanta.server.live_log import DEFAULT_STATS_INTERVAL_S
 
 #: ``--dtype`` spellings -> the :class:`~quanta.config.EngineConfig` dtype.
@@ -261,6 +262,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--stats-interval", type=nonneg_float, default=DEFAULT_STATS_INTERVAL_S, metavar="SECONDS",
                        help="seconds between stats lines (throughput, running, waiting, KV slots, prefix-cache hits) while "
                             f"requests run or wait; 0: none (default {DEFAULT_STATS_INTERVAL_S:g})")
+    serve.add_argument("--stream-keepalive", type=nonneg_float, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
+                       help="streamed responses send a keep-alive (an SSE comment; Anthropic's ping event) after this "
+                            "many seconds without an event, e.g. while a long prompt is computed; 0: none "
+                            f"(default {DEFAULT_KEEPALIVE_S:g})")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,
                        help="compute every prompt whole instead of sharing the KV blocks of its longest cached prefix")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
@@ -417,7 +422,7 @@ def server_options(args: argparse.Namespace, chat_template: str | None) -> dict:
             "access": access_policy(args),
             "max_connections": args.max_connections, "max_tokens_default": args.max_tokens_default,
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
-            "chat_template": chat_template}
+            "chat_template": chat_template, "stream_keepalive": args.stream_keepalive}
 
 
 def access_policy(args: argparse.Namespace):

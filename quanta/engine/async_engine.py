@@ -13,6 +13,19 @@ reservation is checked on the caller's thread, ahead of the commands the
 engine thread has not applied yet, so aborts still in the command queue
 count as done (a request a client just left frees its place at once).
 
+:meth:`AsyncEngine.submit` with ``wait=False`` returns the request's
+stream as soon as the checks that can refuse it have passed on the caller's
+thread (length, queue); the engine thread accepts it between steps, and the
+stream's first read waits for that. A server can so answer at once (opening
+events, keep-alives) even while a long prefill step runs.
+
+An abort carries its cause (``disconnect``: the caller stopped reading, as
+when its client went away; ``step_failed``: the step it was in raised) and
+the phase it hit (``queued``, ``prefill``, ``decode``), reported to
+``on_abort``. The prompt blocks an aborted request computed stay in the
+prefix cache (:meth:`quanta.engine.kv_blocks.BlockTables.release`), so the
+same request sent again resumes its prefill.
+
 A request that fails, alone (an output with ``error``, see
 :meth:`Engine.step`) or with its whole step (the executor raised), ends its
 stream with :class:`RequestFailed`; the message names an error id under which
@@ -27,11 +40,12 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quanta.engine.engine import Engine
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
+from quanta.engine.sequence import Sequence, SequenceStatus
 from quanta.engine.trace import Trace
 
 log = logging.getLogger("quanta.engine")
@@ -57,6 +71,9 @@ class _Submit:
     reservation: Reservation | None = None
     seq_id: int | None = None
     error: Exception | None = None
+    #: run on the event loop with the seq_id once the engine accepted the request
+    on_accept: list[Callable[[int], None]] = field(default_factory=list)
+    abort_cause: str = "disconnect"
 
 
 class AsyncEngine:
@@ -68,13 +85,17 @@ class AsyncEngine:
         max_queue: waiting requests allowed before :class:`QueueFullError`;
             None for unbounded.
         on_output: called on the engine thread with each output (metrics).
+        on_abort: called on the engine thread with ``(cause, phase)`` of each
+            request aborted before its end (see the module docstring).
     """
 
     def __init__(self, engine: Engine, max_queue: int | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-                 on_idle: Callable[[], None] | None = None) -> None:
+                 on_idle: Callable[[], None] | None = None, on_abort: Callable[[str, str], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.on_output = on_output
+        self.on_abort = on_abort
+        self._step_started: float | None = None  # engine clock, while a step runs
         #: called on the engine thread each time the engine runs out of work (the server hands the
         #: C heap's free pages back: a burst's activations would otherwise stay resident)
         self.on_idle = on_idle
@@ -169,33 +190,49 @@ class AsyncEngine:
         self._commands.put(("abort", sub))
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                     length_checked: bool = False, reservation: Reservation | None = None) -> RequestStream:
-        """Hand a request to the engine; returns once the engine has accepted it.
+                     length_checked: bool = False, reservation: Reservation | None = None,
+                     wait: bool = True) -> RequestStream:
+        """Hand a request to the engine.
 
         Args:
             length_checked: :meth:`check_length` already passed for this prompt
                 and ``params.max_tokens`` (see :meth:`Engine.add_request`).
             reservation: the request's place from :meth:`reserve`: the queue is
                 not checked again, and the engine thread releases it on accepting.
+            wait: return once the engine thread has accepted the request; False:
+                at once, after the length and queue checks (the stream's first
+                read waits for the acceptance, :meth:`RequestStream.accepted`).
 
         Raises:
             QueueFullError: the waiting queue is full (no reservation given).
-            ValueError: the engine rejected the request (length limits).
+            ValueError: the prompt or its output does not fit ``max_model_len``.
             RuntimeError: the engine thread has died.
         """
         if not self.alive:
             raise RuntimeError("the engine is not running")
+        if not length_checked:  # refused here, not on the engine thread (safe from any thread)
+            self.check_length(len(prompt_token_ids), params.max_tokens)
+        if reservation is None:  # the queue is checked now; the engine thread releases the place on accepting
+            reservation = self.reserve()
         loop = asyncio.get_running_loop()
-        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), length_checked, reservation)
+        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), True, reservation)
         self._commands.put(("add", sub))
-        try:
-            await sub.arrived
-        except BaseException:
-            self._abort(sub)
-            raise
-        if sub.error is not None:
-            raise sub.error
-        return RequestStream(self, sub)
+        stream = RequestStream(self, sub)
+        if wait:
+            await stream.accepted()
+        return stream
+
+    @property
+    def step_running_s(self) -> float | None:
+        """Seconds the step now running has run (engine clock); None between steps."""
+        started = self._step_started
+        return None if started is None else max(0.0, self.engine.clock() - started)
+
+    def prefills(self) -> list[tuple[int, int, int]]:
+        """``(seq_id, prompt tokens computed, prompt tokens)`` of each resident request still
+        prefilling, as of the last step boundary (a copy; safe from another thread)."""
+        return [(s.seq_id, s.num_computed_tokens, s.num_prompt_tokens)
+                for s in list(self.engine.scheduler.running) if s.is_prefilling]
 
     def _run(self) -> None:
         try:
@@ -219,6 +256,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         """One engine step; a failing step fails only the requests resident in it."""
+        self._step_started = self.engine.clock()
         try:
             outputs = self.engine.step()
         except Exception:
@@ -227,11 +265,14 @@ class AsyncEngine:
                           error_id, len(self.engine.scheduler.running))
             failure = RequestFailed(f"the engine step failed (error id {error_id}; details are in the server log)")
             for seq in list(self.engine.scheduler.running):
+                self._note_abort("step_failed", seq)
                 self.engine.abort(seq.seq_id)
                 sub = self._routes.pop(seq.seq_id, None)
                 if sub is not None:
                     sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failure)
             return
+        finally:
+            self._step_started = None
         for out in outputs:
             self._deliver(out)
 
@@ -262,16 +303,27 @@ class AsyncEngine:
                 self._routes[seq.seq_id] = arg
             except Exception as exc:  # reported to the caller, engine keeps going
                 arg.error = exc
-            arg.loop.call_soon_threadsafe(_resolve, arg.arrived)
+            arg.loop.call_soon_threadsafe(_accepted, arg)
         elif verb == "abort":
             with self._admission:
                 self._aborts_queued -= 1
             if arg.seq_id is None:
                 return
+            seq = self.engine.sequences.get(arg.seq_id)
+            if seq is not None:
+                self._note_abort(arg.abort_cause, seq)
             out = self.engine.abort(arg.seq_id)
             self._routes.pop(arg.seq_id, None)
             if out is not None and self.on_output is not None:
                 self.on_output(out)
+
+    def _note_abort(self, cause: str, seq: Sequence) -> None:
+        if self.on_abort is None:
+            return
+        try:
+            self.on_abort(cause, abort_phase(seq))
+        except Exception:  # an observer must not stop the engine thread
+            log.exception("abort listener failed")
 
     def _check_queue(self) -> None:
         """Refuse a request that would wait beyond ``max_queue``; the caller holds
@@ -326,9 +378,21 @@ class Reservation:
         self.release()
 
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+def abort_phase(seq: Sequence) -> str:
+    """Where an aborted request was: ``queued`` (no slot yet), ``prefill`` or ``decode``."""
+    if seq.status is SequenceStatus.WAITING:
+        return "queued"
+    return "prefill" if seq.is_prefilling else "decode"
+
+
+def _accepted(sub: _Submit) -> None:
+    """On the event loop: the engine thread has taken (or refused) the request."""
+    if not sub.arrived.done():
+        sub.arrived.set_result(None)
+    callbacks, sub.on_accept = sub.on_accept, []
+    if sub.error is None and sub.seq_id is not None:
+        for callback in callbacks:
+            callback(sub.seq_id)
 
 
 class RequestStream:
@@ -346,14 +410,42 @@ class RequestStream:
         """The engine's id of the request (set once the engine accepted it)."""
         return self._sub.seq_id
 
+    def when_accepted(self, callback: Callable[[int], None]) -> None:
+        """Run ``callback(seq_id)`` on the event loop once the engine accepted the request
+        (now, if it already has; never, if it refused it)."""
+        sub = self._sub
+        if sub.arrived.done():
+            if sub.error is None and sub.seq_id is not None:
+                callback(sub.seq_id)
+        else:
+            sub.on_accept.append(callback)
+
+    async def accepted(self) -> None:
+        """Wait until the engine thread has accepted the request.
+
+        Raises:
+            QueueFullError, ValueError: the engine refused it.
+        """
+        sub = self._sub
+        if not sub.arrived.done():
+            try:
+                await sub.arrived
+            except BaseException:
+                self.abort()
+                raise
+        if sub.error is not None:
+            self.finished = True
+            raise sub.error
+
     async def __anext__(self) -> RequestOutput:
-        """The next output.
+        """The next output (the first waits for the engine to accept the request).
 
         Raises:
             RequestFailed: the request failed inside the engine.
         """
         if self.finished:
             raise StopAsyncIteration
+        await self.accepted()
         try:
             out = await self._sub.outputs.get()
         except BaseException:
@@ -365,8 +457,10 @@ class RequestStream:
         self.finished = out.finished
         return out
 
-    def abort(self) -> None:
-        """Cancel the request (frees its slot); a no-op once it finished."""
+    def abort(self, cause: str = "disconnect") -> None:
+        """Cancel the request (frees its slot); a no-op once it finished. ``cause`` is reported
+        to the engine's ``on_abort`` (default ``disconnect``: the reader went away)."""
         if not self.finished:
             self.finished = True
+            self._sub.abort_cause = cause
             self._owner._abort(self._sub)

@@ -40,9 +40,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from quanta.server.errors import route_error_body
 
-#: Paths any client may read without the key: load balancers' probes, and Claude Code's
-#: reachability probe (``HEAD /api/hello`` with no key, sent before its first request).
-OPEN_PATHS = frozenset({"/health", "/api/hello"})
+#: Paths any client may read without the key: load balancers' probes, Claude Code's
+#: reachability probe (``HEAD /api/hello`` with no key, sent before its first request), ``HEAD /``.
+OPEN_PATHS = frozenset({"/", "/health", "/api/hello"})
 
 #: Paths that need an admin key when keys are set: they show every tenant's traffic.
 OPERATOR_PATHS = frozenset({"/metrics", "/v1/trace", "/v1/config"})

@@ -30,9 +30,12 @@ computed for this request, ``cache_read_input_tokens`` those served from the
 prefix cache (their sum is the prompt length), ``cache_creation_input_tokens``
 is always 0 (nothing is written on request).
 
-Streaming sends Anthropic's events: ``message_start`` (once the first token is
-out, so its usage already counts the cached tokens), ``content_block_start``,
-``ping``, ``content_block_delta`` (``text_delta``), ``content_block_stop``,
+Streaming sends Anthropic's events: ``message_start`` (at once, before the
+prompt is computed: its usage counts the whole prompt as ``input_tokens``;
+the final ``message_delta`` usage splits off the cached tokens), ``ping``
+every ``--stream-keepalive`` seconds while nothing else is sent
+(:mod:`quanta.server.keepalive`), ``content_block_start``, ``ping``,
+``content_block_delta`` (``text_delta``), ``content_block_stop``,
 ``message_delta`` (stop reason, cumulative usage) and ``message_stop``. With
 tools, blocks come in output order: a text block opens only once text
 arrives, and each call is a ``tool_use`` block (``content_block_start`` with
@@ -60,6 +63,7 @@ from quanta.server.chat_tokens import text_ids
 from quanta.server.defaults import served_model, with_defaults
 from quanta.server.errors import ANTHROPIC_PREFIX, APIError, stream_error_event
 from quanta.server.field_rule import log_fields
+from quanta.server.keepalive import keepalive_interval, with_keepalive
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
@@ -154,12 +158,25 @@ def _event(kind: str, payload: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
 
 
-async def _events(msg_id: str, model: str, stream: RequestStream, cap: int):
+def _start(msg_id: str, model: str, num_prompt_tokens: int) -> str:
+    """``message_start``, sent before any prompt token is computed: its usage counts the
+    whole prompt as input (``message_delta``'s usage has the prefix cache's share)."""
+    usage = {"input_tokens": num_prompt_tokens, "output_tokens": 0,
+             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    return _event("message_start", {"message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage}})
+
+
+PING = _event("ping", {})
+
+
+async def _events(msg_id: str, model: str, stream: RequestStream, cap: int, num_prompt_tokens: int):
     """Anthropic's SSE events for one request (see the module docstring)."""
+    yield _start(msg_id, model, num_prompt_tokens)
     first = await anext(stream)
-    yield _event("message_start", {"message": _message(msg_id, model, [], first, final=False)})
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    yield _event("ping", {})
+    yield PING
     out = first
     while True:
         if out.text:
@@ -173,11 +190,12 @@ async def _events(msg_id: str, model: str, stream: RequestStream, cap: int):
     yield _event("message_stop", {})
 
 
-async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream, cap: int):
+async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: ToolStream, cap: int,
+                       num_prompt_tokens: int):
     """The events of a request with tools: blocks in output order (text, tool_use, ...)."""
+    yield _start(msg_id, model, num_prompt_tokens)
     out = await anext(stream)
-    yield _event("message_start", {"message": _message(msg_id, model, [], out, final=False)})
-    yield _event("ping", {})
+    yield PING
     blocks = ToolBlocks()
     while True:
         for event in tools.feed(out.text) + (tools.finish() if out.finished else []):
@@ -281,9 +299,10 @@ def router(state: ServerState) -> APIRouter:
         msg_id = "msg_" + uuid.uuid4().hex
         label_request(state.metrics.live, stream, msg_id, "/v1/messages")
         if body.stream:
-            events = (_tool_events(msg_id, body.model, stream, parser.stream(), body.max_tokens) if parser
-                      else _events(msg_id, body.model, stream, body.max_tokens))
-            return StreamingResponse(ending_in_error(events, stream, _error_event), media_type="text/event-stream")
+            events = (_tool_events(msg_id, body.model, stream, parser.stream(), body.max_tokens, len(prompt)) if parser
+                      else _events(msg_id, body.model, stream, body.max_tokens, len(prompt)))
+            sse = with_keepalive(ending_in_error(events, stream, _error_event), keepalive_interval(state.config), PING)
+            return StreamingResponse(sse, media_type="text/event-stream")
         return await until_disconnect(request, _collect(msg_id, body.model, stream, parser, body.max_tokens), stream)
 
     return routes

@@ -5,8 +5,8 @@ Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (:mod:`quanta.server.responses`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`), ``POST /tokenize``
 and ``POST /detokenize`` (:mod:`quanta.server.tokenize`). Served
-here: ``GET /v1/models``, ``GET /health`` (and ``/api/hello``, Claude Code's
-probe), ``GET /metrics`` (Prometheus text),
+here: ``GET /v1/models``, ``GET /health`` and ``HEAD /health`` (and ``/api/hello``, Claude Code's
+probe, and ``HEAD /``, which clients send to check the base URL), ``GET /metrics`` (Prometheus text),
 ``GET /v1/config`` (effective scheduling values) and ``GET /v1/trace`` (step
 records, for the bench's server-side ITL; paged: ``since``, ``limit``, at most
 :data:`TRACE_PAGE_RECORDS` records and about :data:`TRACE_PAGE_BYTES` a page).
@@ -75,6 +75,7 @@ def _service_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
+    @router.head("/health", include_in_schema=False)
     async def health() -> Response:
         if not state.async_engine.alive:
             return JSONResponse({"status": "error", "message": "engine thread stopped"}, status_code=503)
@@ -84,6 +85,10 @@ def _service_router(state: ServerState) -> APIRouter:
     @router.head("/api/hello", include_in_schema=False)  # one operation in the schema (its id is unique)
     async def hello() -> Response:  # Claude Code's reachability probe of ANTHROPIC_BASE_URL
         return JSONResponse({"status": "ok"})
+
+    @router.head("/", include_in_schema=False)
+    async def root_probe() -> Response:  # clients probe the base URL with HEAD before their first request
+        return Response(status_code=200)
 
     @router.get("/metrics")
     async def metrics() -> Response:

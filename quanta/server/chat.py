@@ -39,6 +39,7 @@ from quanta.engine.sampling import SamplingParams, TokenLogprob
 from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.errors import APIError, stream_error_event
 from quanta.server.field_rule import log_fields
+from quanta.server.keepalive import SSE_COMMENT, keepalive_interval, with_keepalive
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
 from quanta.server.logprobs import LogprobFormatter
@@ -141,7 +142,8 @@ async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format,
     label_request(state.metrics.live, stream, fmt.meta.id, request.url.path)
     records = made[0].logprob_records if body.num_logprobs is not None else None
     if body.stream:
-        return StreamingResponse(_sse(fmt, stream, body.include_usage, records), media_type="text/event-stream")
+        events = with_keepalive(_sse(fmt, stream, body.include_usage, records), keepalive_interval(state.config), SSE_COMMENT)
+        return StreamingResponse(events, media_type="text/event-stream")
     return await until_disconnect(request, _collect(fmt, stream, records), stream)
 
 

@@ -2,10 +2,15 @@
 
 - Stats (logger ``quanta.stats``, every ``--stats-interval`` seconds while a
   request runs or waits, or tokens were computed since the last line): prompt
-  and generation throughput over the interval (prompt tokens computed, tokens
-  generated), requests running and waiting, KV slots in use, and the prefix
-  cache's hit rate (prompt tokens served from it, since start). The line comes
-  from a timer on the event loop, so it appears during a long prefill step too.
+  and generation throughput over the interval (tokens of the steps that ended
+  in it: a prefill step longer than the interval counts where it ends),
+  requests running and waiting, KV slots in use, the prefix cache's hit rate
+  (prompt tokens served from it, since start), each resident prefill's
+  progress (prompt tokens computed / prompt tokens, as of the last step's end),
+  the step now running when it has run for :data:`LONG_STEP_S` or more
+  (measured from its start; nothing between steps), and the requests aborted
+  in the interval by cause and phase. The line comes from a timer on the
+  event loop, so it appears during a long prefill step too.
 - Requests (logger ``quanta.requests``, one per finished request): the response
   id, route, prompt / cached / generated tokens, time to first token, decode rate
   (tokens after the first per second), end-to-end time and the finish reason.
@@ -35,6 +40,10 @@ request_log = logging.getLogger("quanta.requests")
 DEFAULT_STATS_INTERVAL_S = 5.0
 #: finished requests kept while their route has not named them yet (then logged unnamed).
 _MAX_UNLABELED = 1024
+#: a running step is named in the stats line once it has run this long, seconds.
+LONG_STEP_S = 1.0
+#: resident prefills named in the stats line at most.
+_MAX_PREFILLS = 4
 
 
 @dataclass(slots=True)
@@ -51,15 +60,21 @@ class LiveLog:
         clock: seconds, the engine's clock (outputs carry its times).
         kv_blocks: the KV pool's block counts (``used``, ``cached``, ``total``,
             :meth:`quanta.engine.async_engine.AsyncEngine.kv_blocks`); None: not reported.
+        engine: where the running step and the resident prefills are read
+            (:attr:`~quanta.engine.async_engine.AsyncEngine.step_running_s`,
+            :meth:`~quanta.engine.async_engine.AsyncEngine.prefills`); None: not reported.
     """
 
     def __init__(self, num_running: Callable[[], int], num_waiting: Callable[[], int], num_slots: int,
-                 clock: Callable[[], float], kv_blocks: Callable[[], dict[str, int]] | None = None) -> None:
+                 clock: Callable[[], float], kv_blocks: Callable[[], dict[str, int]] | None = None,
+                 engine=None) -> None:
         self.num_running, self.num_waiting, self.num_slots, self.clock = num_running, num_waiting, num_slots, clock
         self.kv_blocks = kv_blocks
+        self.engine = engine
         self._lock = threading.Lock()
         self._prompt = self._generated = 0  # since the last stats line
-        self._since = self._last_step_end = clock()
+        self._aborts: dict[str, int] = {}  # "cause/phase" -> requests aborted since the last stats line
+        self._since = clock()
         self._queried = self._hits = 0  # prefix cache, since start, in prompt tokens
         self._first: dict[int, float] = {}  # seq_id -> first token's time
         self._labels: dict[int, tuple[str, str]] = {}
@@ -73,7 +88,12 @@ class LiveLog:
         with self._lock:
             self._prompt += prompt
             self._generated += sum(rec.num_emitted)
-            self._last_step_end = rec.end
+
+    def observe_abort(self, cause: str, phase: str) -> None:
+        """Count one aborted request (``AsyncEngine.on_abort``)."""
+        key = f"{cause}/{phase}"
+        with self._lock:
+            self._aborts[key] = self._aborts.get(key, 0) + 1
 
     def observe_output(self, out: RequestOutput) -> None:
         """Note a request's first token; write its line when it finished (if its route named it)."""
@@ -123,33 +143,44 @@ class LiveLog:
         now = self.clock()
         with self._lock:
             prompt, generated, self._prompt, self._generated = self._prompt, self._generated, 0, 0
+            aborts, self._aborts = self._aborts, {}
             queried, hits = self._queried, self._hits
             span, self._since = max(now - self._since, 1e-9), now
-            quiet = now - self._last_step_end
-        if not (running or waiting or prompt or generated):
+        if not (running or waiting or prompt or generated or aborts):
             return None
         blocks = self.kv_blocks() if self.kv_blocks is not None else {}
+        step = self.engine.step_running_s if self.engine is not None else None
         return {
             "kv_blocks_used": blocks.get("used"), "kv_blocks_cached": blocks.get("cached"), "kv_blocks": blocks.get("total"),
             "prompt_tok_s": round(prompt / span, 1), "generation_tok_s": round(generated / span, 1),
             "running": running, "waiting": waiting, "kv_slots_used": running, "kv_slots": self.num_slots,
             "prefix_cache_hit_rate": round(hits / queried, 4) if queried else None, "interval_s": round(span, 2),
-            # a step still running (a long prefill chunk): seconds since the last one ended, while requests run
-            "step_running_s": round(quiet, 1) if running and quiet >= span else None,
+            # the step now running, from its start, once it is long (a large prefill quantum)
+            "step_running_s": round(step, 1) if step is not None and step >= LONG_STEP_S else None,
+            "prefills": self._prefills(), "aborts": aborts or None,
         }
+
+    def _prefills(self) -> list[dict] | None:
+        """Resident prefills: the route's id for the request (else its seq id), tokens done and total."""
+        if self.engine is None:
+            return None
+        found = self.engine.prefills()[:_MAX_PREFILLS]
+        with self._lock:
+            named = [(self._labels.get(seq_id, (f"seq {seq_id}", ""))[0], done, total) for seq_id, done, total in found]
+        return [{"id": name, "done": done, "total": total} for name, done, total in named] or None
 
     def write_stats(self) -> None:
         fields = self.stats_fields()
         if fields is None:
             return
-        rate, busy = fields["prefix_cache_hit_rate"], fields["step_running_s"]
+        rate = fields["prefix_cache_hit_rate"]
         blocks = "" if fields["kv_blocks"] is None else \
             f", KV blocks {fields['kv_blocks_used']}/{fields['kv_blocks']} in use ({fields['kv_blocks_cached']} cached)"
         stats_log.info(
             "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV slots %d/%d in use%s, prefix cache hits %s%s",
             fields["prompt_tok_s"], fields["generation_tok_s"], fields["running"], fields["waiting"],
             fields["kv_slots_used"], fields["kv_slots"], blocks, "-" if rate is None else f"{rate:.1%}",
-            "" if busy is None else f"; a step has run for {busy:.1f} s", extra={"fields": fields})
+            _progress_text(fields), extra={"fields": fields})
 
     async def run(self, interval: float) -> None:
         """Write the stats line every ``interval`` seconds (while anything happened) until cancelled."""
@@ -159,6 +190,23 @@ class LiveLog:
                 self.write_stats()
             except Exception:  # the stats line must never stop the server
                 stats_log.exception("stats line failed")
+
+
+def _progress_text(fields: dict) -> str:
+    """The stats line's tail: prefills in progress, a long running step, aborts."""
+    parts = []
+    if fields["prefills"]:
+        parts.append("prefill " + ", ".join(f"{p['id']} {p['done']}/{p['total']}" for p in fields["prefills"]))
+    if fields["step_running_s"] is not None:
+        parts.append(f"the running step has run for {fields['step_running_s']:.1f} s")
+    if fields["aborts"]:
+        parts.append("aborted " + ", ".join(f"{n} ({_abort_words(key)})" for key, n in sorted(fields["aborts"].items())))
+    return "".join(f"; {p}" for p in parts)
+
+
+def _abort_words(key: str) -> str:
+    cause, phase = key.split("/")
+    return f"{cause} {'while queued' if phase == 'queued' else 'during ' + phase}"
 
 
 def _write_request(label: tuple[str, str], fields: dict) -> None:
@@ -173,6 +221,6 @@ def _write_request(label: tuple[str, str], fields: dict) -> None:
 
 
 def label_request(live: LiveLog | None, stream, request_id: str, route: str) -> None:
-    """``live.label`` for a route's accepted ``stream`` (no-op without a live log)."""
+    """``live.label`` for a route's ``stream`` once the engine accepted it (no-op without a live log)."""
     if live is not None:
-        live.label(stream.seq_id, request_id, route)
+        stream.when_accepted(lambda seq_id: live.label(seq_id, request_id, route))

@@ -6,6 +6,9 @@ request (never from the previous step of any kind), E2E from arrival to the
 last token. Histogram buckets start at 1 ms so millisecond ITLs resolve.
 Prefix-cache queries and hits are counted in prompt tokens, as vLLM counts
 them, when a request's first token comes out (its cache lookup is done by then).
+``quanta:request_aborts_total`` counts requests aborted before their end by
+``cause`` (``disconnect``: the client went away; ``step_failed``) and ``phase``
+(``queued``, ``prefill``, ``decode``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class EngineMetrics:
         self.generation_tokens = Counter("quanta:generation_tokens", "Generated tokens.", registry=r)
         self.request_success = Counter(
             "quanta:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.request_aborts = Counter(
+            "quanta:request_aborts", "Requests aborted before their end, by cause and the phase they were in.",
+            ["cause", "phase"], registry=r,
         )
         self.ttft = Histogram("quanta:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(
@@ -101,6 +108,10 @@ class EngineMetrics:
             self.request_success.labels(out.finish_reason).inc()
             if out.finish_reason != "abort":
                 self.e2e.observe(out.time - out.arrival_time)
+
+    def observe_abort(self, cause: str, phase: str) -> None:
+        """Count one aborted request (called on the engine thread, ``AsyncEngine.on_abort``)."""
+        self.request_aborts.labels(cause, phase).inc()
 
     def observe_step(self, rec: StepRecord) -> None:
         """Count one executed step and its busy time (and its expert activity on MoE models)."""

@@ -39,6 +39,7 @@ from quanta.engine.async_engine import RequestStream
 from quanta.server.chat import chat_prompt, constrain
 from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.field_rule import log_fields
+from quanta.server.keepalive import SSE_COMMENT, keepalive_interval, with_keepalive
 from quanta.server.live_log import label_request
 from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
@@ -290,7 +291,9 @@ def router(state: ServerState) -> APIRouter:
         builder = _Builder(body, tools)
         label_request(state.metrics.live, stream, builder.id, "/v1/responses")
         if body.stream:
-            return StreamingResponse(_stream(builder, stream, parser.stream() if parser else None), media_type="text/event-stream")
+            events = with_keepalive(_stream(builder, stream, parser.stream() if parser else None),
+                                    keepalive_interval(state.config), SSE_COMMENT)
+            return StreamingResponse(events, media_type="text/event-stream")
         return await until_disconnect(request, _collect(builder, stream, parser), stream)
 
     return routes

@@ -21,6 +21,8 @@ from quanta.server.access import AccessPolicy
 from quanta.server.app import ServerState, build_app
 from quanta.server.connections import connection_cap, guarded_protocol, quiet_accept_errors, raise_fd_limit
 from quanta.server.defaults import DEFAULT_MAX_TOKENS, sampling_defaults
+from quanta.server.keepalive import CONFIG_KEY as KEEPALIVE_KEY
+from quanta.server.keepalive import DEFAULT_KEEPALIVE_S
 from quanta.server.live_log import DEFAULT_STATS_INTERVAL_S, LiveLog
 from quanta.server.metrics import EngineMetrics
 
@@ -62,7 +64,7 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
                  tool_call_parser: str | None = None, access: AccessPolicy | None = None,
                  max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
                  sampling: dict | None = None, chat_template: str | None = None,
-                 reasoning_parser: str | None = None) -> BuiltServer:
+                 reasoning_parser: str | None = None, stream_keepalive: float = DEFAULT_KEEPALIVE_S) -> BuiltServer:
     """Load the model, start the engine thread and build the app that serves it (``quanta serve``'s
     server, and each replica's under :mod:`quanta.cluster`).
 
@@ -75,7 +77,9 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     :mod:`quanta.server.connections`); ``max_tokens_default``: the output cap of a request that names none
     (0: the room left); ``sampling``: ``--temperature`` / ``--top-p`` / ``--top-k`` (None: not given), over the
     checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`);
-    ``chat_template``: Jinja text that replaces the model's chat template (``--chat-template``).
+    ``chat_template``: Jinja text that replaces the model's chat template (``--chat-template``);
+    ``stream_keepalive``: seconds of silence after which a streamed response gets a keep-alive
+    (0: none; :mod:`quanta.server.keepalive`).
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
@@ -104,6 +108,7 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
         "chat_template_flag": chat_template is not None,
         "max_tokens_default": max_tokens_default,
         "sampling_defaults": sampling_defaults(engine_cfg.model, sampling or {}),
+        KEEPALIVE_KEY: stream_keepalive,
     }
     log.info("requests without an output cap get %s; sampling defaults: %s",
              f"max_tokens {max_tokens_default}" if max_tokens_default else "the room left",
@@ -118,13 +123,18 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     metrics = EngineMetrics(lambda: async_engine.num_running, lambda: async_engine.num_waiting, engine_cfg.prefix_cache,
                             async_engine.kv_blocks)
     metrics.live = live = LiveLog(lambda: async_engine.num_running, lambda: async_engine.num_waiting,
-                                  sched_cfg.max_num_seqs, time.monotonic, async_engine.kv_blocks)
+                                  sched_cfg.max_num_seqs, time.monotonic, async_engine.kv_blocks, async_engine)
 
     def observe_output(out) -> None:
         metrics.observe_output(out)
         live.observe_output(out)
 
+    def observe_abort(cause: str, phase: str) -> None:
+        metrics.observe_abort(cause, phase)
+        live.observe_abort(cause, phase)
+
     async_engine.on_output = observe_output
+    async_engine.on_abort = observe_abort
     engine.step_listeners += [metrics.observe_step, live.observe_step]
     async_engine.start()
     app = build_app(ServerState(async_engine, loaded.tokenizer, name, engine.max_model_len, config, metrics, max_request_bytes,

@@ -93,7 +93,9 @@ async def submit(state: ServerState, request: Request, prompt: list[int], max_to
     ``make_params`` runs on a worker thread within a time bound
     (:meth:`PromptWork.build`): compiling a grammar never stalls the event loop.
     The request's place in the queue (:class:`quanta.server.limits.Admission`)
-    goes to the engine with it.
+    goes to the engine with it. The stream comes back without waiting for the
+    engine thread to accept the request (it does so between steps): a streamed
+    route sends its opening events at once, and its first read waits.
     With ``--api-key``, the tenant the access gate matched (``request.state``)
     is folded into ``cache_salt`` (:func:`quanta.server.access.tenant_salt`):
     prefix reuse then stays within one key, whatever salt the body sent.
@@ -124,7 +126,7 @@ async def submit(state: ServerState, request: Request, prompt: list[int], max_to
         raise APIError(400, str(exc), "max_tokens" if "max_model_len" in str(exc) else None) from exc
     try:
         return await state.async_engine.submit(prompt, params, length_checked=True,
-                                               reservation=request.scope.get(RESERVATION))
+                                               reservation=request.scope.get(RESERVATION), wait=False)
     except QueueFullError as exc:
         raise APIError(429, str(exc)) from exc
     except ValueError as exc:
