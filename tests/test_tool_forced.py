@@ -15,6 +15,7 @@ import copy
 import json
 from dataclasses import dataclass
 
+import httpx
 import llguidance
 import pytest
 
@@ -23,10 +24,11 @@ from quanta.engine.sampling import SamplingParams
 from quanta.launch import text_state
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
+from quanta.server.errors import APIError
 from quanta.server.tool_formats.forced import FORCED
 from quanta.server.tool_formats.lark import special_markers
 from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser
-from quanta.server.tool_formats.registry import TOOL_PARSERS, PlainParser, keeps_specials
+from quanta.server.tool_formats.registry import TOOL_PARSERS, PlainParser, forced_grammar, keeps_specials
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
@@ -253,3 +255,74 @@ def test_xml_parameters_take_only_enum_values(plain, fmt):
     assert check.accepts(parser, write("go", {"to": "north"}), tools=[tool])
     assert not check.accepts(parser, write("go", {"to": "west"}), tools=[tool])
     assert json.loads(parser.parse(write("go", {"to": "south"})).calls[0].arguments) == {"to": "south"}
+
+
+def test_a_forced_call_in_a_format_without_a_grammar_is_a_400(plain):
+    class State:
+        tokenizer, tool_parser, reasoning = plain, PlainParser(), None
+
+    with pytest.raises(APIError) as err:
+        forced_grammar(State, [1, 2], TOOLS, False)
+    assert err.value.status == 400 and err.value.param == "tool_choice" and "none" in err.value.message
+
+
+# Over HTTP: the embedded model served with --tool-call-parser qwen3_coder (XML parameters, not hermes).
+READ = {"type": "function", "function": {"name": "read_file", "description": "Read a text file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string", "enum": ["notes.txt", "todo.txt"]}}, "required": ["path"]}}}
+ASK = [{"role": "user", "content": "Read the file notes.txt"}]
+
+
+@pytest.fixture(scope="module")
+def qwen_server(launch_server):
+    srv = launch_server("--max-model-len", "512", "--tool-call-parser", "qwen3_coder")
+    yield srv
+    srv.stop()
+
+
+def _post(srv, path: str, body: dict) -> dict:
+    r = httpx.post(srv.base_url + path, json={"model": srv.model, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_forced_call_over_http_in_the_servers_format(qwen_server):
+    for choice in ("required", {"type": "function", "function": {"name": "read_file"}}):
+        out = _post(qwen_server, "/v1/chat/completions", {
+            "messages": ASK, "tools": [READ], "tool_choice": choice, "parallel_tool_calls": False,
+            "temperature": 0, "max_tokens": 60})["choices"][0]
+        assert out["finish_reason"] == "tool_calls", out
+        (call,) = out["message"]["tool_calls"]
+        assert call["function"]["name"] == "read_file"
+        assert json.loads(call["function"]["arguments"])["path"] in ("notes.txt", "todo.txt")
+        assert "<" not in (out["message"]["content"] or "")  # no marker of the format shows as text
+
+
+def test_anthropic_tool_choice_any_over_http(qwen_server):
+    out = _post(qwen_server, "/v1/messages", {
+        "messages": ASK, "max_tokens": 60, "temperature": 0,
+        "tools": [{"name": "read_file", "input_schema": READ["function"]["parameters"]}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    uses = [b for b in out["content"] if b["type"] == "tool_use"]
+    assert out["stop_reason"] == "tool_use" and len(uses) == 1, out
+    assert uses[0]["name"] == "read_file" and uses[0]["input"]["path"] in ("notes.txt", "todo.txt")
+
+
+def test_streamed_and_responses_forced_calls_over_http(qwen_server):
+    """Parallel calls allowed (the default): the stream sends the calls the non-streamed answer has."""
+    body = {"messages": ASK, "tools": [READ], "tool_choice": "required", "temperature": 0, "max_tokens": 80}
+    whole = [c["function"] for c in _post(qwen_server, "/v1/chat/completions", body)["choices"][0]["message"]["tool_calls"]]
+    streamed: dict[int, dict] = {}
+    with httpx.stream("POST", qwen_server.base_url + "/v1/chat/completions",
+                      json={"model": qwen_server.model, "stream": True, **body}, timeout=120) as r:
+        for line in r.iter_lines():
+            chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+            for d in (chunk["choices"][0]["delta"].get("tool_calls") or []) if chunk.get("choices") else []:
+                call = streamed.setdefault(d["index"], {"name": "", "arguments": ""})
+                call["name"] += d["function"].get("name") or ""
+                call["arguments"] += d["function"].get("arguments") or ""
+    assert [streamed[i] for i in sorted(streamed)] == [{"name": c["name"], "arguments": c["arguments"]} for c in whole]
+    out = _post(qwen_server, "/v1/responses", {
+        "input": "Read the file notes.txt", "tool_choice": "required", "max_output_tokens": 60, "temperature": 0,
+        "tools": [{"type": "function", "name": "read_file", "parameters": READ["function"]["parameters"]}]})
+    (call,) = [o for o in out["output"] if o["type"] == "function_call"]
+    assert call["name"] == "read_file" and json.loads(call["arguments"])["path"] in ("notes.txt", "todo.txt")
