@@ -28,7 +28,7 @@ from quanta.server.errors import APIError
 from quanta.server.tool_formats.forced import FORCED
 from quanta.server.tool_formats.lark import special_markers
 from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser
-from quanta.server.tool_formats.registry import TOOL_PARSERS, PlainParser, forced_grammar, keeps_specials
+from quanta.server.tool_formats.registry import TOOL_PARSERS, PlainParser, forced_grammar, keeps_specials, parser_params
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
@@ -226,8 +226,10 @@ def test_special_markers_reach_the_parser_and_never_the_content(plain, special):
         tokenizer = special
 
     assert keeps_specials(State, parser)
+    assert parser_params(State, parser, SamplingParams()).skip_special_tokens is False
     State.tokenizer = plain
     assert not keeps_specials(State, parser) and not keeps_specials(State, None)
+    assert parser_params(State, parser, SamplingParams()).skip_special_tokens is True
     text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hello there.<|return|>"
     ids = special.encode(text, add_special_tokens=False)
     eos = special.eos_token_ids
