@@ -20,11 +20,24 @@ from quanta.moe import commands as moe_commands
 log = logging.getLogger("quanta")
 
 
+class Parser(argparse.ArgumentParser):
+    """quanta's parsers (subcommands inherit the class): no abbreviated flags (``--max-tokens``
+    must not quietly set ``--max-tokens-default``), and a parse error is one line naming the
+    command and pointing at its ``--help``, exit status 2, instead of the whole usage text."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The root parser with every subcommand."""
     from quanta.sim import cli as sim_commands
 
-    root = argparse.ArgumentParser(prog="quanta", description="LLM serving engine with a tunable prefill quantum")
+    root = Parser(prog="quanta", description="LLM serving engine with a tunable prefill quantum")
     root.add_argument("--version", action="version", version=f"quanta {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
     flags.add_serve_flags(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
@@ -43,10 +56,31 @@ def _command_parser(root: argparse.ArgumentParser, command: str) -> argparse.Arg
     return subparsers.choices[command]
 
 
+def _deepest_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that ``args`` chose (``quanta bench run``'s, not ``quanta bench``'s)."""
+    while True:
+        subparsers = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, subparsers.dest, None) if subparsers is not None else None
+        if chosen not in (subparsers.choices if subparsers is not None else {}):
+            return parser
+        parser = subparsers.choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; Ctrl-C (or SIGINT) ends it with one line and status 130, not a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("quanta: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     root = build_parser()
-    args = root.parse_args(argv)
+    args, unknown = root.parse_known_args(argv)
     parser = _command_parser(root, args.command)
+    if unknown:  # the subcommand's error, not the root's: its flags are what --help should show
+        _deepest_parser(root, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "bench":
         from quanta.bench.cli import run_bench
 

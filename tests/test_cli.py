@@ -67,6 +67,21 @@ def test_flag_given_twice_is_an_error(argv, flag, capsys, no_model_load):
     assert flag in err and "more than once" in err, err
 
 
+@pytest.mark.parametrize("argv,command,fragment", [
+    (["serve", "--max-num-seqs", "x"], "quanta serve", "--max-num-seqs: invalid int value"),
+    (["serve", "--max-tokens", "64"], "quanta serve", "unrecognized arguments: --max-tokens 64"),  # not --max-tokens-default
+    (["serve", "--max-num", "2"], "quanta serve", "unrecognized arguments: --max-num 2"),
+    (["bench", "run", "--base-url", "http://127.0.0.1:1", "--nope"], "quanta bench run", "unrecognized arguments: --nope"),
+    ([], "quanta", "required: command"),
+], ids=["bad-int", "abbreviation", "prefix", "bench-unknown", "no-command"])
+def test_a_parse_error_is_one_line_naming_the_command(argv, command, fragment, capsys, no_model_load):
+    """No usage text, no abbreviated flags: one line, the command's name, a pointer to its --help."""
+    code, err = main_exit(argv, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [f"{command}: error: {err.split(': error: ', 1)[1].strip()}"], err
+    assert err.startswith(f"{command}: error:") and fragment in err and f"(see {command} --help)" in err, err
+
+
 @pytest.mark.parametrize(
     "argv,flag",
     [
@@ -321,3 +336,18 @@ def test_a_bad_chat_template_is_one_line_before_loading(capsys, tmp_path, no_mod
         code, err = main_exit(["serve", "--port", "0", "--chat-template", value], capsys)
         assert code == 2 and err.startswith(f"quanta serve: error: --chat-template {value}: ") and err.count("\n") == 1, err
         assert fragment in err, err
+
+
+def test_ctrl_c_while_loading_ends_with_one_line():
+    """SIGINT before the server is up: one line and status 130, no KeyboardInterrupt traceback."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "quanta.cli", "serve", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # shells ignore it in background jobs
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and out.strip().splitlines()[-1] == "quanta: interrupted", out
