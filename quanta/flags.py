@@ -322,7 +322,7 @@ def parse_serve_flags(flags: list[str]) -> argparse.Namespace:
     Raises:
         ValueError: flags the serve parser rejects, with argparse's own message.
     """
-    serve = argparse.ArgumentParser(prog="quanta serve")
+    serve = argparse.ArgumentParser(prog="quanta serve", allow_abbrev=False)
     add_serve_flags(serve)
     err = io.StringIO()
     try:
