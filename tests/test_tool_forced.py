@@ -184,9 +184,25 @@ def test_special_markers_are_written_as_their_tokens(plain, special):
     marks = special_markers(special, parser.markers)
     assert set(marks.special) == set(HARMONY_MARKERS)
     lark = parser.grammar([WEATHER], False, marks).lark
-    assert f'<[{marks.special["<|channel|>"]}]>' in lark and '"<|channel|>"' not in lark
-    assert "<|call|>" not in lark and f'<[{marks.special["<|call|>"]}]>' not in lark  # EOS: the grammar ends before it
-    assert not special_markers(plain, parser.markers).special
+    assert f'<[{marks.tokens["<|channel|>"]}]>' in lark and '"<|channel|>"' not in lark
+    assert "<|call|>" not in lark and f'<[{marks.tokens["<|call|>"]}]>' not in lark  # EOS: the grammar ends before it
+    assert not special_markers(plain, parser.markers).tokens
+
+
+def test_a_marker_that_is_an_added_token_but_not_special(plain):
+    """Qwen's <tool_call>: one added token that decoding keeps. The grammar must name the token
+    (llguidance never matches an added token against quoted text), the text needs no special tokens kept."""
+    tok = copy.deepcopy(plain.hf)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    qwen = Tokenizer(tok, plain.eos_token_ids)
+    check, parser = Checker(qwen), TOOL_PARSERS["hermes"]()
+    assert len(qwen.encode("<tool_call>", add_special_tokens=False)) == 1
+    assert check.accepts(parser, FORMS[0].one) and check.accepts(parser, FORMS[0].two, parallel=True)
+
+    class State:
+        tokenizer = qwen
+
+    assert special_markers(qwen, parser.markers).tokens and not keeps_specials(State, parser)
 
 
 def test_mistral_v11_form_where_args_is_a_special_token(plain):

@@ -1,12 +1,13 @@
 """Pieces of the Lark grammars that force tool calls in a model's own syntax.
 
 A format's markers are written as the model writes them: a marker that is
-one special token of the vocabulary (gpt-oss ``<|channel|>``, Mistral's
-``[TOOL_CALLS]`` in a tekken vocabulary) as that token (llguidance's
-``<[id]>``: a special token never matches a quoted string), any other text
-quoted. :class:`Marks` knows which markers are special tokens for one
-tokenizer (:func:`special_markers`); :class:`Lark` collects the rules of one
-grammar.
+one added token of the vocabulary (gpt-oss ``<|channel|>``, Mistral's
+``[TOOL_CALLS]`` in a tekken vocabulary, Qwen's ``<tool_call>``) as that
+token (llguidance's ``<[id]>``: llguidance treats every added token as
+special, and a special token never matches a quoted string), any other text
+quoted. :class:`Marks` knows which markers are added tokens for one
+tokenizer, and which of those decoding drops as special
+(:func:`special_markers`); :class:`Lark` collects the rules of one grammar.
 """
 
 from __future__ import annotations
@@ -40,44 +41,44 @@ def regex_literal(text: str) -> str:
 
 @dataclass(frozen=True)
 class Marks:
-    """Which markers are special tokens (marker -> id) and the end-of-sequence ids, for one tokenizer."""
+    """Which markers are added tokens (marker -> id), which of those are special (dropped when
+    decoding skips special tokens), and the end-of-sequence ids, for one tokenizer."""
 
-    special: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    special: frozenset[str] = frozenset()
     eos: frozenset[int] = frozenset()
 
     def lit(self, text: str) -> str:
-        """``text`` in a grammar: its special token, else the quoted string."""
-        tid = self.special.get(text)
+        """``text`` in a grammar: its added token, else the quoted string."""
+        tid = self.tokens.get(text)
         return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
     def ends_output(self, marker: str) -> bool:
         """Whether ``marker`` is an end-of-sequence token (a grammar cannot name one: it ends there)."""
-        return self.special.get(marker) in self.eos
+        return self.tokens.get(marker) in self.eos
 
     def has(self, marker: str) -> bool:
-        return marker in self.special
-
-
-def special_ids(tokenizer, markers: tuple[str, ...]) -> dict[str, int]:
-    """marker -> id for each of ``markers`` that is one special token of ``tokenizer``
-    (one id, and decoding that skips special tokens drops it)."""
-    return dict(_special_ids(tokenizer, tuple(sorted(set(markers)))))
+        """Whether ``marker`` is one token of the vocabulary."""
+        return marker in self.tokens
 
 
 @lru_cache(maxsize=64)
-def _special_ids(tokenizer, markers: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+def _marker_tokens(tokenizer, markers: tuple[str, ...]) -> tuple[tuple[str, int, bool], ...]:
+    """(marker, id, special) for each of ``markers`` that is one added token of ``tokenizer``."""
+    added = set(tokenizer.hf.added_tokens_decoder)
     found = []
     for marker in markers:
         ids = tokenizer.encode(marker, add_special_tokens=False)
-        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == marker \
-                and tokenizer.decode(ids, skip_special_tokens=True) == "":
-            found.append((marker, ids[0]))
+        if len(ids) == 1 and ids[0] in added and tokenizer.decode(ids, skip_special_tokens=False) == marker:
+            found.append((marker, ids[0], tokenizer.decode(ids, skip_special_tokens=True) == ""))
     return tuple(found)
 
 
 def special_markers(tokenizer, markers: tuple[str, ...]) -> Marks:
     """:class:`Marks` of ``markers`` over ``tokenizer`` (a :class:`quanta.model.tokenizer.Tokenizer`)."""
-    return Marks(special_ids(tokenizer, markers), frozenset(tokenizer.eos_token_ids))
+    found = _marker_tokens(tokenizer, tuple(sorted(set(markers))))
+    return Marks({m: i for m, i, _ in found}, frozenset(m for m, _, special in found if special),
+                 frozenset(tokenizer.eos_token_ids))
 
 
 class Marker(str):

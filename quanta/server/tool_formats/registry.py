@@ -116,7 +116,7 @@ def request_parser(state, with_tools: bool, prompt: list[int]) -> ToolParser | N
 
 
 def request_marks(state, parser: ToolParser) -> Marks:
-    """Which of ``parser``'s markers are special tokens of the served tokenizer."""
+    """Which of ``parser``'s markers are tokens (and special tokens) of the served tokenizer."""
     return special_markers(state.tokenizer, tuple(parser.markers))
 
 
