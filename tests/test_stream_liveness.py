@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from quanta.config import SchedulerConfig
-from quanta.engine.async_engine import AsyncEngine
+from quanta.engine.async_engine import AsyncEngine, RequestFailed
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
@@ -314,3 +314,33 @@ def test_stats_line_names_aborts_and_prefill_progress():
     assert fields["prefills"] == [{"id": "msg_abc", "done": 512, "total": 8000}]
     assert fields["step_running_s"] == 2.5 and fields["aborts"] == {"disconnect/prefill": 1}
     assert live.stats_fields()["aborts"] is None  # counted per interval
+
+
+class DiesInStep(SlowStep):
+    """Sleeps, then stops the engine thread (an exception no step failure handler takes)."""
+
+    def execute(self, plan):
+        super().execute(plan)
+        raise SystemExit("engine thread stops")
+
+
+def test_a_request_still_waiting_for_acceptance_fails_when_the_engine_stops():
+    executor = DiesInStep(0.5)
+    eng = AsyncEngine(Engine(SchedulerConfig("batched", 2).build(), executor, max_model_len=64))
+    eng.start()
+
+    async def scenario():
+        first = await eng.submit([1, 2], SamplingParams(max_tokens=1, temperature=0))
+        await asyncio.to_thread(executor.started.wait, 5)
+        pending = await eng.submit([3, 4], SamplingParams(max_tokens=1, temperature=0), wait=False)
+        failures = []
+        for stream in (first, pending):
+            with pytest.raises(RequestFailed, match="the engine stopped") as caught:
+                await anext(stream)
+            failures.append(caught.value)
+        return failures
+
+    try:
+        assert len(asyncio.run(asyncio.wait_for(scenario(), 10))) == 2  # neither waits forever
+    finally:
+        eng.stop()

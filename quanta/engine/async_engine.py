@@ -40,13 +40,15 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from quanta.engine.engine import Engine
 from quanta.engine.output import RequestOutput
+from quanta.engine.request_stream import RequestStream, Reservation, Submission, accepted
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.sequence import Sequence, SequenceStatus
 from quanta.engine.trace import Trace
+
+__all__ = ["AsyncEngine", "QueueFullError", "RequestFailed", "RequestStream", "Reservation", "abort_phase"]
 
 log = logging.getLogger("quanta.engine")
 
@@ -58,22 +60,6 @@ class QueueFullError(RuntimeError):
 class RequestFailed(RuntimeError):
     """The request failed inside the engine; ``str()`` is a short message for the
     client naming the error id that the server log carries with the traceback."""
-
-
-@dataclass
-class _Submit:
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    arrived: asyncio.Future
-    length_checked: bool = False
-    reservation: Reservation | None = None
-    seq_id: int | None = None
-    error: Exception | None = None
-    #: run on the event loop with the seq_id once the engine accepted the request
-    on_accept: list[Callable[[int], None]] = field(default_factory=list)
-    abort_cause: str = "disconnect"
 
 
 class AsyncEngine:
@@ -100,7 +86,7 @@ class AsyncEngine:
         #: C heap's free pages back: a burst's activations would otherwise stay resident)
         self.on_idle = on_idle
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[int, _Submit] = {}
+        self._routes: dict[int, Submission] = {}
         self._thread = threading.Thread(target=self._run, name="quanta-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
@@ -184,7 +170,7 @@ class AsyncEngine:
             reservation.held = False
             self._preparing -= 1
 
-    def _abort(self, sub: _Submit) -> None:
+    def _abort(self, sub: Submission) -> None:
         with self._admission:
             self._aborts_queued += 1
         self._commands.put(("abort", sub))
@@ -215,7 +201,7 @@ class AsyncEngine:
         if reservation is None:  # the queue is checked now; the engine thread releases the place on accepting
             reservation = self.reserve()
         loop = asyncio.get_running_loop()
-        sub = _Submit(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), True, reservation)
+        sub = Submission(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), True, reservation)
         self._commands.put(("add", sub))
         stream = RequestStream(self, sub)
         if wait:
@@ -253,6 +239,19 @@ class AsyncEngine:
             failure = RequestFailed(f"the engine stopped (error id {error_id}; details are in the server log)")
             for sub in list(self._routes.values()):
                 sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failure)
+            self._refuse_pending(failure)
+
+    def _refuse_pending(self, failure: RequestFailed) -> None:
+        """Fail the requests still waiting to be accepted (a stopped engine never will:
+        their streams would otherwise wait, keep-alives and all, forever)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not None and cmd[0] == "add":
+                cmd[1].error = failure
+                cmd[1].loop.call_soon_threadsafe(accepted, cmd[1])
 
     def _step(self) -> None:
         """One engine step; a failing step fails only the requests resident in it."""
@@ -303,7 +302,7 @@ class AsyncEngine:
                 self._routes[seq.seq_id] = arg
             except Exception as exc:  # reported to the caller, engine keeps going
                 arg.error = exc
-            arg.loop.call_soon_threadsafe(_accepted, arg)
+            arg.loop.call_soon_threadsafe(accepted, arg)
         elif verb == "abort":
             with self._admission:
                 self._aborts_queued -= 1
@@ -360,107 +359,8 @@ class AsyncEngine:
         sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
 
 
-class Reservation:
-    """A request's place in the queue while it is prepared (:meth:`AsyncEngine.reserve`);
-    a context manager that releases it unless the engine took it over."""
-
-    def __init__(self, owner: AsyncEngine) -> None:
-        self._owner = owner
-        self.held = True
-
-    def release(self) -> None:
-        self._owner._release(self)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
 def abort_phase(seq: Sequence) -> str:
     """Where an aborted request was: ``queued`` (no slot yet), ``prefill`` or ``decode``."""
     if seq.status is SequenceStatus.WAITING:
         return "queued"
     return "prefill" if seq.is_prefilling else "decode"
-
-
-def _accepted(sub: _Submit) -> None:
-    """On the event loop: the engine thread has taken (or refused) the request."""
-    if not sub.arrived.done():
-        sub.arrived.set_result(None)
-    callbacks, sub.on_accept = sub.on_accept, []
-    if sub.error is None and sub.seq_id is not None:
-        for callback in callbacks:
-            callback(sub.seq_id)
-
-
-class RequestStream:
-    """The outputs of one accepted request; closing it early aborts the request."""
-
-    def __init__(self, owner: AsyncEngine, sub: _Submit) -> None:
-        self._owner, self._sub = owner, sub
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    @property
-    def seq_id(self) -> int | None:
-        """The engine's id of the request (set once the engine accepted it)."""
-        return self._sub.seq_id
-
-    def when_accepted(self, callback: Callable[[int], None]) -> None:
-        """Run ``callback(seq_id)`` on the event loop once the engine accepted the request
-        (now, if it already has; never, if it refused it)."""
-        sub = self._sub
-        if sub.arrived.done():
-            if sub.error is None and sub.seq_id is not None:
-                callback(sub.seq_id)
-        else:
-            sub.on_accept.append(callback)
-
-    async def accepted(self) -> None:
-        """Wait until the engine thread has accepted the request.
-
-        Raises:
-            QueueFullError, ValueError: the engine refused it.
-        """
-        sub = self._sub
-        if not sub.arrived.done():
-            try:
-                await sub.arrived
-            except BaseException:
-                self.abort()
-                raise
-        if sub.error is not None:
-            self.finished = True
-            raise sub.error
-
-    async def __anext__(self) -> RequestOutput:
-        """The next output (the first waits for the engine to accept the request).
-
-        Raises:
-            RequestFailed: the request failed inside the engine.
-        """
-        if self.finished:
-            raise StopAsyncIteration
-        await self.accepted()
-        try:
-            out = await self._sub.outputs.get()
-        except BaseException:
-            self.abort()
-            raise
-        if isinstance(out, BaseException):
-            self.finished = True
-            raise out
-        self.finished = out.finished
-        return out
-
-    def abort(self, cause: str = "disconnect") -> None:
-        """Cancel the request (frees its slot); a no-op once it finished. ``cause`` is reported
-        to the engine's ``on_abort`` (default ``disconnect``: the reader went away)."""
-        if not self.finished:
-            self.finished = True
-            self._sub.abort_cause = cause
-            self._owner._abort(self._sub)
