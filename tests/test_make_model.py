@@ -84,6 +84,15 @@ def test_metadata_is_the_converters(reader) -> None:
     assert not any(k.startswith(f"{arch}.rope.scaling") for k in reader.fields)  # llama3 RoPE lives in rope_freqs
 
 
+def test_a_large_padding_reserves_256_control_tokens_then_normal_ones() -> None:
+    """As a real 128k vocabulary: a few hundred control tokens, not tens of thousands."""
+    base = mm.tokenizer_size()
+    keys = {k: v for k, v, *_ in mm.padded_tokenizer(base + 300)}
+    tokens, types = keys["tokenizer.ggml.tokens"][base:], keys["tokenizer.ggml.token_type"][base:]
+    assert tokens == [f"<|reserved_{i}|>" for i in range(256)] + [f"<pad_{i}>" for i in range(44)]
+    assert types == [gguf.TokenType.CONTROL] * 256 + [gguf.TokenType.NORMAL] * 44
+
+
 def test_tokenizer_is_the_embedded_one_padded_with_control_tokens(reader) -> None:
     embedded = gguf.GGUFReader(embedded_model_path())
     emb_keys = [k for k in embedded.fields if k.startswith("tokenizer.")]

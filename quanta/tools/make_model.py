@@ -155,9 +155,17 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
         writer.add_key_value(key, value, vtype, sub_type)
 
 
+#: control tokens a padded vocabulary reserves (as Llama 3's 256 ``<|reserved_special_token_N|>``)
+RESERVED_CONTROL = 256
+
+
 def padded_tokenizer(vocab_size: int) -> list[tuple[str, Any, Any, Any]]:
     """``(key, value, type, array item type)`` of every ``tokenizer.*`` key of the embedded SmolLM2
-    GGUF, its token list and token types padded with ``<|reserved_N|>`` CONTROL tokens to ``vocab_size``.
+    GGUF, its token list and token types padded to ``vocab_size`` as a real vocabulary of that size
+    is: at most :data:`RESERVED_CONTROL` ``<|reserved_N|>`` CONTROL tokens (Llama 3 reserves 256),
+    then ``<pad_N>`` NORMAL tokens that no merge produces (tens of thousands of control tokens
+    would make every per-token-type pass, the grammar engine's vocabulary among them, unlike
+    a real file's).
 
     Raises:
         ValueError: ``vocab_size`` is below the embedded tokenizer's.
@@ -169,13 +177,16 @@ def padded_tokenizer(vocab_size: int) -> list[tuple[str, Any, Any, Any]]:
         if key == "tokenizer.ggml.tokens":
             if vocab_size < len(value):
                 raise ValueError(f"vocab {vocab_size} is smaller than the embedded tokenizer's {len(value)} tokens")
-            known = set(value)
-            extra = [f"<|reserved_{i}|>" for i in range(vocab_size - len(value))]
+            known, pad = set(value), vocab_size - len(value)
+            control = min(pad, RESERVED_CONTROL)
+            extra = [f"<|reserved_{i}|>" for i in range(control)] + [f"<pad_{i}>" for i in range(pad - control)]
             if known.intersection(extra):
-                raise ValueError("the embedded tokenizer already has <|reserved_N|> tokens")
+                raise ValueError("the embedded tokenizer already has <|reserved_N|> or <pad_N> tokens")
             value = value + extra
         elif key == "tokenizer.ggml.token_type":
-            value = value + [gguf.TokenType.CONTROL] * (vocab_size - len(value))
+            pad = vocab_size - len(value)
+            control = min(pad, RESERVED_CONTROL)
+            value = value + [gguf.TokenType.CONTROL] * control + [gguf.TokenType.NORMAL] * (pad - control)
         out.append((key, value, vtype, sub_type))
     return out
 
