@@ -19,6 +19,7 @@ import httpx
 import llguidance
 import pytest
 
+from llama_cpp_material import llama_cpp_tree
 from quanta.engine.grammar import GrammarCompiler
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import text_state
@@ -344,3 +345,20 @@ def test_streamed_and_responses_forced_calls_over_http(qwen_server):
         "tools": [{"type": "function", "name": "read_file", "parameters": READ["function"]["parameters"]}]})
     (call,) = [o for o in out["output"] if o["type"] == "function_call"]
     assert call["name"] == "read_file" and json.loads(call["arguments"])["path"] in ("notes.txt", "todo.txt")
+
+
+def test_command_r_vocabulary_from_llama_cpp():
+    """llama.cpp's Command R vocabulary (models/ggml-vocab-command-r.gguf) holds <|END_OF_TURN_TOKEN|>
+    (special, end of output) and <|CHATBOT_TOKEN|> (added) among the format's markers, not <|START_ACTION|>:
+    the output keeps special tokens, the grammar names the added ones and quotes the rest."""
+    tok = Tokenizer.from_path(llama_cpp_tree() / "models" / "ggml-vocab-command-r.gguf")
+    parser = TOOL_PARSERS["command_r"]()
+    marks = special_markers(tok, parser.markers)
+    assert marks.special == {"<|END_OF_TURN_TOKEN|>"} and set(marks.tokens) == {"<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>"}
+
+    class State:
+        tokenizer = tok
+
+    assert keeps_specials(State, parser)
+    check = Checker(tok)
+    assert check.accepts(parser, FORMS[10].one) and not check.accepts(parser, FORMS[10].two)
