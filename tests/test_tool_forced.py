@@ -12,6 +12,7 @@ arguments off the schema, a second call when one was asked for).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 
@@ -162,11 +163,17 @@ class Checker:
         return fed == len(ids) and matcher.is_accepting() and not matcher.is_error()
 
 
+@functools.cache
+def checker(tokenizer: Tokenizer) -> Checker:
+    """One :class:`Checker` per tokenizer (llguidance's vocabulary is built once)."""
+    return Checker(tokenizer)
+
+
 @pytest.mark.parametrize("vocab", ["plain", "special"])
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f.fmt)
 def test_forced_grammar_accepts_its_own_call_and_refuses_others(form, vocab, request):
     tok = request.getfixturevalue(vocab)
-    check = Checker(tok)
+    check = checker(tok)
     parser = TOOL_PARSERS[form.fmt]()
     assert check.accepts(parser, form.one), form.one
     parsed = parser.parse(form.one)
@@ -196,7 +203,7 @@ def test_a_marker_that_is_an_added_token_but_not_special(plain):
     tok = copy.deepcopy(plain.hf)
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     qwen = Tokenizer(tok, plain.eos_token_ids)
-    check, parser = Checker(qwen), TOOL_PARSERS["hermes"]()
+    check, parser = checker(qwen), TOOL_PARSERS["hermes"]()
     assert len(qwen.encode("<tool_call>", add_special_tokens=False)) == 1
     assert check.accepts(parser, FORMS[0].one) and check.accepts(parser, FORMS[0].two, parallel=True)
 
@@ -208,7 +215,7 @@ def test_a_marker_that_is_an_added_token_but_not_special(plain):
 
 def test_mistral_v11_form_where_args_is_a_special_token(plain):
     tok = _with_specials(plain, ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"])
-    check, parser = Checker(tok), TOOL_PARSERS["mistral"]()
+    check, parser = checker(tok), TOOL_PARSERS["mistral"]()
     one, two = f"[TOOL_CALLS]get_weather[ARGS]{A}", f"[TOOL_CALLS]get_weather[ARGS]{A}[TOOL_CALLS]get_time[ARGS]{T}"
     assert check.accepts(parser, one) and check.accepts(parser, two, parallel=True)
     assert not check.accepts(parser, two) and not check.accepts(parser, f"[TOOL_CALLS][{W_OBJ}]")
@@ -217,7 +224,7 @@ def test_mistral_v11_form_where_args_is_a_special_token(plain):
 
 @pytest.mark.parametrize("opened", [True, False])
 def test_reasoning_comes_before_a_forced_call(plain, opened):
-    check = Checker(plain)
+    check = checker(plain)
     parser = ReasoningParser(TOOL_PARSERS["qwen3_coder"](), REASONING["qwen3"], opened)
     call = _qwen("get_weather", {"city": "Paris"})
     thought = ("" if opened else "<think>") + "Paris, so get_weather.\n</think>\n\n"
@@ -269,7 +276,7 @@ def _decode(tok: Tokenizer, ids: list[int], keep: bool) -> str:
 def test_xml_parameters_take_only_enum_values(plain, fmt):
     tool = {"type": "function", "function": {"name": "go", "parameters": {
         "type": "object", "properties": {"to": {"type": "string", "enum": ["north", "south"]}}, "required": ["to"]}}}
-    check, parser = Checker(plain), TOOL_PARSERS[fmt]()
+    check, parser = checker(plain), TOOL_PARSERS[fmt]()
     write = _qwen if fmt == "qwen3_coder" else _glm
     assert check.accepts(parser, write("go", {"to": "north"}), tools=[tool])
     assert not check.accepts(parser, write("go", {"to": "west"}), tools=[tool])
@@ -360,5 +367,5 @@ def test_command_r_vocabulary_from_llama_cpp():
         tokenizer = tok
 
     assert keeps_specials(State, parser)
-    check = Checker(tok)
+    check = checker(tok)
     assert check.accepts(parser, FORMS[10].one) and not check.accepts(parser, FORMS[10].two)
