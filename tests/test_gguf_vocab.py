@@ -123,6 +123,7 @@ def test_tiny_bpe_vocabulary_from_a_written_file(tmp_path: Path) -> None:
     tok = Tokenizer.from_path(_write_gguf(tmp_path / "v.gguf", "gpt2", "gpt-2"))
     assert tok.encode_text("ab") == [2] and tok.encode_text("ba") == [1, 0]
     assert read_vocab(tmp_path / "v.gguf").pre == "gpt-2"
+    assert tok.hf.name_or_path == "v"  # what errors about the file's chat template name
 
 
 # ------------------------------------------------------- the embedded model, as before

@@ -165,7 +165,9 @@ def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
              if (text := vocab.token(role)) is not None}
     if vocab.model == "bert" and "bos_token" in roles:
         roles["cls_token"] = roles["bos_token"]
-    return GGUFTokenizerFast(backend, chat_template=vocab.chat_template, clean_up_tokenization_spaces=False, **roles)
+    # name_or_path: the file's name, which errors about its chat template cite
+    return GGUFTokenizerFast(backend, chat_template=vocab.chat_template, clean_up_tokenization_spaces=False,
+                             name_or_path=Path(path).stem, **roles)
 
 
 class GGUFTokenizerFast(PreTrainedTokenizerFast):
