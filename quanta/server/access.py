@@ -14,7 +14,7 @@
   prefix reuse with it (:func:`tenant_salt`), so requests of different keys
   never share cached K/V and ``cached_tokens`` reveals nothing across keys.
   The operator routes (:data:`OPERATOR_PATHS`: ``/metrics``, ``/v1/trace``,
-  ``/v1/config``, which show every tenant's request sizes, timings and cache
+  ``/v1/config``, ``/slots``, which show every tenant's request sizes, timings and cache
   hits) need one of the ``--admin-key`` keys whenever any key is set: a
   tenant's key gets HTTP 403 there, and with ``--api-key`` but no
   ``--admin-key`` they are closed to everyone. An admin key is also accepted
@@ -45,7 +45,7 @@ from quanta.server.errors import route_error_body
 OPEN_PATHS = frozenset({"/", "/health", "/api/hello"})
 
 #: Paths that need an admin key when keys are set: they show every tenant's traffic.
-OPERATOR_PATHS = frozenset({"/metrics", "/v1/trace", "/v1/config"})
+OPERATOR_PATHS = frozenset({"/metrics", "/v1/trace", "/v1/config", "/slots"})
 
 #: Host names always accepted besides IP literals.
 LOCAL_NAMES = frozenset({"localhost"})

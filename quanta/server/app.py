@@ -4,7 +4,8 @@ Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (:mod:`quanta.server.chat`), ``POST /v1/responses``
 (:mod:`quanta.server.responses`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`), ``POST /tokenize``
-and ``POST /detokenize`` (:mod:`quanta.server.tokenize`). Served
+and ``POST /detokenize`` (:mod:`quanta.server.tokenize`), ``GET /version``, ``GET /v1/models/{id}``,
+``GET /props`` and ``GET /slots`` (:mod:`quanta.server.introspect`). Served
 here: ``GET /v1/models``, ``GET /health`` and ``HEAD /health`` (and ``/api/hello``, Claude Code's
 probe, and ``HEAD /``, which clients send to check the base URL), ``GET /metrics`` (Prometheus text),
 ``GET /v1/config`` (effective scheduling values) and ``GET /v1/trace`` (step
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quanta.engine.trace import Trace
-from quanta.server import anthropic, chat, responses, tokenize
+from quanta.server import anthropic, chat, introspect, responses, tokenize
 from quanta.server.access import install_access
 from quanta.server.errors import install_error_handlers
 from quanta.server.limits import Admission, BodyLimit
@@ -48,7 +49,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, max_structure=state.prompts.max_structure)
     install_access(app, state.access)
     app.include_router(_service_router(state))
-    for protocol in (chat, responses, anthropic, tokenize):
+    for protocol in (chat, responses, anthropic, tokenize, introspect):
         app.include_router(protocol.router(state))
     return app
 
@@ -96,9 +97,7 @@ def _service_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict:
-        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "quanta", "max_model_len": state.max_model_len}
-                 for name in state.model_names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [introspect.model_card(state, name) for name in state.model_names]}
 
     @router.get("/v1/config")
     async def config() -> dict:
