@@ -354,6 +354,34 @@ def test_streamed_and_responses_forced_calls_over_http(qwen_server):
     assert call["name"] == "read_file" and json.loads(call["arguments"])["path"] in ("notes.txt", "todo.txt")
 
 
+def test_string_parameters_stay_strings_over_http(qwen_server):
+    """The request's schemas reach the parser: a string parameter whose text reads as JSON
+    (the forced grammar writes one of the enum's texts) is a string on every route."""
+    params = {"type": "object", "properties": {"path": {"type": "string", "enum": ["123", "null"]}}, "required": ["path"]}
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": params}}]
+    body = {"messages": ASK, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+            "temperature": 0, "max_tokens": 40}
+    (call,) = _post(qwen_server, "/v1/chat/completions", body)["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["path"] in ("123", "null")
+    arguments = ""
+    with httpx.stream("POST", qwen_server.base_url + "/v1/chat/completions",
+                      json={"model": qwen_server.model, "stream": True, **body}, timeout=120) as r:
+        for line in r.iter_lines():
+            chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+            for d in (chunk["choices"][0]["delta"].get("tool_calls") or []) if chunk.get("choices") else []:
+                arguments += d["function"].get("arguments") or ""
+    assert arguments == call["function"]["arguments"]
+    out = _post(qwen_server, "/v1/messages", {
+        "messages": ASK, "max_tokens": 40, "temperature": 0, "tools": [{"name": "read_file", "input_schema": params}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert [b["input"]["path"] for b in out["content"] if b["type"] == "tool_use"][0] in ("123", "null")
+    out = _post(qwen_server, "/v1/responses", {
+        "input": "Read the file notes.txt", "tool_choice": "required", "max_output_tokens": 40, "temperature": 0,
+        "parallel_tool_calls": False, "tools": [{"type": "function", "name": "read_file", "parameters": params}]})
+    (call,) = [o for o in out["output"] if o["type"] == "function_call"]
+    assert json.loads(call["arguments"])["path"] in ("123", "null")
+
+
 def test_command_r_vocabulary_from_llama_cpp():
     """llama.cpp's Command R vocabulary (models/ggml-vocab-command-r.gguf) holds <|END_OF_TURN_TOKEN|>
     (special, end of output) and <|CHATBOT_TOKEN|> (added) among the format's markers, not <|START_ACTION|>:

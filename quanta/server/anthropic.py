@@ -292,7 +292,7 @@ def router(state: ServerState) -> APIRouter:
             grammar, param = forced_grammar(state, prompt, forced, parallel), "tool_choice"
         else:
             grammar, param = body.format_grammar(), "output_config.format"
-        parser = request_parser(state, body.use_tools, prompt)
+        parser = request_parser(state, body.chat_tools(), prompt)
         stream = await submit(state, request, prompt, body.max_tokens, lambda n: constrain(
             state, parser_params(state, parser, with_defaults(state.config, body, body.sampling_params(n))), grammar, param),
             "messages")

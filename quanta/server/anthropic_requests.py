@@ -112,6 +112,10 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
     def use_tools(self) -> bool:
         return bool(self.function_tools()) and (self.tool_choice is None or self.tool_choice.type != "none")
 
+    def chat_tools(self) -> list[dict] | None:
+        """The tools the model may call, OpenAI-shaped (None when it may call none)."""
+        return [t.openai() for t in self.function_tools()] if self.use_tools else None
+
     def forced_tools(self) -> list[dict] | None:
         """Tools a call must come from (``any``: all, ``tool``: the named one), else None.
 

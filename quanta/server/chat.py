@@ -103,7 +103,7 @@ def _request_grammar(state, body, prompt: list[int]) -> tuple[Grammar | None, st
 async def serve_chat(state, request: Request, body: ChatRequest) -> Response:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.use_tools else None
     prompt = await chat_prompt(state, [m.as_dict() for m in body.messages], tools)
-    parser = request_parser(state, bool(tools), prompt)
+    parser = request_parser(state, tools, prompt)
     fmt = ChatFormat(LogprobFormatter(state.tokenizer), parser.stream() if parser is not None else None)
     return await _serve(state, request, body, prompt, fmt, parser)
 

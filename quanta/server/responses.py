@@ -284,7 +284,7 @@ def router(state: ServerState) -> APIRouter:
         prompt = await chat_prompt(state, body.messages(), tools or None)
         grammar, param = request_grammar(state, body, tools, prompt)
         max_tokens = output_cap(state.config, state.max_model_len, len(prompt), body.max_output_tokens)
-        parser = request_parser(state, bool(tools), prompt)
+        parser = request_parser(state, tools, prompt)
         stream = await submit(state, request, prompt, max_tokens, lambda n: constrain(
             state, parser_params(state, parser, with_defaults(state.config, body, body.sampling_params(n))), grammar, param),
             "input")

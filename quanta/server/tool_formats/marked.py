@@ -20,11 +20,12 @@ stream has sent it (closed incomplete), ``parse`` keeps its text as content.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from quanta.server.tool_formats.params import ParamReader, ParamSyntax
+from quanta.server.tool_formats.params import ParamReader, ParamSyntax, param_schemas
 from quanta.server.tool_scan import ObjectScanner
 from quanta.server.tools import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, ReasoningDelta, ToolStream
@@ -123,6 +124,8 @@ class Machine:
     scanner: ObjectScanner = field(default_factory=ObjectScanner)
     reader: ParamReader | None = None
     args_text: str = ""  # the current JSON arguments (or array of calls) so far
+    #: tool name -> parameter name -> its schema (:func:`.params.param_schemas`), for XML-like parameters
+    schemas: dict[str, dict[str, dict]] = field(default_factory=dict)
 
     def feed(self, text: str) -> None:
         self.buf += text
@@ -197,7 +200,7 @@ class Machine:
         self.name, self.call_id = name, call_id
         if self.syntax.params is not None:
             self.sink.open(name, call_id)
-            self.mode, self.reader = "params", ParamReader(self.syntax.params)
+            self.mode, self.reader = "params", ParamReader(self.syntax.params, self.schemas.get(name, {}))
         else:
             self.mode = "lead"
         return True
@@ -314,6 +317,17 @@ class MarkedParser(ToolParser):
     syntax: Syntax
     #: markers the format writes that its syntax reads inside a name (DeepSeek V3's ``<｜tool▁sep｜>``)
     inner_markers: tuple[str, ...] = ()
+    #: the request's parameter schemas per tool (:meth:`for_tools`; XML-like parameters are typed by them)
+    schemas: dict[str, dict[str, dict]] = {}
+
+    def for_tools(self, tools: list[dict] | None) -> MarkedParser:
+        """This parser reading one request's output: its ``tools`` (OpenAI-shaped) type the
+        values of XML-like parameters (:mod:`.params`). Formats with JSON arguments need none."""
+        if self.syntax.params is None or not tools:
+            return self
+        bound = copy.copy(self)
+        bound.schemas = param_schemas(tools)
+        return bound
 
     @property
     def start(self) -> str:
@@ -329,7 +343,7 @@ class MarkedParser(ToolParser):
 
     def parse(self, text: str) -> Parsed:
         sink = Pieces()
-        return run_sink(Machine(self.syntax, sink), sink, text)
+        return run_sink(Machine(self.syntax, sink, schemas=self.schemas), sink, text)
 
     def stream(self) -> ToolStream:
         return MarkedStream(self)
@@ -340,7 +354,7 @@ class MarkedStream(ToolStream, Sink):
 
     def __init__(self, parser: ToolParser, machine=None) -> None:
         super().__init__(parser)
-        self._machine = machine(self) if machine else Machine(parser.syntax, self)
+        self._machine = machine(self) if machine else Machine(parser.syntax, self, schemas=parser.schemas)
         self._call: ToolCall | None = None
 
     def _feed(self, delta: str) -> None:

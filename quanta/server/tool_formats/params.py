@@ -5,12 +5,19 @@
 and writes the arguments object's JSON as each parameter completes
 (``{"k": v``, then ``, "k2": v2``, then ``}`` at the call's end marker). A
 value is the text between its markers less one leading and one trailing
-newline; it is JSON when it reads as JSON (``1``, ``true``, ``[1, 2]``)
-unless the tool's schema says the parameter is a string, else a string.
+newline, converted by the type the tool's schema gives the parameter
+(:func:`param_value`): a ``string`` stays the text as written (``123``,
+``true``, ``null``, ``[1]`` included); ``integer``, ``number``, ``boolean``,
+``object``, ``array`` and ``null`` are read from the text, which stays a
+string when it is not one; a parameter the schema does not type (or a tool
+the request did not send) is JSON when the text reads as JSON, else a string.
+The schemas come from the request (:func:`param_schemas`), so a stream and a
+whole parse of one output read the same values.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import dataclass, field
 
@@ -32,13 +39,91 @@ class ParamSyntax:
         return self.key_open, self.end
 
 
-def param_value(text: str, kind: str | None):
-    """A parameter's value from its text (see the module docstring); ``kind``: the schema's ``type``."""
-    text = text.removeprefix("\n").removesuffix("\n")
-    if kind == "string":
-        return text
+def param_schemas(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
+    """Tool name -> parameter name -> that parameter's JSON schema, for OpenAI-shaped ``tools``."""
+    out: dict[str, dict[str, dict]] = {}
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        props = params.get("properties") if isinstance(params, dict) else None
+        if isinstance(fn.get("name") if isinstance(fn, dict) else None, str) and isinstance(props, dict):
+            out[fn["name"]] = {k: v for k, v in props.items() if isinstance(v, dict)}
+    return out
+
+
+def schema_types(schema: dict | None) -> list[str]:
+    """The JSON types a parameter's schema allows (``type``, a list of them, ``anyOf``/``oneOf``
+    members' types; an ``enum`` of strings alone is ``string``), in the schema's order."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return [k for member in schema[key] for k in schema_types(member)]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return ["string"]
+    return []
+
+
+def _number(text: str, whole: bool):
     value = parse_json(text)
-    return text if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return _MISSING
+    if whole:
+        return value if isinstance(value, int) else (int(value) if value.is_integer() else _MISSING)
+    return value
+
+
+def _container(text: str, kind: type):
+    value = parse_json(text)
+    if value is None and text[:1] in "[{":  # Python literals (single quotes, True/None) as models write them
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            value = None
+    return value if isinstance(value, kind) else _MISSING
+
+
+_MISSING = object()
+#: type names schemas write for JSON's (Python's and others')
+_ALIASES = {"int": "integer", "float": "number", "bool": "boolean", "dict": "object", "list": "array"}
+_READERS = {
+    "integer": lambda t: _number(t, True),
+    "number": lambda t: _number(t, False),
+    "boolean": lambda t: {"true": True, "false": False}.get(t.lower(), _MISSING),
+    "null": lambda t: None if t == "null" else _MISSING,
+    "object": lambda t: _container(t, dict),
+    "array": lambda t: _container(t, list),
+}
+
+
+def param_value(text: str, schema: dict | None = None):
+    """A parameter's value from its text (see the module docstring); ``schema``: the parameter's.
+    A value JSON cannot write (``NaN``, ``Infinity``) stays the text."""
+    text = text.removeprefix("\n").removesuffix("\n")
+    value = _typed(text, schema_types(schema))
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return text
+    return value
+
+
+def _typed(text: str, kinds: list[str]):
+    if not kinds:
+        value = parse_json(text)
+        return text if value is None else value
+    for kind in kinds:
+        read = _READERS.get(_ALIASES.get(kind, kind))
+        value = read(text.strip()) if read else _MISSING
+        if value is not _MISSING:
+            return value
+    return text
 
 
 @dataclass
@@ -46,8 +131,8 @@ class ParamReader:
     """Reads one call's parameters (see the module docstring)."""
 
     syntax: ParamSyntax
-    #: parameter name -> its JSON-schema ``type`` (strings stay strings)
-    types: dict[str, str] = field(default_factory=dict)
+    #: parameter name -> its JSON schema (the called tool's, :func:`param_schemas`)
+    schemas: dict[str, dict] = field(default_factory=dict)
     state: str = "key_wait"  # key_wait, key, value_wait, value
     key: str = ""
     count: int = 0
@@ -120,7 +205,7 @@ class ParamReader:
             return None
         head = "{" if self.count == 0 else ", "
         self.out.append(head + json.dumps(self.key, ensure_ascii=False) + ": "
-                        + json.dumps(param_value(value, self.types.get(self.key)), ensure_ascii=False))
+                        + json.dumps(param_value(value, self.schemas.get(self.key)), ensure_ascii=False))
         self.count += 1
         self.state = "key_wait"
         return True

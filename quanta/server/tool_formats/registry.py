@@ -105,14 +105,22 @@ def output_parser(tools: ToolParser, reasoning: ReasoningSyntax | None, with_too
     return ReasoningParser(inner, reasoning, opened)
 
 
-def request_parser(state, with_tools: bool, prompt: list[int]) -> ToolParser | None:
+def request_parser(state, tools: list[dict] | bool | None, prompt: list[int]) -> ToolParser | None:
     """:func:`output_parser` for one request of a server ``state`` (its tool parser and reasoning
-    syntax); the prompt's last tokens say whether the template opened the reasoning."""
+    syntax); ``tools``: the request's tools (OpenAI-shaped; their parameter schemas type the values
+    of XML-like parameters) or whether it has any; the prompt's last tokens say whether the
+    template opened the reasoning."""
     opened = False
     if state.reasoning is not None and prompt:
         tail = state.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
         opened = prompt_opens(tail, state.reasoning)
-    return output_parser(state.tool_parser, state.reasoning, with_tools, opened)
+    return output_parser(bound_parser(state.tool_parser, tools), state.reasoning, bool(tools), opened)
+
+
+def bound_parser(parser: ToolParser, tools: list[dict] | bool | None) -> ToolParser:
+    """``parser`` reading one request's output with its ``tools`` (see :meth:`.marked.MarkedParser.for_tools`)."""
+    bind = getattr(parser, "for_tools", None)
+    return bind(tools) if bind is not None and isinstance(tools, list) else parser
 
 
 def request_marks(state, parser: ToolParser) -> Marks:
@@ -142,7 +150,7 @@ def forced_grammar(state, prompt: list[int], tools: list[dict], parallel: bool, 
     Raises:
         APIError: 400 naming ``param`` for a format that has no forced-call grammar.
     """
-    parser = request_parser(state, True, prompt)
+    parser = request_parser(state, tools, prompt)
     try:
         return parser.grammar(tools, parallel, request_marks(state, parser))
     except NotImplementedError as exc:
