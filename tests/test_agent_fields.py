@@ -156,8 +156,9 @@ def test_server_tools_are_accepted_and_never_called(server):
     assert "tools.1 (web_search_20250305)" in log_line(server, extra)
 
 
-def test_a_reasoning_model_s_thinking_blocks_in_history_are_dropped(server):
-    """A second Claude Code turn after a reasoning model: thinking blocks, text and a call, then its result."""
+def test_a_reasoning_model_s_thinking_blocks_in_history_are_taken(server):
+    """A second Claude Code turn after a reasoning model: thinking blocks, text and a call, then its result.
+    The thinking block is the turn's reasoning_content (tests/test_anthropic_thinking.py); the redacted one has no effect."""
     extra = marker()
     history = [
         {"role": "user", "content": "List the files."},
@@ -171,7 +172,7 @@ def test_a_reasoning_model_s_thinking_blocks_in_history_are_dropped(server):
                                            extra_body={**extra, "temperature": 0})
     assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
     line = log_line(server, extra)
-    assert "messages.1.content.0 (thinking)" in line and "messages.1.content.1 (redacted_thinking)" in line
+    assert "messages.1.content.0 (thinking)" not in line and "messages.1.content.1 (redacted_thinking)" in line
 
 
 def test_anthropic_typo_is_a_400_naming_the_field_it_resembles(server):

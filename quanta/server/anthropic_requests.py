@@ -10,10 +10,12 @@ Mapped or accepted with no effect, as the rule says:
   the SDK's ``messages.parse`` sends) is the JSON-schema constraint of
   OpenAI's ``response_format``; a forced ``tool_choice`` wins over it;
   ``output_config.effort`` has no effect;
-- ``thinking`` of any type is accepted; the served model does not reason, so
-  ``enabled`` / ``adaptive`` have no effect (no thinking blocks are written);
-- ``thinking`` and ``redacted_thinking`` blocks of earlier assistant turns
-  are dropped;
+- ``thinking`` of any type is accepted with no effect: a reasoning model
+  reasons as its chat template has it (its reasoning is a thinking block),
+  another model writes none;
+- ``thinking`` blocks of earlier assistant turns are the message's
+  ``reasoning_content`` (the chat template writes it where it writes
+  reasoning, or drops it); ``redacted_thinking`` blocks are dropped;
 - server tools (a ``type`` other than ``custom``: ``web_search_20250305``,
   ``bash_20250124``, ...) are accepted and never called: quanta runs no tools;
 - ``context_management``, ``mcp_servers``, ``cache_control``, ``speed`` and
@@ -40,13 +42,15 @@ from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, Strict
 
 
 class ContentBlock(BaseModel):
-    """A content block: ``text``, ``tool_use`` (assistant) or ``tool_result`` (user)."""
+    """A content block: ``text``, ``tool_use`` and ``thinking`` (assistant) or ``tool_result`` (user)."""
 
     model_config = ConfigDict(extra="ignore")
-    #: the schema lists the served types (thinking blocks are dropped: the model reads no reasoning);
-    #: others (images, documents) get a 400 naming them
+    #: the schema lists the served types (``redacted_thinking`` is dropped); others (images,
+    #: documents) get a 400 naming them
     type: Annotated[str, Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result", *THINKING_BLOCKS]})]
     text: str | None = None
+    #: a ``thinking`` block's reasoning
+    thinking: str | None = None
     id: str | None = None
     name: str | None = None
     input: dict | None = None
@@ -76,7 +80,7 @@ class OutputConfig(BaseModel):
 
 
 class Thinking(BaseModel):
-    """``thinking``: accepted; only ``disabled`` is what happens (the model does not reason)."""
+    """``thinking``: accepted with no effect (a model reasons as its chat template has it)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -101,7 +105,7 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
             parts += [f"output_config.{k}" for k in ("effort", *(self.output_config.model_extra or {}))
                       if getattr(self.output_config, k, None) is not None]
         parts += [f"messages.{i}.content.{j} ({b.type})" for i, m in enumerate(self.messages) if not isinstance(m.content, str)
-                  for j, b in enumerate(m.content) if b.type in THINKING_BLOCKS]
+                  for j, b in enumerate(m.content) if b.type == "redacted_thinking"]
         return parts + [f"tools.{i} ({t.type})" for i, t in enumerate(self.tools or []) if t.server_tool]
 
     def function_tools(self) -> list[AnthropicTool]:

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from quanta.server.field_rule import field_error
 from quanta.server.tools import ToolCall
 
-#: content blocks of a reasoning model's earlier turns: accepted and dropped (this model reads none)
+#: content blocks of a reasoning model's earlier turns: ``thinking`` is the assistant message's
+#: ``reasoning_content`` (the chat template writes or drops it), ``redacted_thinking`` is dropped
 THINKING_BLOCKS = ("thinking", "redacted_thinking")
 
 
@@ -89,7 +90,9 @@ def chat_messages(messages, error) -> list[dict]:
     """Anthropic ``messages`` as OpenAI-shaped chat messages.
 
     ``tool_result`` blocks become ``role: tool`` messages (before the user
-    text of the same turn), ``tool_use`` blocks the assistant's ``tool_calls``.
+    text of the same turn), ``tool_use`` blocks the assistant's ``tool_calls``,
+    ``thinking`` blocks its ``reasoning_content`` (several joined by a newline,
+    as OpenAI's messages carry it); ``redacted_thinking`` blocks are dropped.
 
     Args:
         error: the exception class raised as ``error(400, message)`` for
@@ -100,7 +103,7 @@ def chat_messages(messages, error) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if block.type == "text" and block.text is not None:
@@ -109,7 +112,8 @@ def chat_messages(messages, error) -> list[dict]:
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": json.dumps(block.input or {}, ensure_ascii=False)}})
             elif block.type in THINKING_BLOCKS and m.role == "assistant":
-                continue
+                if block.type == "thinking" and block.thinking:
+                    thoughts.append(block.thinking)
             elif block.type == "tool_result" and m.role == "user":
                 text = _result_text(block.content, f"{where}.content", error)
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id,
@@ -122,5 +126,7 @@ def chat_messages(messages, error) -> list[dict]:
             msg = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+            if thoughts:
+                msg["reasoning_content"] = "\n".join(thoughts)
             out.append(msg)
     return out
