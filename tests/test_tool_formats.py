@@ -51,6 +51,21 @@ QWEN_OPT = ("<tool_call>\n<function=special_function_with_opt>\n<parameter=arg1>
             "<parameter=arg2>\n2\n</parameter>\n</function>\n</tool_call>")
 TWO = [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]
 
+
+
+def _dsml(block: str, *calls) -> str:
+    """DeepSeek V3.2 / V4 calls (name, ((key, string attribute, text), ...)) as test-chat.cpp writes them."""
+    invokes = "".join(f'<｜DSML｜invoke name="{name}">\n' + "".join(
+        f'<｜DSML｜parameter name="{k}" string="{kind}">{v}</｜DSML｜parameter>\n' for k, kind, v in params)
+        + "</｜DSML｜invoke>\n" for name, params in calls)
+    return f"<｜DSML｜{block}>\n{invokes}</｜DSML｜{block}>"
+
+
+DSML_SPECIAL = ("special_function", (("arg1", "false", "1"),))
+DSML_PARIS = (("get_time", (("city", "true", "Paris"),)), ("get_weather", (("city", "true", "Paris"),)))
+DSML_MULTI = ("magic_int", (("ref", "false", "42"), ("name", "true", "foo bar")))
+PARIS = [("get_time", {"city": "Paris"}), ("get_weather", {"city": "Paris"})]
+
 CASES = [
     # NousResearch-Hermes-2-Pro (test-chat.cpp ~3330)
     Case("Hermes-2-Pro", "hermes", '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>', calls=SPECIAL),
@@ -149,6 +164,36 @@ CASES = [
          '{"oldString": "if (part < railCount - 1) {", "newString": "if (part < 4) {", "replaceAll": false}',
          calls=[("edit", {"oldString": "if (part < railCount - 1) {", "newString": "if (part < 4) {", "replaceAll": False})],
          reasoning="Thinking about edit..."),
+    # DeepSeek V3.2 (~4004-4180) and V4 (~4233-4330): DSML, thinking enabled where the prompt ends with <think>
+    Case("DeepSeek-V3.2", "deepseek_v32", HELLO, HELLO, think="deepseek_r1"),
+    Case("DeepSeek-V3.2", "deepseek_v32", "I'm\nthinking</think>" + HELLO, HELLO, reasoning="I'm\nthinking",
+         think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Let me check the time</think>\n\n" + _dsml("function_calls", ("get_time", (
+         ("city", "true", "Tokyo"),))), calls=[("get_time", {"city": "Tokyo"})], reasoning="Let me check the time",
+         think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", _dsml("function_calls", DSML_SPECIAL), calls=SPECIAL, think="deepseek_r1"),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Calling both</think>\n\n" + _dsml("function_calls", *DSML_PARIS),
+         calls=PARIS, reasoning="Calling both", think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Thinking about it</think>Let me call the function.\n\n"
+         + _dsml("function_calls", DSML_SPECIAL), "Let me call the function.", SPECIAL, "Thinking about it", "deepseek_r1", True),
+    *[Case("DeepSeek-V3.2", "deepseek_v32", "Test</think>\n\n" + _dsml("function_calls", (name, ((key, "false", text),))),
+           calls=[(name, {key: value})], reasoning="Test", think="deepseek_r1", opened=True) for name, key, text, value in (
+        ("magic_int", "ref", "-14", -14), ("amount", "orig", "3.14", 3.14), ("toggle", "enabled", "true", True),
+        ("todo_list", "todos", '["buy milk","walk dog"]', ["buy milk", "walk dog"]),
+        ("set_config", "config", '{"theme":"dark","level":2}', {"theme": "dark", "level": 2}))],
+    Case("DeepSeek-V3.2", "deepseek_v32", "</think>\n\n" + _dsml("function_calls", ("get_time", (("city", "true", "XYZCITY"),))),
+         calls=[("get_time", {"city": "XYZCITY"})], think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Multi-arg call</think>\n\n" + _dsml("function_calls", DSML_MULTI),
+         calls=[("magic_int", {"ref": 42, "name": "foo bar"})], reasoning="Multi-arg call", think="deepseek_r1", opened=True),
+    Case("DeepSeek-V4", "deepseek_v4", "I'm\nthinking</think>" + HELLO, HELLO, reasoning="I'm\nthinking",
+         think="deepseek_r1", opened=True),
+    Case("DeepSeek-V4", "deepseek_v4", _dsml("tool_calls", DSML_SPECIAL), calls=SPECIAL, think="deepseek_r1"),
+    Case("DeepSeek-V4", "deepseek_v4", "Calling both</think>\n\n" + _dsml("tool_calls", *DSML_PARIS),
+         calls=PARIS, reasoning="Calling both", think="deepseek_r1", opened=True),
+    Case("DeepSeek-V4", "deepseek_v4", "Thinking about it</think>Let me call the function.\n\n"
+         + _dsml("tool_calls", DSML_SPECIAL), "Let me call the function.", SPECIAL, "Thinking about it", "deepseek_r1", True),
+    Case("DeepSeek-V4", "deepseek_v4", "Multi-arg call</think>\n\n" + _dsml("tool_calls", DSML_MULTI),
+         calls=[("magic_int", {"ref": 42, "name": "foo bar"})], reasoning="Multi-arg call", think="deepseek_r1", opened=True),
 ]
 
 
@@ -217,6 +262,7 @@ def test_half_written_call_is_never_content():
     ("qwen3_coder", "a <function=x and more"), ("glm45", "<tool_call>not a name\n"), ("mistral", "[TOOL_CALLS] no"),
     ("openai", "<|channel|"), ("deepseek_v31", "<｜tool▁call▁begin｜>f<｜tool▁sep｜>not json"),
     ("kimi_k2", "<|tool_call_begin|>functions.f:0"), ("command_r", "<|START_ACTION|>[1, 2]"),
+    ("deepseek_v32", '<｜DSML｜invoke name="two words">'), ("deepseek_v4", '<｜DSML｜invoke name="f'),
 ])
 def test_marker_without_a_call_stays_content(name, text):
     parser = TOOL_PARSERS[name]()
@@ -257,6 +303,9 @@ EXPECTED = {
     "ByteDance-Seed-OSS": ("qwen3_coder", "seed_oss"),
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": ("qwen3_coder", "deepseek_r1"),
     "google-gemma-2-2b-it": ("hermes", None),  # no tool syntax: the Hermes fallback prompt
+    "deepseek-ai-DeepSeek-V3.2": ("deepseek_v32", "deepseek_r1"),
+    "deepseek-ai-DeepSeek-V4": ("deepseek_v4", "deepseek_r1"),
+    "deepseek-ai-DeepSeek-V4-Flash-0731": ("deepseek_v4", "deepseek_r1"),
 }
 
 
@@ -290,19 +339,26 @@ ROUND_TRIP = [  # (template, index of a case above whose calls are rendered)
     ("unsloth-mistral-Devstral-Small-2507", 30), ("meetkai-functionary-medium-v3.1", 32),
     ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", 35), ("openai-gpt-oss-120b", 48),
     ("meta-llama-Llama-3.1-8B-Instruct", 2),  # the Qwen2.5 case's call: test-chat.cpp has no Llama 3 call
+    *[(stem, next(i for i, c in enumerate(CASES) if c.tool == tool and c.calls == PARIS)) for stem, tool in (
+        ("deepseek-ai-DeepSeek-V3.2", "deepseek_v32"), ("deepseek-ai-DeepSeek-V4", "deepseek_v4"))],
 ]
 TOOLS = [{"type": "function", "function": {"name": name, "description": name, "parameters": {
     "type": "object", "properties": {k: {"type": "integer"} for k in ("arg1", "arg2", "city")}}}}
     for name in ("special_function", "special_function_with_opt", "get_time", "get_weather")]
 
 
-def _assistant_text(template: str, calls) -> str:
+#: templates whose generation prompt opens the turn as its assistant turn does only with thinking on
+#: (without it, DeepSeek V3.2 prompts ``<think></think>`` and writes the turn after ``</think>``)
+THINKING = {"deepseek-ai-DeepSeek-V3.2", "deepseek-ai-DeepSeek-V4"}
+
+
+def _assistant_text(template: str, calls, thinking: bool = False) -> str:
     """What the template writes for an assistant turn with ``calls`` (after the generation prompt, up to its end marker)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     def render(msgs, gen):
-        out, _ = render_jinja_template(conversations=[msgs], tools=TOOLS, chat_template=template,
-                                       add_generation_prompt=gen, bos_token="<s>", eos_token="</s>")
+        out, _ = render_jinja_template(conversations=[msgs], tools=TOOLS, chat_template=template, add_generation_prompt=gen,
+                                       bos_token="<s>", eos_token="</s>", **({"thinking": True} if thinking else {}))
         return out[0]
 
     user = [{"role": "user", "content": "Hi"}]
@@ -326,6 +382,7 @@ def test_calls_round_trip_through_the_template(stem, index):
     assert calls, case.where
     tool, reasoning = detect(template)
     assert (tool, reasoning) == EXPECTED[stem]
-    parser = output_parser(TOOL_PARSERS[tool](), REASONING.get(reasoning) if reasoning else None, True, False)
-    again = parser.parse(_assistant_text(template, calls))
+    thinking = stem in THINKING
+    parser = output_parser(TOOL_PARSERS[tool](), REASONING.get(reasoning) if reasoning else None, True, thinking)
+    again = parser.parse(_assistant_text(template, calls, thinking))
     assert _calls(again.calls) == _calls(calls)

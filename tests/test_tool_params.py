@@ -120,3 +120,16 @@ def test_schema_types():
     assert schema_types({"oneOf": [{"type": "boolean"}, {"anyOf": [{"type": "array"}]}]}) == ["boolean", "array"]
     assert schema_types({"enum": ["a", "b"]}) == ["string"] and schema_types({"enum": ["a", 1]}) == []
     assert param_value("\n5\n", {"type": "int"}) == 5 and param_value("\n5\n", {"type": "str"}) == "5"
+
+
+def test_dsml_string_attribute_types_what_the_schema_does_not():
+    """DeepSeek V3.2 / V4: ``string="true"`` is a string, ``string="false"`` JSON, unless the schema types the parameter."""
+    def call(*params) -> str:
+        body = "".join(f'<｜DSML｜parameter name="{k}" string="{kind}">{v}</｜DSML｜parameter>\n' for k, kind, v in params)
+        return f'Sure.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="edit">\n{body}</｜DSML｜invoke>\n</｜DSML｜function_calls>'
+
+    text = call(("path", "false", "123"), ("count", "true", "7"), ("loose", "true", "12"), ("maybe", "false", "[1]"),
+                ("other", "false", "[1]"), ("note", "true", "\nline\n"))
+    bound, bare = TOOL_PARSERS["deepseek_v32"]().for_tools(TOOLS), TOOL_PARSERS["deepseek_v32"]()
+    assert _args(bound, text) == {"path": "123", "count": 7, "loose": "12", "maybe": "[1]", "other": [1], "note": "\nline\n"}
+    assert _args(bare, text) == {"path": 123, "count": "7", "loose": "12", "maybe": [1], "other": [1], "note": "\nline\n"}

@@ -3,6 +3,10 @@
 - ``deepseek_v3`` (DeepSeek V3, R1 and its distills):
   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``;
 - ``deepseek_v31`` (DeepSeek V3.1): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``;
+- ``deepseek_v32`` (DeepSeek V3.2's DSML): ``<｜DSML｜function_calls>\n<｜DSML｜invoke name="NAME">\n``
+  ``<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>``
+  (``string="false"``: the value is JSON; the request's schema wins where it types the parameter);
+  ``deepseek_v4`` (DeepSeek V4): the same, the block named ``tool_calls``;
 - ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...``
   (the call's id is ``functions.NAME:0`` as written);
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5, Nemotron 3, StepFun 3.5):
@@ -48,6 +52,29 @@ class DeepSeekV31Parser(MarkedParser):
     syntax = Syntax(begins=(DS_CALL,), drops=(DS_CALLS,), name_ends=(DS_SEP,), closers=DS_CLOSERS)
 
 
+DSML = "｜DSML｜"
+DSML_PARAMS = ParamSyntax(f'<{DSML}parameter name="', '"', "", f"</{DSML}parameter>", f"</{DSML}invoke>",
+                          typed_opens=(('string="true">', {"type": "string"}), ('string="false">', None)), trim=False)
+
+
+def dsml_syntax(block: str) -> Syntax:
+    """DeepSeek's DSML calls inside a ``<｜DSML｜BLOCK>`` block."""
+    return Syntax(begins=(f'<{DSML}invoke name="',), drops=(f"<{DSML}{block}>",), name_ends=('">',),
+                  closers=(f"</{DSML}{block}>",), params=DSML_PARAMS)
+
+
+class DeepSeekV32Parser(MarkedParser):
+    name = "deepseek_v32"
+    syntax = dsml_syntax("function_calls")
+    inner_markers = (DSML,)
+
+
+class DeepSeekV4Parser(MarkedParser):
+    name = "deepseek_v4"
+    syntax = dsml_syntax("tool_calls")
+    inner_markers = (DSML,)
+
+
 class KimiK2Parser(MarkedParser):
     name = "kimi_k2"
     syntax = Syntax(begins=("<|tool_call_begin|>",), drops=("<|tool_calls_section_begin|>",),
@@ -90,5 +117,5 @@ class FireFunctionParser(MarkedParser):
     syntax = Syntax(begins=("functools",), arrays=True, named=False)
 
 
-FAMILIES = (DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser, Qwen3CoderParser, Glm45Parser,
+FAMILIES = (DeepSeekV3Parser, DeepSeekV31Parser, DeepSeekV32Parser, DeepSeekV4Parser, KimiK2Parser, Qwen3CoderParser, Glm45Parser,
             FunctionaryParser, GraniteParser, CommandRParser, FireFunctionParser)

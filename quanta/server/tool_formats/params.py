@@ -10,7 +10,9 @@ newline, converted by the type the tool's schema gives the parameter
 ``true``, ``null``, ``[1]`` included); ``integer``, ``number``, ``boolean``,
 ``object``, ``array`` and ``null`` are read from the text, which stays a
 string when it is not one; a parameter the schema does not type (or a tool
-the request did not send) is JSON when the text reads as JSON, else a string.
+the request did not send) is JSON when the text reads as JSON, else a string
+(a syntax that types its values, DeepSeek DSML's ``string="true"``, decides
+there instead).
 The schemas come from the request (:func:`param_schemas`), so a stream and a
 whole parse of one output read the same values.
 """
@@ -32,6 +34,11 @@ class ParamSyntax:
     value_close: str
     #: the marker that ends the call's parameters
     end: str
+    #: value-open markers (instead of ``value_open``) that type the value where the request's schema
+    #: does not: DeepSeek DSML's ``string="true">`` (a string) and ``string="false">`` (JSON)
+    typed_opens: tuple[tuple[str, dict | None], ...] = ()
+    #: one leading and one trailing newline around a value belong to the syntax
+    trim: bool = True
 
     @property
     def starts(self) -> tuple[str, str]:
@@ -102,10 +109,12 @@ _READERS = {
 }
 
 
-def param_value(text: str, schema: dict | None = None):
-    """A parameter's value from its text (see the module docstring); ``schema``: the parameter's.
-    A value JSON cannot write (``NaN``, ``Infinity``) stays the text."""
-    text = text.removeprefix("\n").removesuffix("\n")
+def param_value(text: str, schema: dict | None = None, trim: bool = True):
+    """A parameter's value from its text (see the module docstring); ``schema``: the parameter's;
+    ``trim``: one leading and one trailing newline are not the value's. A value JSON cannot
+    write (``NaN``, ``Infinity``) stays the text."""
+    if trim:
+        text = text.removeprefix("\n").removesuffix("\n")
     value = _typed(text, schema_types(schema))
     try:
         json.dumps(value, allow_nan=False)
@@ -135,6 +144,8 @@ class ParamReader:
     schemas: dict[str, dict] = field(default_factory=dict)
     state: str = "key_wait"  # key_wait, key, value_wait, value
     key: str = ""
+    #: the schema the value's open marker gives (:attr:`ParamSyntax.typed_opens`)
+    given: dict | None = None
     count: int = 0
     consumed: int = 0  # how much of the text given to the last feed was read
     out: list[str] = field(default_factory=list)
@@ -192,10 +203,13 @@ class ParamReader:
         return True
 
     def _value_wait(self, rest: str, final: bool):
-        if self.syntax.value_open:
-            found = self._expect(rest, (self.syntax.value_open,), final)
+        typed = dict(self.syntax.typed_opens)
+        opens = tuple(typed) or ((self.syntax.value_open,) if self.syntax.value_open else ())
+        if opens:
+            found = self._expect(rest, opens, final)
             if not found:
                 return found
+            self.given = typed.get(found)
         self.state = "value"
         return True
 
@@ -203,9 +217,11 @@ class ParamReader:
         value = self._read_to(rest, self.syntax.value_close)
         if value is None:
             return None
+        schema = self.schemas.get(self.key)
+        schema = schema if schema_types(schema) else self.given
         head = "{" if self.count == 0 else ", "
         self.out.append(head + json.dumps(self.key, ensure_ascii=False) + ": "
-                        + json.dumps(param_value(value, self.schemas.get(self.key)), ensure_ascii=False))
+                        + json.dumps(param_value(value, schema, self.syntax.trim), ensure_ascii=False))
         self.count += 1
         self.state = "key_wait"
         return True

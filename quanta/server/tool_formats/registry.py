@@ -27,7 +27,7 @@ ALIASES = {"qwen3_xml": "qwen3_coder", "glm47": "glm45", "gpt_oss": "openai", "d
 
 #: (marker in the template, tool parser), first match wins
 _TOOL_MARKERS = (
-    ("<|channel|>", "openai"), ("tool▁sep", None), ("tool_calls_section_begin", "kimi_k2"),
+    ("<|channel|>", "openai"), ("｜DSML｜", "dsml"), ("tool▁sep", None), ("tool_calls_section_begin", "kimi_k2"),
     ("<arg_key>", "glm45"), ("<parameter=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"),
     ("<|START_ACTION|>", "command_r"), ("Action:", "command_r"), ("<|tool_call|>", "granite"),
     ("functools", "firefunction"), ("<function=", "functionary"), ("<tool_call>", "hermes"),
@@ -60,6 +60,8 @@ def detect(template: str | None) -> tuple[str, str | None]:
     tool = next((name for marker, name in _TOOL_MARKERS if marker in text), "hermes")
     if tool is None:  # DeepSeek: V3/R1 write the arguments in a ```json fence, V3.1 does not
         tool = "deepseek_v3" if "```json" in text else "deepseek_v31"
+    elif tool == "dsml":  # DeepSeek V3.2 names its block function_calls, V4 tool_calls
+        tool = "deepseek_v32" if "function_calls" in text else "deepseek_v4"
     if tool == "openai":
         return tool, "openai"
     return tool, next((name for marker, name in _REASONING_MARKERS if marker in text), None)
