@@ -9,6 +9,7 @@ keeps a newline before a call that quanta drops), arguments as JSON values.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -65,6 +66,29 @@ DSML_SPECIAL = ("special_function", (("arg1", "false", "1"),))
 DSML_PARIS = (("get_time", (("city", "true", "Paris"),)), ("get_weather", (("city", "true", "Paris"),)))
 DSML_MULTI = ("magic_int", (("ref", "false", "42"), ("name", "true", "foo bar")))
 PARIS = [("get_time", {"city": "Paris"}), ("get_weather", {"city": "Paris"})]
+V32_CASES = [
+    # DeepSeek V3.2 (test-chat.cpp ~4004-4180): DSML; thinking enabled where the prompt ends with <think>
+    Case("DeepSeek-V3.2", "deepseek_v32", HELLO, HELLO, think="deepseek_r1"),
+    Case("DeepSeek-V3.2", "deepseek_v32", "I'm\nthinking</think>" + HELLO, HELLO, reasoning="I'm\nthinking",
+         think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Let me check the time</think>\n\n" + _dsml("function_calls", ("get_time", (
+         ("city", "true", "Tokyo"),))), calls=[("get_time", {"city": "Tokyo"})], reasoning="Let me check the time",
+         think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", _dsml("function_calls", DSML_SPECIAL), calls=SPECIAL, think="deepseek_r1"),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Calling both</think>\n\n" + _dsml("function_calls", *DSML_PARIS),
+         calls=PARIS, reasoning="Calling both", think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Thinking about it</think>Let me call the function.\n\n"
+         + _dsml("function_calls", DSML_SPECIAL), "Let me call the function.", SPECIAL, "Thinking about it", "deepseek_r1", True),
+    *[Case("DeepSeek-V3.2", "deepseek_v32", "Test</think>\n\n" + _dsml("function_calls", (name, ((key, "false", text),))),
+           calls=[(name, {key: value})], reasoning="Test", think="deepseek_r1", opened=True) for name, key, text, value in (
+        ("magic_int", "ref", "-14", -14), ("amount", "orig", "3.14", 3.14), ("toggle", "enabled", "true", True),
+        ("todo_list", "todos", '["buy milk","walk dog"]', ["buy milk", "walk dog"]),
+        ("set_config", "config", '{"theme":"dark","level":2}', {"theme": "dark", "level": 2}))],
+    Case("DeepSeek-V3.2", "deepseek_v32", "</think>\n\n" + _dsml("function_calls", ("get_time", (("city", "true", "XYZCITY"),))),
+         calls=[("get_time", {"city": "XYZCITY"})], think="deepseek_r1", opened=True),
+    Case("DeepSeek-V3.2", "deepseek_v32", "Multi-arg call</think>\n\n" + _dsml("function_calls", DSML_MULTI),
+         calls=[("magic_int", {"ref": 42, "name": "foo bar"})], reasoning="Multi-arg call", think="deepseek_r1", opened=True),
+]
 
 CASES = [
     # NousResearch-Hermes-2-Pro (test-chat.cpp ~3330)
@@ -164,36 +188,10 @@ CASES = [
          '{"oldString": "if (part < railCount - 1) {", "newString": "if (part < 4) {", "replaceAll": false}',
          calls=[("edit", {"oldString": "if (part < railCount - 1) {", "newString": "if (part < 4) {", "replaceAll": False})],
          reasoning="Thinking about edit..."),
-    # DeepSeek V3.2 (~4004-4180) and V4 (~4233-4330): DSML, thinking enabled where the prompt ends with <think>
-    Case("DeepSeek-V3.2", "deepseek_v32", HELLO, HELLO, think="deepseek_r1"),
-    Case("DeepSeek-V3.2", "deepseek_v32", "I'm\nthinking</think>" + HELLO, HELLO, reasoning="I'm\nthinking",
-         think="deepseek_r1", opened=True),
-    Case("DeepSeek-V3.2", "deepseek_v32", "Let me check the time</think>\n\n" + _dsml("function_calls", ("get_time", (
-         ("city", "true", "Tokyo"),))), calls=[("get_time", {"city": "Tokyo"})], reasoning="Let me check the time",
-         think="deepseek_r1", opened=True),
-    Case("DeepSeek-V3.2", "deepseek_v32", _dsml("function_calls", DSML_SPECIAL), calls=SPECIAL, think="deepseek_r1"),
-    Case("DeepSeek-V3.2", "deepseek_v32", "Calling both</think>\n\n" + _dsml("function_calls", *DSML_PARIS),
-         calls=PARIS, reasoning="Calling both", think="deepseek_r1", opened=True),
-    Case("DeepSeek-V3.2", "deepseek_v32", "Thinking about it</think>Let me call the function.\n\n"
-         + _dsml("function_calls", DSML_SPECIAL), "Let me call the function.", SPECIAL, "Thinking about it", "deepseek_r1", True),
-    *[Case("DeepSeek-V3.2", "deepseek_v32", "Test</think>\n\n" + _dsml("function_calls", (name, ((key, "false", text),))),
-           calls=[(name, {key: value})], reasoning="Test", think="deepseek_r1", opened=True) for name, key, text, value in (
-        ("magic_int", "ref", "-14", -14), ("amount", "orig", "3.14", 3.14), ("toggle", "enabled", "true", True),
-        ("todo_list", "todos", '["buy milk","walk dog"]', ["buy milk", "walk dog"]),
-        ("set_config", "config", '{"theme":"dark","level":2}', {"theme": "dark", "level": 2}))],
-    Case("DeepSeek-V3.2", "deepseek_v32", "</think>\n\n" + _dsml("function_calls", ("get_time", (("city", "true", "XYZCITY"),))),
-         calls=[("get_time", {"city": "XYZCITY"})], think="deepseek_r1", opened=True),
-    Case("DeepSeek-V3.2", "deepseek_v32", "Multi-arg call</think>\n\n" + _dsml("function_calls", DSML_MULTI),
-         calls=[("magic_int", {"ref": 42, "name": "foo bar"})], reasoning="Multi-arg call", think="deepseek_r1", opened=True),
-    Case("DeepSeek-V4", "deepseek_v4", "I'm\nthinking</think>" + HELLO, HELLO, reasoning="I'm\nthinking",
-         think="deepseek_r1", opened=True),
-    Case("DeepSeek-V4", "deepseek_v4", _dsml("tool_calls", DSML_SPECIAL), calls=SPECIAL, think="deepseek_r1"),
-    Case("DeepSeek-V4", "deepseek_v4", "Calling both</think>\n\n" + _dsml("tool_calls", *DSML_PARIS),
-         calls=PARIS, reasoning="Calling both", think="deepseek_r1", opened=True),
-    Case("DeepSeek-V4", "deepseek_v4", "Thinking about it</think>Let me call the function.\n\n"
-         + _dsml("tool_calls", DSML_SPECIAL), "Let me call the function.", SPECIAL, "Thinking about it", "deepseek_r1", True),
-    Case("DeepSeek-V4", "deepseek_v4", "Multi-arg call</think>\n\n" + _dsml("tool_calls", DSML_MULTI),
-         calls=[("magic_int", {"ref": 42, "name": "foo bar"})], reasoning="Multi-arg call", think="deepseek_r1", opened=True),
+    *V32_CASES,
+    # DeepSeek V4 (~4233-4330): V3.2's cases but the typed values and the empty reasoning, the block named tool_calls
+    *[dataclasses.replace(c, where="DeepSeek-V4", tool="deepseek_v4", text=c.text.replace("function_calls", "tool_calls"))
+      for c in V32_CASES if "Test</think>" not in c.text and "XYZCITY" not in c.text],
 ]
 
 
