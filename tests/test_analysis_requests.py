@@ -120,3 +120,14 @@ def test_scrape_overlap_counts_prefill_in_windows_with_decode():
     mixed = [{"t": 0, "busy": {"mixed": 0.0}}, {"t": 1, "busy": {"mixed": 1.0}}]
     assert scrape_overlap(mixed) == pytest.approx(1.0)
     assert math.isnan(scrape_overlap(scrapes[:1]))
+
+
+def test_throughput_counts_the_tokens_of_streams_stopped_before_their_usage():
+    """A probe run: the sessions the workload cancels never get their usage; their streamed tokens
+    count in the run's throughput beside the probe's own."""
+    probe = sample(9, [(3.0, 2), (3.5, 2)], 2, scheduled=2.0, done=3.5, tag="probe")
+    session = sample(1, [(0.5 * i, 1) for i in range(1, 9)], None, tag="session", done=4.0)
+    session.finish_reason = "client_cancel"
+    m = client_metrics([probe, session])
+    assert m["output_tokens"] == 2 + 8
+    assert m["throughput"] == pytest.approx(10 / 4.0)

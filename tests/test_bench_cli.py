@@ -245,9 +245,18 @@ def test_bench_trace_reads_a_trace_file(tmp_path, capsys):
 
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in STALL_TRACE) + "\n")
-    assert _bench("trace", str(path)) == 0
+    assert _bench("trace", str(path), "--json") == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["overlap"] == pytest.approx(0.5) and figures["itl"]["max"] == pytest.approx(1.2)
+    assert _bench("trace", str(path)) == 0  # tables: ITL in ms, times in s, the unit in each header
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "steps: prefill 2, decode 3, mixed 0 (total 5)"
+    head = lines.index(next(x for x in lines if x.startswith("ITL ms")))
+    assert lines[head].split() == ["ITL", "ms", "n", "mean", "p50", "p90", "p99", "max"]
+    assert lines[head + 1].split()[0] == "5" and lines[head + 1].split()[-1] == "1200.00"  # the 1.2 s stall
+    (prefill,) = [x.split() for x in lines if x.startswith("prefill ")]
+    assert prefill == ["prefill", "30", "2.000", "15.0", "0.83"]  # 30 tokens over 2 s busy, of a 2.4 s wall
+    assert lines[-1].startswith("wall s: 2.400,") and lines[-1].endswith(": 0.50")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert _bench("trace", str(empty)) == 1

@@ -311,13 +311,17 @@ def test_auto_quantum_of_a_dense_profile_is_the_smallest_within_5_percent_of_the
     assert costs[q] <= best * 1.05 and all(costs[c] > best * 1.05 for c in costs if c < q)
 
 
-def test_cancelled_probe_sessions_get_no_usage_like_the_bench_client():
+def test_cancelled_probe_sessions_get_no_usage_and_their_tokens_count_in_the_throughput():
     w = Workload(kind="probe", sessions=2, prompt_words=8, session_tokens=500, probe_words=64, max_tokens=3, probe_delay=0.2)
     run = simulate(prof(), SchedulerConfig("batched", 4), w)
     sessions = [s for s in run["samples"] if s["tag"] == "session"]
     assert len(sessions) == 2
     assert all(s["completion_tokens"] is None and s["finish_reason"] == "client_cancel" and s["chunks"] for s in sessions)
-    assert run["metrics"]["client"]["output_tokens"] == 3  # the probe's, from its usage
+    # the run's tokens: the probe's 3 (its usage) and every token the sessions streamed (one chunk each)
+    streamed = sum(len(s["chunks"]) for s in sessions)
+    assert streamed > 2 and run["metrics"]["client"]["output_tokens"] == 3 + streamed
+    wall = run["metrics"]["client"]["wall"]
+    assert run["metrics"]["client"]["throughput"] == pytest.approx((3 + streamed) / wall)
 
 
 def test_the_probe_is_one_command_list_and_the_simulator_runs_it_on_its_clock():

@@ -220,3 +220,25 @@ def test_advise_refuses_bad_pool_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["advise", *argv])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def _not_modelled(md: str) -> str:
+    return md.split("## What a simulation does not model")[1].split("\n## ")[0]
+
+
+def test_the_report_lists_a_kv_budget_as_not_modelled_only_for_a_pool_without_one(tmp_path, capsys):
+    """The pool table and the list of what a simulation leaves out agree: a budget's pool is modelled
+    (it preempts); a run without a budget says its pool never ran short."""
+    base = ["simulate", "--profile", "profiles/ds4_m3_ultra_seed.json", "--workload", "burst", "--num-requests", "8",
+            "--prompt-words", "500", "--max-tokens", "64", "--max-num-seqs", "4", "--no-plots", "--out"]
+    assert cli.main([*base, str(tmp_path / "short"), "--kv-cache-tokens", "1100", "--max-model-len", "1100"]) == 0
+    assert cli.main([*base, str(tmp_path / "free")]) == 0
+    capsys.readouterr()
+    short, free = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("short", "free"))
+    assert short["conditions"][0]["runs"][0]["kv_pool"]["preemptions"] > 0
+    assert not free["conditions"][0]["runs"][0]["kv_pool"]["bounded"]
+    short_md, free_md = ((tmp_path / f"{n}.md").read_text() for n in ("short", "free"))
+    assert "## KV block pool" in short_md and "## KV block pool" in free_md
+    assert "KV budget" not in _not_modelled(short_md) and "slot count" not in _not_modelled(short_md)
+    assert "a KV budget for every condition" in _not_modelled(free_md)
+    assert "| batched | unbounded |" in free_md

@@ -146,3 +146,24 @@ def frontier_lines(conditions: list[dict]) -> str:
         out.append(f"- **{n}**: throughput {fmt_spread(_vals(c, 'throughput'), 1.0, 1)} tok/s, "
                    f"p99 ITL {fmt_spread(_vals(c, 'itl_p99'), 1e3, 2)} ms")
     return "\n".join(out) if out else "- (no valid condition)"
+
+
+def trace_text(figures: dict) -> str:
+    """:func:`~quanta.analysis.server_trace.trace_metrics` figures as aligned plain-text tables, the unit
+    in each header: ITL in ms (2 decimals), busy time and wall in s (3), rates in tok/s (1), shares (2)."""
+    steps, itl = figures["steps"], figures["itl"]
+    lines = ["steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()) + f" (total {sum(steps.values())})", ""]
+    keys = ("mean", "p50", "p90", "p99", "max")
+    lines += _aligned([["ITL ms", "n", *keys], ["", str(itl["n"]), *(fmt_value(itl[k], 1e3) for k in keys)]])
+    lines += [""] + _aligned([["phase", "tokens", "busy s", "rate tok/s", "occupancy"]] + [
+        [p, str(figures[f"{p}_tokens"]), fmt_value(figures[f"{p}_busy"], 1.0, 3), fmt_value(figures[f"{p}_rate"], 1.0, 1),
+         fmt_value(figures[f"{p}_occupancy"])] for p in ("prefill", "decode")])
+    lines += ["", f"wall s: {fmt_value(figures['wall'], 1.0, 3)}, occupancy (any step): {fmt_value(figures['occupancy'])}, "
+              f"overlap (prefill time with another request decoding): {fmt_value(figures['overlap'])}"]
+    return "\n".join(lines)
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Rows as lines, the first column left-aligned and the others right-aligned to their widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]

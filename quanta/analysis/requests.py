@@ -16,7 +16,10 @@ seconds since the start of the run on the client's clock:
   length, exact when ``ignore_eos``; the prompt size in words, or in tokens
   for a trace request).
 
-Tokens are counted from ``usage``, not from chunks. When the number of text
+Tokens are counted from ``usage``, not from chunks; a stream that ended
+without ``usage`` (one the client stopped reading, such as the probe
+workload's sessions) counts its text chunks, at least one token each
+(:func:`output_tokens`). When the number of text
 chunks equals the token count each chunk is one token; otherwise (a chunk
 carried several tokens, or text was held back) token ``i`` of ``n`` is placed
 at the first chunk whose cumulative text reaches ``i/n`` of the whole, so the
@@ -124,14 +127,15 @@ def client_metrics(samples: list[RequestSample]) -> dict:
     successful requests; failed ones are counted per condition in
     ``errors`` and ``num_failed``, never silently dropped. ``throughput`` is
     output tokens (usage) of successful requests per second of the run (first
-    scheduled send to last response end). ``prefix_hit_share`` is cached / prompt tokens of the
+    scheduled send to last response end), every streamed token counted (:func:`output_tokens`), so the
+    sessions a probe workload cancels count as well as the probe. ``prefix_hit_share`` is cached / prompt tokens of the
     successful requests whose server reported cached tokens (NaN when none did).
     """
     ok = [s for s in samples if s.ok]
     per = [request_latencies(s) for s in ok]
     pooled = {k: [p[k] for p in per if not math.isnan(p[k])] for k in ("ttft", "e2e", "tpot", "queue")}
     pooled["itl"] = [g for p in per for g in p["itl"]]
-    tokens = sum(s.completion_tokens or 0 for s in ok)
+    tokens = sum(output_tokens(s) for s in ok)
     wall = run_wall(samples)
     cached = [s for s in ok if s.cached_tokens is not None and s.prompt_tokens]
     return {
@@ -149,6 +153,12 @@ def client_metrics(samples: list[RequestSample]) -> dict:
         "throughput": tokens / wall if wall > 0 else math.nan,
         **{k: summarize(v) for k, v in pooled.items()},
     }
+
+
+def output_tokens(sample: RequestSample) -> int:
+    """Output tokens of one request: its ``usage`` count, else (no usage: a stream stopped before its
+    last event, or a server that sends none) its text chunks, each at least one token."""
+    return sample.completion_tokens if sample.completion_tokens is not None else len(sample.chunks)
 
 
 def run_wall(samples: list[RequestSample]) -> float:

@@ -122,6 +122,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     tr = bsub.add_parser("trace", help="server-side figures of a quanta trace (JSONL file or server URL)")
     tr.add_argument("source", help="trace file (JSONL, or JSON {records: [...]}) or http://HOST:PORT of a quanta server")
     tr.add_argument("--since", type=nonneg_int, default=0, help="first step (URL source only)")
+    tr.add_argument("--json", action="store_true", help="print the figures as JSON (times in seconds) instead of tables")
     for p in (run, sw, rep, tr):
         p.set_defaults(bench_parser=p)
     return bench
@@ -307,6 +308,7 @@ def _report(args, parser) -> int:
 
 
 def _trace(args, parser) -> int:
+    from quanta.analysis.report import trace_text
     from quanta.analysis.server_trace import load_trace_file, trace_metrics
     from quanta.bench.runner import ServerProbe
 
@@ -325,5 +327,6 @@ def _trace(args, parser) -> int:
     if not records:
         _say("quanta bench: error: the trace has no step records")
         return 1
-    print(json.dumps(trace_metrics(records), indent=2, default=lambda x: None))
+    figures = trace_metrics(records)
+    print(json.dumps(figures, indent=2, default=lambda x: None) if args.json else trace_text(figures))
     return 0

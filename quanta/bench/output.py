@@ -30,7 +30,7 @@ HOW_MEASURED = """\
 - **Repeats**: every figure is the median over the repeats with the IQR (p25-p75) in parentheses; the
   percentiles of one repeat and its mean come from the same samples.
 - **Throughput**: output tokens of successful requests / wall time of the run (first scheduled send to
-  last response end).
+  last response end); a stream that ended without `usage` (a probe's cancelled sessions) counts its chunks.
 - **Busy rates**: tokens / length of the *union* of the step intervals of that phase (no double
   counting); occupancy = busy / wall. **Overlap**: share of prefill time during which another request was
   decoding, from the trace and from `quanta:engine_step_seconds_total` scraped every `--scrape` seconds
@@ -49,8 +49,11 @@ HOW_SIMULATED = """\
   streamed chunk arriving at the end of its step; ITL is the server-trace ITL of the simulated trace.
 - **Repeats**: every figure is the median over the repeats with the IQR (p25-p75) in parentheses (one
   repeat: the value alone); repeat r uses seed + r.
-- **Throughput**: output tokens / simulated wall time (first scheduled request to last end).
+- **Throughput**: every emitted token (a probe's cancelled sessions too) / simulated wall time (first
+  scheduled request to last end).
 - **Busy rates, overlap**: as for a measured run, from the simulated trace.
+- **KV cache**: the engine's own block pool (admission by blocks, preemption with recompute, prefix
+  sharing) on the budget the serve flags give; its table is at the end.
 - **Lengths**: prompt sizes and output lengths drawn as the workload says, recorded per request.
 """
 
@@ -60,8 +63,22 @@ NOT_SIMULATED = (
     "tokenization, detokenization and the server's event loop between steps",
     "other load on the machine (the profile's step times, with its step noise if it has one, are all there is)",
     "end-of-sequence: outputs have exactly the planned length (as with ignore_eos)",
-    "KV memory beyond the slot count, and /metrics scrapes (no scraped overlap)",
+    "memory other than the KV block pool (weights, activations), and serve's cap of a default pool at half "
+    "the serving machine's memory (give --kv-cache-memory to model a budget in bytes)",
+    "/metrics scrapes (no scraped overlap)",
 )
+
+
+def not_simulated(doc: dict) -> list[str]:
+    """What a simulation left out (:data:`NOT_SIMULATED`), plus a KV budget where a condition's pool had
+    none: the engine's block pool is simulated, but without a budget it never runs short."""
+    unbounded = [c["name"] for c in doc.get("conditions", [])
+                 if any(r.get("kv_pool") and not r["kv_pool"]["bounded"] for r in c.get("runs", []))]
+    if not unbounded:
+        return list(NOT_SIMULATED)
+    which = "every condition" if len(unbounded) == len(doc["conditions"]) else ", ".join(unbounded)
+    return [*NOT_SIMULATED, f"a KV budget for {which}: no --kv-cache-tokens, --kv-cache-memory or --max-model-len was "
+            "given, so the block pool never ran short (its table shows the blocks the run held)"]
 
 
 def machine() -> dict:
@@ -285,7 +302,7 @@ def markdown(doc: dict, plot_files: dict[str, str], title: str) -> str:
         parts.append(f"- note: {doc['note']}")
     src = {f.get("itl_source") for c in doc["conditions"] for f in c.get("figures", [])}
     how = (["", "## How it was simulated", "", HOW_SIMULATED, "## What a simulation does not model", "",
-            *[f"- {x}" for x in NOT_SIMULATED], ""] if simulated else ["", "## How it was measured", "", HOW_MEASURED])
+            *[f"- {x}" for x in not_simulated(doc)], ""] if simulated else ["", "## How it was measured", "", HOW_MEASURED])
     parts += [*how,
               f"## Results (ITL source: {', '.join(sorted(s for s in src if s)) or 'n/a'}; median over repeats, IQR p25-p75)", "",
               main_table(doc["conditions"], doc.get("baseline"), bool(doc.get("interleaved"))), "",
