@@ -17,6 +17,9 @@ constraints, and the response shapes (JSON and SSE).
   complete calls; an output that ended inside a call (a stop string,
   ``max_tokens``, EOS) keeps ``stop`` or ``length`` (its streamed call's
   ``arguments`` are incomplete), streamed or not.
+- Streams open at admission (chat's role chunk before the prompt is
+  computed) and get an SSE comment every ``--stream-keepalive`` seconds with
+  no chunk (:mod:`quanta.server.keepalive`).
 - Reasoning the model writes before its answer (``<think>``, harmony's
   analysis channel; :mod:`quanta.server.tool_formats`) is the message's
   ``reasoning_content``, streamed as ``delta.reasoning_content``.

@@ -22,7 +22,10 @@ Streaming sends the API's events, each with a ``sequence_number``:
 ``.done``, ``response.content_part.done``, for calls
 ``response.function_call_arguments.delta`` / ``.done``, then
 ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens``
-cut it), or ``error`` if the engine failed mid-stream.
+cut it), or ``error`` if the engine failed mid-stream. ``response.created``
+and ``response.in_progress`` go out at admission, before the prompt is
+computed; an SSE comment follows every ``--stream-keepalive`` seconds with no
+event (:mod:`quanta.server.keepalive`).
 """
 
 from __future__ import annotations
