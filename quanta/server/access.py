@@ -42,7 +42,7 @@ from quanta.server.errors import route_error_body
 
 #: Paths any client may read without the key: load balancers' probes, Claude Code's
 #: reachability probe (``HEAD /api/hello`` with no key, sent before its first request), ``HEAD /``.
-OPEN_PATHS = frozenset({"/", "/health", "/api/hello"})
+OPEN_PATHS = frozenset({"/", "/health", "/api/hello", "/api/version"})
 
 #: Paths that need an admin key when keys are set: they show every tenant's traffic.
 OPERATOR_PATHS = frozenset({"/metrics", "/v1/trace", "/v1/config", "/slots"})

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quanta.engine.trace import Trace
-from quanta.server import anthropic, chat, introspect, responses, tokenize
+from quanta.server import anthropic, chat, introspect, ollama, responses, tokenize
 from quanta.server.access import install_access
 from quanta.server.errors import install_error_handlers
 from quanta.server.limits import Admission, BodyLimit
@@ -36,7 +36,7 @@ TRACE_PAGE_RECORDS, TRACE_PAGE_BYTES = 2000, 2**20
 
 #: Routes whose requests hold a place in ``--max-queue`` while they are prepared.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                              "/v1/messages/count_tokens"})
+                              "/v1/messages/count_tokens", "/api/chat", "/api/generate"})
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -49,7 +49,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, max_structure=state.prompts.max_structure)
     install_access(app, state.access)
     app.include_router(_service_router(state))
-    for protocol in (chat, responses, anthropic, tokenize, introspect):
+    for protocol in (chat, responses, anthropic, tokenize, introspect, ollama):
         app.include_router(protocol.router(state))
     return app
 

@@ -50,6 +50,8 @@ ANTHROPIC_ERROR_TYPES = {
 
 #: Paths under this prefix answer with Anthropic's error body.
 ANTHROPIC_PREFIX = "/v1/messages"
+#: Paths under this prefix answer with Ollama's body ``{"error": message}``.
+OLLAMA_PREFIX = "/api/"
 #: OpenAI's Responses route (its stream's events are numbered)
 RESPONSES_PATH = "/v1/responses"
 
@@ -103,6 +105,8 @@ def route_error_body(path: str, status: int, message: str, param: str | None = N
     """The error body of the API that serves ``path`` (the one place a domain error meets a protocol)."""
     if path.startswith(ANTHROPIC_PREFIX):
         return anthropic_error_body(status, message)
+    if path.startswith(OLLAMA_PREFIX):  # Ollama's API (quanta.server.ollama)
+        return {"error": message}
     return error_body(status, message, param, code)
 
 
