@@ -211,3 +211,5 @@ def test_metrics_and_config_expose_the_pool(server):
     assert config["kv_cache_tokens"] == total * config["block_size"]
     assert config["kv_cache_dtype"] == {"bfloat16": "bfloat16", "float32": "float16"}[config["dtype"]]  # auto
     assert values["quanta:num_preemptions"] == 0
+    assert values["quanta:kv_usage_ratio"] == values["quanta:kv_cache_usage_perc"] == used / total
+    assert values["process_resident_memory_bytes"] > 50 * 2**20  # the server process itself (prometheus_client)

@@ -13,7 +13,7 @@ them, when a request's first token comes out (its cache lookup is done by then).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from quanta.engine.output import RequestOutput
 from quanta.engine.trace import StepRecord
@@ -49,6 +49,10 @@ class EngineMetrics:
                     lambda key=key: kv_blocks()[key])
             Gauge("quanta:num_preemptions", "Requests preempted (KV blocks freed, recomputed later) since start.",
                   registry=r).set_function(lambda: kv_blocks()["preemptions"])
+            for name in ("quanta:kv_usage_ratio", "quanta:kv_cache_usage_perc"):  # the second: vLLM's name
+                Gauge(name, "Share of the KV pool's blocks held by resident requests (0-1; cached blocks are free "
+                      "to take).", registry=r).set_function(lambda: _usage(kv_blocks()))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self.prompt_tokens = Counter("quanta:prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.generation_tokens = Counter("quanta:generation_tokens", "Generated tokens.", registry=r)
         self.request_success = Counter(
@@ -122,3 +126,8 @@ class EngineMetrics:
             self.moe_tokens_per_expert.observe(rec.experts["tokens_per_expert"])
             self.moe_last_unique_experts.set(rec.experts["unique_experts"])
             self.moe_last_tokens_per_expert.set(rec.experts["tokens_per_expert"])
+
+
+def _usage(blocks: dict) -> float:
+    """Used blocks over the pool's blocks (0 for an empty pool)."""
+    return blocks["used"] / blocks["total"] if blocks["total"] else 0.0
