@@ -74,6 +74,17 @@ def _glm(name: str, params: dict) -> str:
     return f"<tool_call>{name}\n{body}</tool_call>"
 
 
+def _dsml(block: str, *calls: tuple[str, dict], kinds: dict | None = None) -> str:
+    """DeepSeek V3.2 / V4 calls in a ``block``; a parameter's string attribute as its value's type
+    says (``kinds`` overrides it per key)."""
+    def param(k, v):
+        kind = (kinds or {}).get(k, "true" if isinstance(v, str) else "false")
+        return f'<｜DSML｜parameter name="{k}" string="{kind}">{v if isinstance(v, str) else json.dumps(v)}</｜DSML｜parameter>\n'
+    invokes = "".join(f'<｜DSML｜invoke name="{name}">\n' + "".join(param(k, v) for k, v in params.items())
+                      + "</｜DSML｜invoke>\n" for name, params in calls)
+    return f"<｜DSML｜{block}>\n{invokes}</｜DSML｜{block}>"
+
+
 A = json.dumps(ARGS, separators=(",", ":"))
 T = json.dumps({"zone": "UTC"}, separators=(",", ":"))
 W_OBJ = json.dumps({"name": "get_weather", "arguments": ARGS}, separators=(",", ":"))
@@ -105,6 +116,10 @@ FORMS = [
     Form("glm45", _glm("get_weather", {"city": "Paris", "days": 2}),
          _glm("get_weather", {"city": "Paris", "days": 2}) + "\n" + _glm("get_time", {"zone": "UTC"}),
          (_glm("get_weather", {"days": 2}), _qwen("get_weather", {"city": "Paris"}))),
+    *[Form(fmt, _dsml(block, ("get_weather", ARGS)), _dsml(block, ("get_weather", ARGS), ("get_time", {"zone": "UTC"})),
+           (_dsml(other, ("get_weather", ARGS)), _dsml(block, ("get_weather", ARGS), kinds={"days": "true"}),
+            _dsml(block, ("get_weather", {"days": 2}))))
+      for fmt, block, other in (("deepseek_v32", "function_calls", "tool_calls"), ("deepseek_v4", "tool_calls", "function_calls"))],
     Form("functionary", f"<function=get_weather>{A}</function>",
          f"<function=get_weather>{A}</function><function=get_time>{T}</function>",
          (f"<function=get_weather>{T}</function>", W_OBJ)),
@@ -121,7 +136,7 @@ HARMONY_MARKERS = TOOL_PARSERS["openai"].markers
 SPECIAL_MARKERS = [*HARMONY_MARKERS, *DS, "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                    "<|tool_call_end|>", "<|tool_calls_section_end|>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>",
                    "<|START_ACTION|>", "<|END_ACTION|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
-                   "<arg_value>", "</arg_value>"]
+                   "<arg_value>", "</arg_value>", "｜DSML｜"]
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +210,21 @@ def test_special_markers_are_written_as_their_tokens(plain, special):
     assert f'<[{marks.tokens["<|channel|>"]}]>' in lark and '"<|channel|>"' not in lark
     assert "<|call|>" not in lark and f'<[{marks.tokens["<|call|>"]}]>' not in lark  # EOS: the grammar ends before it
     assert not special_markers(plain, parser.markers).tokens
+
+
+@pytest.mark.parametrize("vocab", ["plain", "special"])
+def test_dsml_token_inside_markers(vocab, request):
+    """DeepSeek's ｜DSML｜ sits inside its markers: where it is a special token the grammar writes
+    it as that token between quoted text, and a string value may hold "</" before its closer."""
+    tok = request.getfixturevalue(vocab)
+    parser = TOOL_PARSERS["deepseek_v32"]()
+    marks = special_markers(tok, parser.markers)
+    lark = parser.grammar([WEATHER], False, marks).lark
+    assert ("｜DSML｜" in marks.special) == (vocab == "special")
+    assert ("<[" in lark) == (vocab == "special") and (json.dumps("｜DSML｜") in lark) == (vocab == "plain")
+    text = _dsml("function_calls", ("get_weather", {"city": "a</b> c", "days": 2}))
+    assert checker(tok).accepts(parser, text)
+    assert json.loads(parser.parse(text).calls[0].arguments) == {"city": "a</b> c", "days": 2}
 
 
 def test_a_marker_that_is_an_added_token_but_not_special(plain):
@@ -396,4 +426,5 @@ def test_command_r_vocabulary_from_llama_cpp():
 
     assert keeps_specials(State, parser)
     check = checker(tok)
-    assert check.accepts(parser, FORMS[10].one) and not check.accepts(parser, FORMS[10].two)
+    form = next(f for f in FORMS if f.fmt == "command_r")
+    assert check.accepts(parser, form.one) and not check.accepts(parser, form.two)

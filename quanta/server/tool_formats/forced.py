@@ -22,6 +22,10 @@ What each writes (``NAME`` one of the tools, ``{...}`` its arguments):
   then ``<|tool_call_end|><|tool_calls_section_end|>``;
 - ``qwen3_coder``: ``<tool_call>\\n<function=NAME>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``;
 - ``glm45``: ``<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``;
+- ``deepseek_v32``: ``<｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n`` then per parameter
+  ``<｜DSML｜parameter name="k" string="true">v</｜DSML｜parameter>\\n`` (``string="false"`` and JSON for a
+  value that is not plain text), ``</｜DSML｜invoke>\\n``, ``</｜DSML｜function_calls>``; ``deepseek_v4``:
+  the same in a ``tool_calls`` block;
 - ``functionary``: ``<function=NAME>{...}</function>``;
 - ``granite``: ``<|tool_call|>[{"name": NAME, "arguments": {...}}]``;
 - ``command_r``: ``<|START_ACTION|>[{"tool_call_id": "0", "tool_name": NAME, "parameters": {...}}]<|END_ACTION|>``;
@@ -37,8 +41,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from quanta.server.tool_formats.lark import Lark, Marker, call_object, calls_array, repeat, tool_name, tool_params
+from quanta.server.tool_formats.lark import (
+    Lark,
+    Marker,
+    call_object,
+    calls_array,
+    regex_literal,
+    repeat,
+    tool_name,
+    tool_params,
+)
 
+DSML = "｜DSML｜"
 DS_CALLS, DS_CALL, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
 DS_CALL_END, DS_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 
@@ -102,17 +116,19 @@ def _free_text(schema) -> bool:
     return kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
-def _value(b: Lark, schema, closer: str) -> str:
+def _value(b: Lark, schema, closer: str, written: str | None = None, until: str | None = None) -> str:
     """A parameter's value, its ``closer`` and a newline: JSON of the schema unless the value is
     plain text (:func:`_free_text`): then one of the schema's ``enum`` strings if it lists only
-    strings, else any text up to the first ``closer``."""
+    strings, else any text up to the first ``closer``. ``written`` / ``until``: the closer, and
+    text up to it, where :meth:`Marks.lit` / :meth:`Lark.until` would not write them."""
+    written = written or b.marks.lit(closer)
     enum = schema.get("enum") if isinstance(schema, dict) else None
     if not _free_text(schema):
-        value = f"{b.json(schema)} {b.marks.lit(closer)}"
+        value = f"{b.json(schema)} {written}"
     elif isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        value = f"({' | '.join(_q(v) for v in enum)}) {b.marks.lit(closer)}"
+        value = f"({' | '.join(_q(v) for v in enum)}) {written}"
     else:
-        value = b.until(closer)
+        value = until or b.until(closer)
     return f'{value} "\\n"'
 
 
@@ -142,6 +158,38 @@ def glm45(b: Lark, tools: list[dict], parallel: bool) -> str:
 
     one = _choice(tools, lambda t: f'{_q(tool_name(t) + chr(10))} {_params(t, param)}')
     return repeat(f'{m.lit("<tool_call>")} ({one}) {m.lit("</tool_call>")}', parallel, "\n")
+
+
+def _dsml(b: Lark, text: str) -> str:
+    """``text`` with each ``｜DSML｜`` in it written as its token where it is one."""
+    out = []
+    for i, part in enumerate(text.split(DSML)):
+        if i:
+            out.append(b.marks.lit(DSML))
+        if part:
+            out.append(_q(part))
+    return " ".join(out)
+
+
+def _dsml_calls(block: str) -> Callable[[Lark, list[dict], bool], str]:
+    """DeepSeek V3.2 (``block`` function_calls) / V4 (tool_calls) DSML calls in one block."""
+    def build(b: Lark, tools: list[dict], parallel: bool) -> str:
+        closer = f"</{DSML}parameter>"
+        # a ｜DSML｜ token is never text: the value is text ending in "</", then the token
+        until = f'/(?s:.*{regex_literal("</")})/ {b.marks.lit(DSML)} "parameter>"' if b.marks.has(DSML) else None
+
+        def param(key: str, schema: dict) -> str:
+            kind = "true" if _free_text(schema) else "false"
+            head = _dsml(b, f'<{DSML}parameter name="{key}" string="{kind}">')
+            return f"{head} {_value(b, schema, closer, _dsml(b, closer), until)}"
+
+        def call(tool: dict) -> str:
+            head = _dsml(b, f'<{DSML}invoke name="{tool_name(tool)}">\n')
+            return f"{head} {_params(tool, param)} {_dsml(b, f'</{DSML}invoke>' + chr(10))}"
+
+        opening, ending = _dsml(b, f"<{DSML}{block}>\n"), _dsml(b, f"</{DSML}{block}>")
+        return f"{opening} {repeat(_choice(tools, call), parallel)} {ending}"
+    return build
 
 
 def functionary(b: Lark, tools: list[dict], parallel: bool) -> str:
@@ -176,7 +224,8 @@ def harmony(b: Lark, tools: list[dict], parallel: bool) -> str:
 #: format name -> the start expression of its forced-call grammar
 FORCED: dict[str, Callable[[Lark, list[dict], bool], str]] = {
     "hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "deepseek_v3": deepseek_v3,
-    "deepseek_v31": deepseek_v31, "kimi_k2": kimi_k2, "qwen3_coder": qwen3_coder, "glm45": glm45,
+    "deepseek_v31": deepseek_v31, "deepseek_v32": _dsml_calls("function_calls"), "deepseek_v4": _dsml_calls("tool_calls"),
+    "kimi_k2": kimi_k2, "qwen3_coder": qwen3_coder, "glm45": glm45,
     "functionary": functionary, "granite": granite, "command_r": command_r, "firefunction": firefunction,
     "openai": harmony,
 }
