@@ -19,8 +19,13 @@ import httpx
 import ollama
 import pytest
 
+from quanta.engine.output import RequestOutput
 from quanta.server.access import AccessPolicy, RequestGate
 from quanta.server.app import GENERATION_PATHS
+from quanta.server.ollama.shapes import Shape
+from quanta.server.tool_formats.reasoning import REASONING
+from quanta.server.tool_formats.registry import output_parser
+from quanta.server.tools import HermesParser
 
 GREEDY = {"temperature": 0, "num_predict": 12}
 ASK = [{"role": "user", "content": "Write a haiku about the sea."}]
@@ -218,3 +223,28 @@ def test_generation_routes_take_the_api_key_and_hold_a_queue_place():
     assert status == 401 and list(body) == ["error"]
     assert _gate("/api/chat", [(b"authorization", b"Bearer k1")]) == ["app"]
     assert _gate("/api/version", []) == ["app"]  # a reachability probe, as /health
+
+
+def _outputs(pieces: list[str]) -> list[RequestOutput]:
+    """The engine's outputs of one request writing ``pieces``, one a step (the clock in seconds)."""
+    return [RequestOutput(0, [i], text, i == len(pieces) - 1, "stop" if i == len(pieces) - 1 else None, 5, i + 1,
+                          time=10.0 + i, arrival_time=9.5) for i, text in enumerate(pieces)]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("chat", [True, False])
+def test_reasoning_is_thinking_streamed_and_not(chat, keep):
+    """A reasoning model's ``<think>`` block (the embedded model writes none) is ``thinking``; ``think: false`` drops it."""
+    pieces = ["<think>", "plan the", " answer", "</think>", "The answer", "."]
+    parser = output_parser(HermesParser(), REASONING["deepseek_r1"], with_tools=chat)
+    shape = Shape("m", chat, parser, keep, None, started=9.0)
+    chunks = [c for c in (shape.chunk(out, None) for out in _outputs(pieces)) if c is not None]
+    text = [c["message"] if chat else c for c in chunks]
+    assert "".join(t.get("thinking", "") for t in text) == ("plan the answer" if keep else "")
+    assert "".join(t["content" if chat else "response"] for t in text) == "The answer."
+    final = shape.final(_outputs(pieces)[-1])
+    assert final["prompt_eval_duration"] == 500_000_000 and final["eval_duration"] == 5_000_000_000
+    whole = Shape("m", chat, parser, keep, None, started=9.0).full("".join(pieces), _outputs(pieces)[-1], None)
+    answer = whole["message"] if chat else whole
+    assert answer.get("thinking") == ("plan the answer" if keep else None)
+    assert answer["content" if chat else "response"] == "The answer." and whole["done"]

@@ -44,10 +44,10 @@ def resolve(state, model: str) -> str:
     raise APIError(404, f"model {model!r} not found; this server serves {served}", "model")
 
 
-def model_config(state) -> ModelConfig | None:
-    """The served model's shape (None where the engine does not run a model, as in tests with fakes)."""
-    model = getattr(getattr(state.async_engine.engine, "executor", None), "model", None)
-    return getattr(model, "config", None)
+def served_model(state):
+    """The served :class:`quanta.model.llama.LlamaModel` (None where the engine runs none: a fake executor)."""
+    executor = getattr(getattr(state.async_engine, "engine", None), "executor", None)
+    return getattr(executor, "model", None)
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -74,9 +74,9 @@ class ModelFacts:
 
     def __init__(self, state) -> None:
         self.state = state
-        self.config = model_config(state)
-        model = getattr(state.async_engine.engine.executor, "model", None) if self.config else None
-        self.size = model.weight_bytes() if model is not None else 0
+        model = served_model(state)
+        self.config: ModelConfig | None = getattr(model, "config", None)
+        self.size = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.modified_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")
         self.started = time.time()
 
@@ -85,7 +85,7 @@ class ModelFacts:
 
     def details(self) -> dict:
         cfg, kernels = self.config, self.state.config.get("kernels") or ""
-        form = next((p.split("=", 1)[1] for p in kernels.split() if p.startswith("projections=")), None)
+        form = next((p.split("=", 1)[1].split(":")[0] for p in kernels.split() if p.startswith("projections=")), None)
         family = cfg.architecture if cfg else "unknown"
         return {"parent_model": "", "format": "gguf" if form else "", "family": family, "families": [family],
                 "parameter_size": _short(parameter_count(cfg)) if cfg else "",
