@@ -101,7 +101,10 @@ def _main(argv: list[str] | None) -> int:
 
             check_listen(args.host, args.port)
             chat_template = read_chat_template(args.chat_template) if args.chat_template else None
-    except ValueError as exc:  # a value, not the command's shape: the one line, without the usage text
+        from quanta.launch import check_kv_budget
+
+        check_kv_budget(engine_cfg, sched_cfg.max_num_seqs)  # from the file's header, before any weight is read
+    except (ValueError, OSError) as exc:  # a value, not the command's shape: the one line, without the usage text
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     from quanta.logs import configure_logging
 

@@ -16,7 +16,7 @@ import torch
 from quanta.config import QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.block_pool import BlockPool
 from quanta.engine.engine import Engine
-from quanta.engine.kv_budget import num_blocks
+from quanta.engine.kv_budget import format_bytes, num_blocks
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.stop_strings import TextState
@@ -170,7 +170,7 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     kernels = f"{model.describe_kernels()} decode={decode}"
     return_freed_heap()
     log.info("loaded %s (%s, %d layers) in %.1f s as %s; weights %s; cpu: %s; kernels: %s", model_path.name,
-             cfg.architecture, cfg.num_hidden_layers, time.monotonic() - t0, dtype, _gb(model.weight_bytes()),
+             cfg.architecture, cfg.num_hidden_layers, time.monotonic() - t0, dtype, format_bytes(model.weight_bytes()),
              cpu_summary(), kernels)
     name = model_path.stem if model_path.is_file() else model_path.name
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
@@ -212,10 +212,6 @@ def _load_dequantized(path: Path, dtype: torch.dtype, quantization: str, prompt_
     return cfg, model
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
 def release_load_memory() -> None:
     """What a process that has loaded its model no longer needs: the GGUF readers' memory maps
     (:func:`quanta.model.gguf_loader.forget_readers`), then the C heap's free pages."""
@@ -248,13 +244,34 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> KVFormat:
     return kv_format(name)
 
 
+def kv_block_bytes(cfg: ModelConfig, engine_cfg: EngineConfig, model_dtype: torch.dtype) -> int:
+    """Bytes of one KV block (all layers' K and V of ``block_size`` tokens) in the cache dtype."""
+    dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, model_dtype)
+    return bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, engine_cfg.block_size, cfg.head_dim, dtype)
+
+
 def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int, max_num_seqs: int) -> int:
     """Blocks of the KV pool for ``engine_cfg``'s budget (:func:`quanta.engine.kv_budget.num_blocks`)."""
-    cfg = loaded.config
-    dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.dtype)
-    block_bytes = bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, engine_cfg.block_size, cfg.head_dim, dtype)
+    block_bytes = kv_block_bytes(loaded.config, engine_cfg, loaded.model.dtype)
     return num_blocks(block_bytes, engine_cfg.block_size, max_len, max_num_seqs, engine_cfg.kv_cache_memory,
                       engine_cfg.kv_cache_tokens)
+
+
+def check_kv_budget(engine_cfg: EngineConfig, max_num_seqs: int) -> None:
+    """Refuse, before any weight is read, a KV budget that cannot hold one ``--max-model-len``
+    sequence (the model's config is read from the file's header or ``config.json``).
+
+    Raises:
+        quanta.engine.kv_budget.KVBudgetError: the budget is too small.
+        FileNotFoundError / ValueError: the model cannot be read (loading would fail the same way).
+    """
+    if engine_cfg.kv_cache_memory is None and engine_cfg.kv_cache_tokens is None:
+        return
+    cfg = load_config(Path(engine_cfg.model) if engine_cfg.model else embedded_model_path())
+    dtype = resolve_dtype(engine_cfg.dtype)
+    num_blocks(kv_block_bytes(cfg, engine_cfg, dtype), engine_cfg.block_size,
+               engine_cfg.max_model_len or cfg.max_position_embeddings, max_num_seqs,
+               engine_cfg.kv_cache_memory, engine_cfg.kv_cache_tokens)
 
 
 def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:

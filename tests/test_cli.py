@@ -151,8 +151,9 @@ def test_invalid_configuration_exits_2_before_loading(argv, fragments, capsys, n
         (["serve", "--prefill-quantum", "-5"], ["--prefill-quantum"]),
         (["serve", "--prefill-quantum", "8192", "--prefill-cap", "4096"], ["--prefill-quantum", "--prefill-cap"]),
         (["serve", "--scheduler", "static", "--prefill-cap", "1024"], ["--prefill-cap"]),
+        (["serve", "--kv-cache-memory", "1MiB"], ["--kv-cache-memory", "holds 32 tokens", "--max-model-len 8192"]),
     ],
-    ids=["unknown-scheduler", "zero-seqs", "negative-quantum", "quantum-over-cap", "foreign-knob"],
+    ids=["unknown-scheduler", "zero-seqs", "negative-quantum", "quantum-over-cap", "foreign-knob", "kv-budget"],
 )
 def test_invalid_configuration_subprocess(argv, fragments):
     proc = run_cli(*argv)

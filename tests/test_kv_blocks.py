@@ -15,7 +15,7 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.block_pool import BlockPool
 from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
-from quanta.engine.kv_budget import num_blocks, parse_bytes
+from quanta.engine.kv_budget import format_bytes, num_blocks, parse_bytes
 from quanta.engine.sampling import SamplingParams
 from quanta.launch import build_engine, load_model
 
@@ -213,3 +213,9 @@ def test_metrics_and_config_expose_the_pool(server):
     assert values["quanta:num_preemptions"] == 0
     assert values["quanta:kv_usage_ratio"] == values["quanta:kv_cache_usage_perc"] == used / total
     assert values["process_resident_memory_bytes"] > 50 * 2**20  # the server process itself (prometheus_client)
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (23040, "22.5 KiB"),
+                                    (3 * 2**30 // 2, "1.50 GiB"), (12 * 2**20, "12.0 MiB"), (2**41, "2.00 TiB")])
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text

@@ -18,6 +18,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from quanta.engine.kv_budget import format_bytes
+
 COMPLETION_PROMPT = "The capital of France is"
 CHAT_MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
 LONG_PROMPT = "Once upon a time"  # a prompt for requests that are cut short
@@ -139,6 +141,10 @@ def test_startup_line_and_config_show_the_flags(server):
     assert {k: config.get(k) for k in expected} == expected
     assert config["max_model_len"] == int(flags["--max-model-len"])
     assert config["model"] == server.model
+    per_token = config["kv_cache_bytes"] // config["kv_cache_tokens"]
+    assert per_token * config["kv_cache_tokens"] == config["kv_cache_bytes"] > 0 and config["weight_bytes"] > 0
+    sizes = f"kv_cache_tokens={config['kv_cache_tokens']} ({format_bytes(config['kv_cache_bytes'])}, {format_bytes(per_token)} a token)"
+    assert sizes in server.log() and f"weights={format_bytes(config['weight_bytes'])}" in server.log(), server.log_tail()
 
 
 # --------------------------------------------------------------------------- completions / chat

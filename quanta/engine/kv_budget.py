@@ -40,6 +40,15 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number at least 1: ``1.00 GiB``, ``32.0 KiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
 class KVBudgetError(ValueError):
     """The KV budget does not hold one sequence of ``max_model_len`` tokens."""
 

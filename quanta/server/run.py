@@ -13,8 +13,9 @@ from fastapi import FastAPI
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
+from quanta.engine.kv_budget import format_bytes
 from quanta.engine.model_executor import default_decode_threads
-from quanta.launch import build_engine, cpu_summary, load_model, release_load_memory, resolve_dtype, return_freed_heap
+from quanta.launch import build_engine, cpu_summary, kv_block_bytes, load_model, release_load_memory, resolve_dtype, return_freed_heap
 from quanta.logs import uvicorn_log_config
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
@@ -97,6 +98,8 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
         "max_queue": engine_cfg.max_queue, "prefix_cache": engine_cfg.prefix_cache, "block_size": engine_cfg.block_size,
         "kv_cache_dtype": engine.executor.kv.format.name,
         "kv_cache_blocks": engine.executor.kv.num_blocks, "kv_cache_tokens": engine.executor.kv.num_blocks * engine_cfg.block_size,
+        "kv_cache_bytes": engine.executor.kv.num_blocks * kv_block_bytes(loaded.config, engine_cfg, loaded.model.dtype),
+        "weight_bytes": loaded.model.weight_bytes(),
         "max_request_bytes": max_request_bytes, "aliases": list(aliases),
         "tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser, "quantization": engine_cfg.quantization,
         "prompt_weights": engine_cfg.prompt_weights, "kernels": loaded.kernels,
@@ -113,9 +116,11 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     log.info("requests without an output cap get %s; sampling defaults: %s",
              f"max_tokens {max_tokens_default}" if max_tokens_default else "the room left",
              config["sampling_defaults"] or "the protocols' own")
-    log.info("%s max_model_len=%d block_size=%d kv_cache_tokens=%d kv_cache_dtype=%s dtype=%s prefix_cache=%s quantization=%s kernels: %s; "
-             "cpu: %s; torch threads: decode %d, prefill %d",
-             sched_cfg.describe(), engine.max_model_len, engine_cfg.block_size, config["kv_cache_tokens"], config["kv_cache_dtype"],
+    log.info("%s max_model_len=%d block_size=%d kv_cache_tokens=%d (%s, %s a token) kv_cache_dtype=%s weights=%s "
+             "dtype=%s prefix_cache=%s quantization=%s kernels: %s; cpu: %s; torch threads: decode %d, prefill %d",
+             sched_cfg.describe(), engine.max_model_len, engine_cfg.block_size, config["kv_cache_tokens"],
+             format_bytes(config["kv_cache_bytes"]), format_bytes(config["kv_cache_bytes"] // config["kv_cache_tokens"]),
+             config["kv_cache_dtype"], format_bytes(config["weight_bytes"]),
              config["dtype"],
              "on" if engine_cfg.prefix_cache else "off",
              engine_cfg.quantization, loaded.kernels, config["cpu_flags"], config["decode_threads"], config["prefill_threads"])
