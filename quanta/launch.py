@@ -22,6 +22,7 @@ from quanta.engine.sampling import SamplingParams
 from quanta.engine.stop_strings import TextState
 from quanta.model.attention import KVFormat, bytes_per_block, kv_format
 from quanta.model.config import ModelConfig
+from quanta.model.cpu import ISA_FLAGS, cpu_flags, cpu_has_native_bf16, cpu_summary, isa_flags  # noqa: F401 (read here by machine.py, server/run.py)
 from quanta.model.gguf_blocks import load_block_model
 from quanta.model.gguf_blocks import unsupported_reason as blocks_unsupported
 from quanta.model.llama import LlamaModel
@@ -33,35 +34,6 @@ from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("quanta")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def cpu_flags() -> set[str]:
-    """The first CPU's feature flags from /proc/cpuinfo (empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (bf16 matmuls ~2x fp32 there)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-#: /proc/cpuinfo flags that choose kernels (every ``amx_*`` flag is shown too)
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
-
-
-def isa_flags(flags: set[str]) -> list[str]:
-    """Those of :data:`ISA_FLAGS` and the ``amx_*`` flags that ``flags`` holds."""
-    return [f for f in ISA_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx"))
-
-
-def cpu_summary() -> str:
-    """The vector features that choose kernels (:func:`isa_flags`), e.g. ``avx2 fma f16c avx512f avx512_bf16``."""
-    return " ".join(isa_flags(cpu_flags())) or "no avx2"
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:

@@ -265,7 +265,7 @@ def _rows_kernel(q: torch.Tensor):
 
 def _attend_rows(lib, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """Prompt rows through ``attention_rows`` (C), on the C pool's threads for the call."""
-    from quanta.model.native_decode import default_threads
+    from quanta.model.cores import default_threads
 
     rows, heads, dim = q.shape
     q = q.contiguous()

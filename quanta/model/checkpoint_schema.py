@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from quanta.model import moe_checkpoint
 from quanta.model.config import ModelConfig
+from quanta.model.moe_checkpoint import StateDict  # what every loader returns
 
-#: a loaded checkpoint: HF tensor name -> tensor (the one definition; every loader returns one)
-StateDict = dict[str, torch.Tensor]
+__all__ = ["StateDict", "check_tensors", "expected_shapes"]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""The cores this process may use: its CPU affinity, capped by a cgroup CPU quota.
+"""The cores this process may use (its CPU affinity, capped by a cgroup CPU quota), and the C
+kernels' threads per decode step that follow from them (:func:`default_threads`).
 
 A container limited to 1.5 CPUs, or a server started under ``taskset -c 0``, has fewer cores
 than ``os.cpu_count()`` says; threads beyond them only wait for each other (the C kernels'
@@ -60,3 +61,29 @@ def _ratio(fields: list[str]) -> float | None:
     except (ValueError, IndexError):
         return None
     return quota / period if quota > 0 and period > 0 else None
+
+
+def default_threads() -> int:
+    """Threads of the C kernels in a decode step: 2 where this process may use 2 cores or more
+    (:func:`~quanta.model.cores.usable_cores`), else 1.
+
+    Every matmul's output columns and attention's cache positions are cut into chunks
+    that both threads claim (``pool.c``). Measured on the 2-core dev VM (AVX-512 + bf16, embedded
+    model, ``QUANTA_NATIVE_THREADS=1|2 benchmarks/peer_llama_cpp.py --servers quanta
+    --workloads 2,3,4 --rounds 1``, two runs each, alternating): one stream 5.6-5.7 ->
+    4.6-5.3 ms a token, 8 streams 252-255 -> 250-278 tok/s, 32 requests on 8 slots
+    339-345 -> 377-447 tok/s, with 2 instead of 1, although the event loop shares the
+    second core. Where other work shares the cores, each step's count is found by trying
+    (:class:`~quanta.model.thread_tuner.ThreadTuner`). ``$QUANTA_NATIVE_THREADS`` sets it for
+    good.
+    """
+    env = os.environ.get("QUANTA_NATIVE_THREADS")
+    if env:
+        return 2 if int(env) >= 2 else 1
+    return 2 if usable_cores() >= 2 else 1
+
+
+def threads_set_by_hand() -> bool:
+    """Whether ``$QUANTA_NATIVE_THREADS`` fixes the pool's threads (else each decode step's
+    count is found by trying)."""
+    return bool(os.environ.get("QUANTA_NATIVE_THREADS"))

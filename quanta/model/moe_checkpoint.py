@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from quanta.model.config import ModelConfig
 
-if TYPE_CHECKING:  # checkpoint_schema imports this module
-    from quanta.model.checkpoint_schema import StateDict
+#: a loaded checkpoint: HF tensor name -> tensor (the one definition, here below
+#: :mod:`quanta.model.checkpoint_schema`, which builds on this module and gives it to the loaders)
+StateDict = dict[str, torch.Tensor]
 
 #: GGUF ``general.architecture`` -> ModelConfig.architecture for MoE models
 #: (Mixtral GGUFs say ``llama`` and are recognised by ``llama.expert_count``).

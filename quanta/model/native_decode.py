@@ -19,7 +19,6 @@ difference and checks greedy agreement.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 import torch
@@ -27,36 +26,10 @@ import torch
 from quanta.model import native
 from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
-from quanta.model.cores import usable_cores
+from quanta.model.cores import default_threads, threads_set_by_hand
 from quanta.model.native import forms
 from quanta.model.quant import QuantizedWeight
 from quanta.model.thread_tuner import ThreadTuner
-
-
-def default_threads() -> int:
-    """Threads of the C kernels in a decode step: 2 where this process may use 2 cores or more
-    (:func:`~quanta.model.cores.usable_cores`), else 1.
-
-    Every matmul's output columns and attention's cache positions are cut into chunks
-    that both threads claim (``pool.c``). Measured on the 2-core dev VM (AVX-512 + bf16, embedded
-    model, ``QUANTA_NATIVE_THREADS=1|2 benchmarks/peer_llama_cpp.py --servers quanta
-    --workloads 2,3,4 --rounds 1``, two runs each, alternating): one stream 5.6-5.7 ->
-    4.6-5.3 ms a token, 8 streams 252-255 -> 250-278 tok/s, 32 requests on 8 slots
-    339-345 -> 377-447 tok/s, with 2 instead of 1, although the event loop shares the
-    second core. Where other work shares the cores, each step's count is found by trying
-    (:class:`~quanta.model.thread_tuner.ThreadTuner`). ``$QUANTA_NATIVE_THREADS`` sets it for
-    good.
-    """
-    env = os.environ.get("QUANTA_NATIVE_THREADS")
-    if env:
-        return 2 if int(env) >= 2 else 1
-    return 2 if usable_cores() >= 2 else 1
-
-
-def threads_set_by_hand() -> bool:
-    """Whether ``$QUANTA_NATIVE_THREADS`` fixes the pool's threads (else each decode step's
-    count is found by trying)."""
-    return bool(os.environ.get("QUANTA_NATIVE_THREADS"))
 
 
 def unsupported_reason(cfg: ModelConfig, dtype: torch.dtype) -> str | None:

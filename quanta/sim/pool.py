@@ -33,17 +33,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from quanta.config import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES
+from quanta.config import DEFAULT_BLOCK_SIZE
 from quanta.engine.block_pool import BlockPool, blocks_for
 from quanta.engine.kv_budget import num_blocks
-from quanta.sim.profile import Profile, ProfileError
+from quanta.sim.profile import Profile, kv_geometry
 
 #: the simulated engine's length limit when nothing bounds it (tokens)
 UNBOUNDED_LEN = 1 << 20
-#: element formats a profile's ``kv`` block may name (``--kv-cache-dtype``'s, less ``auto``)
-KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
-#: keys of a cost profile's ``kv`` block
-KV_KEYS = ("num_layers", "num_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,23 +61,6 @@ class PoolSpec:
         """The engine's :class:`BlockPool` for this budget (unbounded: every slot holds a longest sequence)."""
         blocks = self.num_blocks or max_num_seqs * blocks_for(self.model_len, self.block_size)
         return BlockPool(blocks, self.block_size)
-
-
-def kv_geometry(profile: Profile) -> dict | None:
-    """The profile's KV geometry (its ``kv`` block), or None when it has none.
-
-    Raises:
-        ProfileError: a ``kv`` block without positive integer layers, KV heads and head dim, or with a
-            dtype other than float32, bfloat16, float16 or q8_0.
-    """
-    kv = profile.meta.get("kv")
-    if kv is None:
-        return None
-    if not isinstance(kv, dict) or not all(isinstance(kv.get(k), int) and kv[k] >= 1 for k in KV_KEYS) \
-            or kv.get("dtype") not in KV_DTYPES:
-        raise ProfileError(f"kv needs positive integer {', '.join(KV_KEYS)} and a dtype among "
-                           f"{', '.join(KV_DTYPES)}, got {kv!r}")
-    return kv
 
 
 def block_bytes(kv: dict, block_size: int, kv_cache_dtype: str = "auto") -> int:

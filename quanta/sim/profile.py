@@ -21,7 +21,7 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
       "step_noise": {"factors": [...], "source": "..."},  # optional: each simulated step's cost is
                                                  # multiplied by a factor drawn uniformly from this list
       "kv": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "bfloat16"},  # optional: the model's
-                                                 # KV geometry and cache dtype (quanta.sim.pool: --kv-cache-memory)
+                                                 # KV geometry and cache dtype (kv_geometry; quanta.sim.pool: --kv-cache-memory)
       "scheduler": {...},                        # knobs of the measured server (informative)
       "published": [...], "assumed": [...],      # which keys are published / assumed (shipped profiles)
       "spread": {...}                            # optional: measured spread (profile engine)
@@ -41,7 +41,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quanta.config import KV_CACHE_DTYPES
+
 FORMAT = "quanta-cost-profile/1"
+#: element formats a profile's ``kv`` block may name (``--kv-cache-dtype``'s, less ``auto``)
+KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
+#: keys of a cost profile's ``kv`` block
+KV_KEYS = ("num_layers", "num_kv_heads", "head_dim")
 
 
 class ProfileError(ValueError):
@@ -112,8 +118,6 @@ class Profile:
             raise ProfileError("prefill.moe needs integer num_experts and top_k >= 1")
         if self.step_noise is not None and (not self.step_noise or any(not (f > 0 and math.isfinite(f)) for f in self.step_noise)):
             raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
-        from quanta.sim.pool import kv_geometry
-
         kv_geometry(self)
 
     def to_dict(self) -> dict:
@@ -186,6 +190,23 @@ class Profile:
         """
         f = self.mixed_decode_factor if prefill_chunks else 1.0
         return self.overhead_s + self.prefill_cost(prefill_chunks) + f * self.decode_cost(decode_positions)
+
+
+def kv_geometry(profile: Profile) -> dict | None:
+    """The profile's KV geometry (its ``kv`` block), or None when it has none.
+
+    Raises:
+        ProfileError: a ``kv`` block without positive integer layers, KV heads and head dim, or with a
+            dtype other than float32, bfloat16, float16 or q8_0.
+    """
+    kv = profile.meta.get("kv")
+    if kv is None:
+        return None
+    if not isinstance(kv, dict) or not all(isinstance(kv.get(k), int) and kv[k] >= 1 for k in KV_KEYS) \
+            or kv.get("dtype") not in KV_DTYPES:
+        raise ProfileError(f"kv needs positive integer {', '.join(KV_KEYS)} and a dtype among "
+                           f"{', '.join(KV_DTYPES)}, got {kv!r}")
+    return kv
 
 
 def _interp_log(points: list[tuple[float, float]], x: float) -> float:

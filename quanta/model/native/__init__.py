@@ -20,6 +20,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from quanta.model.cpu import cpu_flags
+
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("decode.c", "qmatmul.c", "dequant.c", "f16matmul.c", "repack.c", "pool.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "pool.h"))
@@ -70,8 +72,6 @@ def march() -> str:
 
 def _key(cc: str, target: str) -> str:
     """Hash of the sources and header, flags, target, compiler version and CPU flags (``-march=native`` depends on them)."""
-    from quanta.launch import cpu_flags
-
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
