@@ -18,8 +18,11 @@ import json
 import httpx
 import ollama
 import pytest
+import torch
 
+from inprocess_server import POISON_TOP_K, serve_in_process
 from quanta.engine.output import RequestOutput
+from quanta.launch import load_model
 from quanta.server.access import AccessPolicy, RequestGate
 from quanta.server.app import GENERATION_PATHS
 from quanta.server.ollama.shapes import Shape
@@ -248,3 +251,23 @@ def test_reasoning_is_thinking_streamed_and_not(chat, keep):
     answer = whole["message"] if chat else whole
     assert answer.get("thinking") == ("plan the answer" if keep else None)
     assert answer["content" if chat else "response"] == "The answer." and whole["done"]
+
+
+@pytest.fixture(scope="module")
+def poisoning():
+    """An in-process server whose engine fails a request with ``top_k == POISON_TOP_K`` inside a step."""
+    with serve_in_process(load_model(None, torch.float32), 256, 2**20, max_num_seqs=2) as live:
+        yield live
+
+
+def test_a_failure_inside_a_step_is_ollamas_error(poisoning):
+    body = {"model": poisoning.model, "prompt": "Hi", "options": {"top_k": POISON_TOP_K, "num_predict": 4}}
+    whole = httpx.post(poisoning.base + "/api/generate", json={**body, "stream": False}, timeout=60)
+    assert whole.status_code == 500 and list(whole.json()) == ["error"] and "error id" in whole.json()["error"]
+    with httpx.stream("POST", poisoning.base + "/api/generate", json=body, timeout=60) as resp:  # streamed by default
+        status, lines = resp.status_code, [json.loads(text) for text in resp.iter_lines()]
+    assert status == 200 and list(lines[-1]) == ["error"] and "error id" in lines[-1]["error"]
+    with pytest.raises(ollama.ResponseError):  # the client raises on that line
+        list(ollama.Client(host=poisoning.base, timeout=60).generate(stream=True, **body))
+    healthy = ollama.Client(host=poisoning.base, timeout=60).generate(model=poisoning.model, prompt="Hi", options={"num_predict": 2})
+    assert healthy.done and healthy.eval_count == 2
