@@ -41,7 +41,7 @@ from starlette.middleware.cors import CORSMiddleware
 from quanta.server.errors import route_error_body
 
 #: Paths any client may read without the key: load balancers' probes, Claude Code's
-#: reachability probe (``HEAD /api/hello`` with no key, sent before its first request), ``HEAD /``.
+#: reachability probe (``HEAD /api/hello`` with no key, sent before its first request), ``HEAD /``, Ollama clients' ``GET /api/version``.
 OPEN_PATHS = frozenset({"/", "/health", "/api/hello", "/api/version"})
 
 #: Paths that need an admin key when keys are set: they show every tenant's traffic.
