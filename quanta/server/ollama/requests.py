@@ -33,7 +33,7 @@ OLLAMA_GENERATE = frozenset({"model", "prompt", "suffix", "images", "format", "o
 NO_EFFECT = frozenset({"keep_alive"})
 
 #: ``think``: on/off, or a reasoning level (gpt-oss)
-Think = bool | Literal["low", "medium", "high"]
+Think = StrictFlag | Literal["low", "medium", "high"]
 
 
 def _no_images(images):
@@ -94,10 +94,16 @@ def openai_messages(messages: list[Message]) -> list[dict]:
                       "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments, ensure_ascii=False)}}
                      for k, c in enumerate(m.tool_calls or ())]
             open_calls = [(c["id"], c["function"]["name"]) for c in calls]
-            item.update({"tool_calls": calls} if calls else {}, **({"reasoning_content": m.thinking} if m.thinking else {}))
+            if calls:
+                item["tool_calls"] = calls
+            if m.thinking:
+                item["reasoning_content"] = m.thinking
         elif m.role == "tool":
             answered = m.tool_call_id or _answered(open_calls, m.tool_name)
-            item.update({"tool_call_id": answered} if answered else {}, **({"name": m.tool_name} if m.tool_name else {}))
+            if answered:
+                item["tool_call_id"] = answered
+            if m.tool_name:
+                item["name"] = m.tool_name
         out.append(item)
     return out
 
