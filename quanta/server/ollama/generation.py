@@ -50,7 +50,7 @@ async def serve_chat(state, request: Request, body: ChatBody) -> Response:
     _check_think(state, body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.use_tools else None
     prompt = await chat_prompt(state, openai_messages(body.messages), tools)
-    parser = request_parser(state, bool(tools), prompt)
+    parser = request_parser(state, tools, prompt)  # the schemas type XML-like parameters
     forced = body.forced_tools()
     if forced:
         grammar, param = forced_grammar(state, prompt, forced, False, "options.tool_choice"), "options.tool_choice"
