@@ -123,7 +123,8 @@ def test_sweep_starts_verifies_measures_and_stops_a_fresh_server_per_condition(t
     assert not clamped["valid"] and clamped["runs"] == []
     assert clamped["invalid_reason"] == "requested ubatch_size=1024, server applied ubatch_size=512"
     assert not refused["valid"] and refused["invalid_reason"] == (
-        "server did not start: python exited with code 1 (error: invalid batch sizes --batch-size 0 --ubatch-size 64)")
+        f"server did not start: {Path(sys.executable).name} exited with code 1 "  # python or python3, as pytest was run
+        "(error: invalid batch sizes --batch-size 0 --ubatch-size 64)")
     # the two servers that started were stopped by SIGTERM (the third exited by itself)
     assert len(list(state.glob("*.stopped"))) == 2
     md = prefix.with_suffix(".md").read_text()
