@@ -123,7 +123,7 @@ def unique_names(names: list[str]) -> None:
     seen: set[str] = set()
     for i, name in enumerate(names):
         if name in seen:
-            raise field_error(str(i), f"tools.{i}: the tool name {name!r} is repeated; tool names must be unique")
+            raise field_error(str(i), f"the tool name {name!r} is repeated; tool names must be unique")
         seen.add(name)
 
 
@@ -202,9 +202,9 @@ class Message(BaseModel):
     @model_validator(mode="after")
     def _complete(self):
         if self.content is None and self.role != "assistant":
-            raise field_error("content", f"content: a {self.role} message needs content (null only on assistant turns)")
+            raise field_error("content", f"a {self.role} message needs content (null only on assistant turns)")
         if self.role == "tool" and self.tool_call_id is None:
-            raise field_error("tool_call_id", "tool_call_id: a tool message needs the tool_call_id it answers")
+            raise field_error("tool_call_id", "a tool message needs the tool_call_id it answers")
         return self
 
     def text(self) -> str:
@@ -287,7 +287,7 @@ class ChatRequest(_Refusals, _Guided, ChatCompletionRequest):
     @model_validator(mode="after")
     def _consistent(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise field_error("top_logprobs", "top_logprobs needs logprobs: true")
+            raise field_error("top_logprobs", "needs logprobs: true")
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
             raise field_error("tool_choice", "tool_choice requires tools")

@@ -197,7 +197,7 @@ class ResponsesRequest(FieldRule, NoEffect):
         seen: set[str] = set()
         for where, name, _ in self._flat():
             if name in seen:
-                raise field_error(where, f"{where}: the tool name {name!r} is repeated; tool names must be unique")
+                raise field_error(where, f"the tool name {name!r} is repeated; tool names must be unique")
             seen.add(name)
         return self
 
