@@ -35,3 +35,17 @@ def test_a_refusal_names_its_field_once(server, path, body, field):
     assert resp.status_code == 400, resp.text
     message = _message(path, resp.json())
     assert message.startswith(f"{field}: ") and message.count(field) == 1, message
+
+
+@pytest.mark.parametrize("path", ["/api/tags", "/api/ps", "/api/version", "/version", "/v1/models", "/props", "/slots",
+                                  "/metrics", "/v1/config", "/v1/trace?limit=1", "/v1/models/{model}", "/v1/models/nope"])
+def test_head_answers_as_get_without_a_body(server, path):
+    url = server.base_url + path.format(model=server.model)
+    got, head = httpx.get(url, timeout=30), httpx.head(url, timeout=30)
+    assert head.status_code == got.status_code, (path, head.status_code)
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+
+
+def test_head_is_not_in_the_schema(server):
+    paths = httpx.get(server.base_url + "/openapi.json", timeout=30).json()["paths"]
+    assert not [p for p, methods in paths.items() if "head" in methods]

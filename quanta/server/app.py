@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quanta.engine.trace import Trace
@@ -48,10 +49,21 @@ def build_app(state: ServerState) -> FastAPI:
                        max_prompt_tokens=state.max_model_len - 1)
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, max_structure=state.prompts.max_structure)
     install_access(app, state.access)
-    app.include_router(_service_router(state))
-    for protocol in (chat, responses, anthropic, tokenize, introspect, ollama):
-        app.include_router(protocol.router(state))
+    for router in [_service_router(state)] + [p.router(state) for p in (chat, responses, anthropic, tokenize, introspect, ollama)]:
+        app.include_router(_head_beside_get(router))
     return app
+
+
+def _head_beside_get(router: APIRouter) -> APIRouter:
+    """``router`` with ``HEAD`` on every ``GET`` route that has none (HTTP asks it of every GET
+    resource; Ollama's clients probe ``HEAD /api/tags`` and ``/api/version``): the GET's status and
+    headers, no body, left out of the schema."""
+    routes = [r for r in router.routes if isinstance(r, APIRoute)]
+    headed = {r.path for r in routes if "HEAD" in r.methods}
+    for route in routes:
+        if "GET" in route.methods and route.path not in headed:
+            router.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
+    return router
 
 
 def trace_page(trace: Trace, since: int, limit: int) -> dict:
