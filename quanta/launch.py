@@ -16,7 +16,7 @@ import torch
 from quanta.config import QUANTIZATION_CHOICES, EngineConfig, SchedulerConfig
 from quanta.engine.block_pool import BlockPool
 from quanta.engine.engine import Engine
-from quanta.engine.kv_budget import format_bytes, num_blocks
+from quanta.engine.kv_budget import format_bytes, num_blocks, physical_memory
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.sampling import SamplingParams
 from quanta.engine.stop_strings import TextState
@@ -226,24 +226,25 @@ def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int,
     """Blocks of the KV pool for ``engine_cfg``'s budget (:func:`quanta.engine.kv_budget.num_blocks`)."""
     block_bytes = kv_block_bytes(loaded.config, engine_cfg, loaded.model.dtype)
     return num_blocks(block_bytes, engine_cfg.block_size, max_len, max_num_seqs, engine_cfg.kv_cache_memory,
-                      engine_cfg.kv_cache_tokens)
+                      engine_cfg.kv_cache_tokens, physical_memory())
 
 
 def check_kv_budget(engine_cfg: EngineConfig, max_num_seqs: int) -> None:
     """Refuse, before any weight is read, a KV budget that cannot hold one ``--max-model-len``
-    sequence (the model's config is read from the file's header or ``config.json``).
+    sequence or that exceeds the machine's memory (the model's config is read from the file's
+    header or ``config.json``).
 
     Raises:
-        quanta.engine.kv_budget.KVBudgetError: the budget is too small.
+        quanta.engine.kv_budget.KVBudgetError: the budget is too small or too large.
         FileNotFoundError / ValueError: the model cannot be read (loading would fail the same way).
     """
-    if engine_cfg.kv_cache_memory is None and engine_cfg.kv_cache_tokens is None:
+    if engine_cfg.kv_cache_memory is None and engine_cfg.kv_cache_tokens is None and engine_cfg.max_model_len is None:
         return
     cfg = load_config(Path(engine_cfg.model) if engine_cfg.model else embedded_model_path())
     dtype = resolve_dtype(engine_cfg.dtype)
     num_blocks(kv_block_bytes(cfg, engine_cfg, dtype), engine_cfg.block_size,
                engine_cfg.max_model_len or cfg.max_position_embeddings, max_num_seqs,
-               engine_cfg.kv_cache_memory, engine_cfg.kv_cache_tokens)
+               engine_cfg.kv_cache_memory, engine_cfg.kv_cache_tokens, physical_memory())
 
 
 def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:

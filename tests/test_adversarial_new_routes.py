@@ -3,8 +3,13 @@ each bad input is a 4xx in the route's own error shape that names its field once
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
+
+from quanta.engine.kv_budget import KVBudgetError, num_blocks
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 USER = [{"role": "user", "content": "hi"}]
@@ -49,3 +54,23 @@ def test_head_answers_as_get_without_a_body(server, path):
 def test_head_is_not_in_the_schema(server):
     paths = httpx.get(server.base_url + "/openapi.json", timeout=30).json()["paths"]
     assert not [p for p, methods in paths.items() if "head" in methods]
+
+
+def test_a_kv_pool_beyond_the_memory_limit_is_refused():
+    # 1000-byte blocks of 32 tokens; 4 sequences of 100 tokens need 16 blocks (16,000 bytes)
+    assert num_blocks(1000, 32, 100, 4, memory_limit=40_000) == 16
+    assert num_blocks(1000, 32, 100, 4, memory_limit=20_000) == 10  # the default pool: half the limit
+    with pytest.raises(KVBudgetError, match="--kv-cache-tokens 3200 needs 97.7 KiB of KV cache, more than"):
+        num_blocks(1000, 32, 100, 4, tokens=3200, memory_limit=50_000)
+    with pytest.raises(KVBudgetError, match="one sequence of --max-model-len 10000 needs 305.7 KiB"):
+        num_blocks(1000, 32, 10_000, 4, memory_limit=50_000)
+    assert num_blocks(1000, 32, 100, 4, tokens=3200) == 100  # no limit: a simulated machine's pool
+
+
+@pytest.mark.parametrize("flags", [["--max-model-len", str(10**13)], ["--kv-cache-tokens", str(10**12)]])
+def test_serve_with_a_kv_cache_beyond_memory_is_one_line_before_the_load(flags):
+    proc = subprocess.run([sys.executable, "-m", "quanta.cli", "serve", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "more than this machine's memory" in proc.stderr and flags[0] in proc.stderr
+    assert "Traceback" not in proc.stderr and "loaded" not in proc.stderr

@@ -62,12 +62,16 @@ def physical_memory() -> int | None:
 
 
 def num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
-               memory: int | None = None, tokens: int | None = None) -> int:
+               memory: int | None = None, tokens: int | None = None, memory_limit: int | None = None) -> int:
     """Blocks of the pool for a budget of ``memory`` bytes or ``tokens`` tokens (at most one
-    given; neither: the default of the module docstring).
+    given; neither: the default of the module docstring). ``memory_limit``: bytes the pool may
+    not exceed (the machine's memory where the pool is allocated, of which the default pool takes
+    at most :data:`DEFAULT_MEMORY_FRACTION`; None: no limit, as when a simulation sizes another
+    machine's pool).
 
     Raises:
-        KVBudgetError: the budget does not hold one sequence of ``max_model_len`` tokens.
+        KVBudgetError: the budget does not hold one sequence of ``max_model_len`` tokens, or
+            exceeds ``memory_limit``.
     """
     one_sequence = blocks_for(max_model_len, block_size)
     if tokens is not None:
@@ -75,12 +79,14 @@ def num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_se
     elif memory is not None:
         blocks, what = memory // block_bytes, f"--kv-cache-memory {memory} bytes"
     else:
-        blocks = max_num_seqs * one_sequence
-        total = physical_memory()
+        blocks, what = max_num_seqs * one_sequence, f"one sequence of --max-model-len {max_model_len}"
+        total = physical_memory() if memory_limit is None else memory_limit
         if total is not None:
             blocks = max(min(blocks, int(total * DEFAULT_MEMORY_FRACTION) // block_bytes), one_sequence)
-        return blocks
     if blocks < one_sequence:
         raise KVBudgetError(f"{what} holds {blocks * block_size} tokens of KV cache; one sequence of --max-model-len "
                          f"{max_model_len} needs {one_sequence * block_size} ({one_sequence * block_bytes} bytes)")
+    if memory_limit is not None and blocks * block_bytes > memory_limit:
+        raise KVBudgetError(f"{what} needs {format_bytes(blocks * block_bytes)} of KV cache, more than this machine's "
+                         f"memory ({format_bytes(memory_limit)})")
     return blocks
