@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from quanta.engine.kv_budget import KVBudgetError, num_blocks
+from quanta.server.errors import APIError
+from quanta.server.ollama.models import resolve
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 USER = [{"role": "user", "content": "hi"}]
@@ -74,3 +77,17 @@ def test_serve_with_a_kv_cache_beyond_memory_is_one_line_before_the_load(flags):
     assert proc.returncode == 2, proc.stderr
     assert "more than this machine's memory" in proc.stderr and flags[0] in proc.stderr
     assert "Traceback" not in proc.stderr and "loaded" not in proc.stderr
+
+
+@pytest.mark.parametrize(("asked", "served"), [("m", "m:latest"), ("m:latest", "m:latest"), ("org/x", "org/x"),
+                                               ("org/x:latest", "org/x"), ("host:5000/y:7b", "host:5000/y:7b")])
+def test_an_ollama_name_without_a_tag_is_its_latest(asked, served):
+    state = SimpleNamespace(model_names=["m:latest", "org/x", "host:5000/y:7b"])
+    assert resolve(state, asked) == served
+
+
+@pytest.mark.parametrize("asked", ["m:v2", "org/x:v1", "host:5000/y", "../m", ""])
+def test_an_ollama_name_not_served_is_a_404(asked):
+    with pytest.raises(APIError) as info:
+        resolve(SimpleNamespace(model_names=["m:latest", "org/x", "host:5000/y:7b"]), asked)
+    assert info.value.status == 404

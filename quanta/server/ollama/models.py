@@ -2,7 +2,8 @@
 
 Names: each served model name (``--served-model-name``, the first and its
 aliases) is listed with Ollama's ``:latest`` tag when it has none, and
-accepted with or without it. ``size`` is the bytes of the weights the server
+accepted with or without it; a requested name without a tag asks for its
+``:latest``, as Ollama reads names. ``size`` is the bytes of the weights the server
 holds (for Ollama the model file's size; quanta holds its own forms of the
 weights); ``digest`` identifies the served name and that size (it is not a
 hash of a file). ``model_info`` takes GGUF's key names, with
@@ -32,13 +33,14 @@ def tagged(name: str) -> str:
 
 
 def resolve(state, model: str) -> str:
-    """The served name ``model`` asks for (``name`` or ``name:latest``).
+    """The served name ``model`` asks for: ``name`` or ``name:latest``, and a name without a tag
+    is ``:latest`` of it, as Ollama reads names (``m`` asks for a served ``m:latest``).
 
     Raises:
         APIError: 404 when the server does not serve it.
     """
     for name in state.model_names:
-        if model in (name, tagged(name)):
+        if tagged(model) == tagged(name):
             return name
     served = " or ".join(repr(tagged(n)) for n in state.model_names)
     raise APIError(404, f"model {model!r} not found; this server serves {served}", "model")
