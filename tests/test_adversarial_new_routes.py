@@ -91,3 +91,14 @@ def test_an_ollama_name_not_served_is_a_404(asked):
     with pytest.raises(APIError) as info:
         resolve(SimpleNamespace(model_names=["m:latest", "org/x", "host:5000/y:7b"]), asked)
     assert info.value.status == 404
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/api/chat", {"messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(600))}]}, "messages"),
+    ("/api/generate", {"prompt": " ".join(f"w{i}" for i in range(600))}, "prompt"),
+    ("/api/generate", {"prompt": " ".join(f"w{i}" for i in range(600)), "raw": True}, "prompt"),
+])
+def test_an_ollama_prompt_too_long_names_its_field(server, path, body, field):
+    resp = _post(server, path, {**body, "stream": True})
+    assert resp.status_code == 400 and list(resp.json()) == ["error"], resp.text
+    assert resp.json()["error"].startswith(f"{field}: the prompt has "), resp.text

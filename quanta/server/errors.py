@@ -105,8 +105,8 @@ def route_error_body(path: str, status: int, message: str, param: str | None = N
     """The error body of the API that serves ``path`` (the one place a domain error meets a protocol)."""
     if path.startswith(ANTHROPIC_PREFIX):
         return anthropic_error_body(status, message)
-    if path.startswith(OLLAMA_PREFIX):  # Ollama's API (quanta.server.ollama)
-        return {"error": message}
+    if path.startswith(OLLAMA_PREFIX):  # Ollama's API (quanta.server.ollama): the message names the field
+        return {"error": message if not param or message.startswith(param) else f"{param}: {message}"}
     return error_body(status, message, param, code)
 
 
