@@ -8,11 +8,19 @@ import sys
 from types import SimpleNamespace
 
 import httpx
+import llguidance
 import pytest
 
+from quanta.engine.grammar import GrammarCompiler
 from quanta.engine.kv_budget import KVBudgetError, num_blocks
+from quanta.model.loader import embedded_model_path
+from quanta.model.tokenizer import Tokenizer
 from quanta.server.errors import APIError
+from quanta.server.ollama.generation import _format_grammar
 from quanta.server.ollama.models import resolve
+from quanta.server.ollama.requests import GenerateBody
+from quanta.server.tool_formats.reasoning import REASONING
+from quanta.server.tool_formats.registry import TOOL_PARSERS, request_parser
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 USER = [{"role": "user", "content": "hi"}]
@@ -102,3 +110,25 @@ def test_an_ollama_prompt_too_long_names_its_field(server, path, body, field):
     resp = _post(server, path, {**body, "stream": True})
     assert resp.status_code == 400 and list(resp.json()) == ["error"], resp.text
     assert resp.json()["error"].startswith(f"{field}: the prompt has "), resp.text
+
+
+def _accepts(compiler: GrammarCompiler, tok: Tokenizer, grammar, text: str) -> bool:
+    matcher = llguidance.LLMatcher(compiler._tokenizer(), llguidance.LLMatcher.grammar_from_lark(grammar.lark), log_level=0)
+    ids = tok.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting() and not matcher.is_error()
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_ollama_format_is_the_answer_after_the_reasoning(opened):
+    tok = Tokenizer.from_path(embedded_model_path())
+    state = SimpleNamespace(tokenizer=tok, reasoning=REASONING["qwen3"], tool_parser=TOOL_PARSERS["hermes"]())
+    prompt = tok.encode("<|im_start|>assistant\n" + ("<think>\n" if opened else ""), add_special_tokens=False)
+    body = GenerateBody(model="m", prompt="x", format={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                       "required": ["a"]})
+    grammar, compiler = _format_grammar(state, body, prompt), GrammarCompiler(tok.hf, tok.eos_token_ids)
+    thought, answer = ("" if opened else "<think>") + "An object with a.\n</think>\n\n", '{"a":1}'  # the grammar's JSON is compact
+    assert _accepts(compiler, tok, grammar, thought + answer)
+    assert _accepts(compiler, tok, grammar, answer) is not opened  # opened: the reasoning ends first
+    assert not _accepts(compiler, tok, grammar, thought + "Sure.")
+    parsed = request_parser(state, False, prompt).parse(thought + answer)
+    assert parsed.content == answer and parsed.reasoning == "An object with a."

@@ -35,7 +35,7 @@ from quanta.server.ollama.models import resolve, thinks
 from quanta.server.ollama.requests import ChatBody, GenerateBody, openai_messages
 from quanta.server.ollama.shapes import Shape, error_line, line, loaded
 from quanta.server.serving import ending_in_error, submit, until_disconnect
-from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser
+from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
 
 #: the media type of a streamed answer
 NDJSON = "application/x-ndjson"
@@ -55,7 +55,7 @@ async def serve_chat(state, request: Request, body: ChatBody) -> Response:
     if forced:
         grammar, param = forced_grammar(state, prompt, forced, False, "options.tool_choice"), "options.tool_choice"
     else:
-        grammar, param = body.format_grammar(), "format"
+        grammar, param = _format_grammar(state, body, prompt), "format"
     return await _run(state, request, body, prompt, Shape(body.model, True, parser, body.think is not False,
                                                           _formatter(state, body), started), grammar, param)
 
@@ -70,7 +70,13 @@ async def serve_generate(state, request: Request, body: GenerateBody) -> Respons
     prompt = await _generate_prompt(state, body)
     parser = request_parser(state, False, prompt)
     shape = Shape(body.model, False, parser, body.think is not False, _formatter(state, body), started)
-    return await _run(state, request, body, prompt, shape, body.format_grammar(), "format")
+    return await _run(state, request, body, prompt, shape, _format_grammar(state, body, prompt), "format")
+
+
+def _format_grammar(state, body, prompt: list[int]):
+    """``format``'s JSON after any reasoning (a reasoning model thinks first; the JSON is the answer)."""
+    schema = body.format_schema()
+    return schema_grammar(state, prompt, schema) if schema is not None else None
 
 
 async def _generate_prompt(state, body: GenerateBody) -> list[int]:

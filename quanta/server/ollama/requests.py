@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from quanta.engine.grammar import Grammar
 from quanta.server.field_rule import FieldRule, field_error
 from quanta.server.ollama.options import Options
 from quanta.server.openai_requests import FEW_TOOLS, Tool, schema_problem, unique_tools
@@ -128,12 +127,11 @@ class _Generation(FieldRule, NullMeansDefault):
     logprobs: StrictFlag = False
     top_logprobs: integer(ge=0, le=20) | None = None
 
-    def format_grammar(self) -> Grammar | None:
+    def format_schema(self) -> dict | None:
+        """``format`` as a JSON schema (``"json"``: any object), None for none."""
         if self.format == "json":
-            return Grammar.json_object()
-        if isinstance(self.format, dict):
-            return Grammar.json_schema(self.format)
-        return None
+            return {"type": "object"}
+        return self.format if isinstance(self.format, dict) else None
 
     @property
     def num_logprobs(self) -> int | None:

@@ -134,13 +134,16 @@ class ReasoningParser(ToolParser):
         return (*self.inner.markers, self.syntax.start, self.syntax.end)
 
     def forced_call(self, lark, tools, parallel) -> str:
-        """The inner format's forced calls after the reasoning: its end marker first when the
+        """The inner format's forced calls after the reasoning (:meth:`after_reasoning`)."""
+        return self.after_reasoning(lark, self.inner.forced_call(lark, tools, parallel))
+
+    def after_reasoning(self, lark, answer: str) -> str:
+        """The Lark expression ``answer`` after the reasoning: its end marker first when the
         prompt opened it, else an optional whole reasoning block."""
-        calls = self.inner.forced_call(lark, tools, parallel)
         thought = f'{lark.until(self.syntax.end)} ("\\n" | "\\n\\n")?'
         if self.opened:
-            return f"{thought} {calls}"
-        return f"({lark.marks.lit(self.syntax.start)} {thought})? {calls}"
+            return f"{thought} {answer}"
+        return f"({lark.marks.lit(self.syntax.start)} {thought})? {answer}"
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)

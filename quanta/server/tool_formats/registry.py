@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from quanta.server.tool_formats.families import FAMILIES
 from quanta.server.tool_formats.harmony import HarmonyParser
-from quanta.server.tool_formats.lark import Marks, special_markers
+from quanta.server.tool_formats.lark import Lark, Marks, special_markers
 from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax, prompt_opens
 from quanta.server.tools import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
 
@@ -160,3 +160,16 @@ def forced_grammar(state, prompt: list[int], tools: list[dict], parallel: bool, 
 
         raise APIError(400, f"{param}: the {parser.name} tool-call format cannot force a call; "
                             "use tool_choice auto", param) from exc
+
+
+def schema_grammar(state, prompt: list[int], schema: dict) -> Grammar:
+    """JSON of ``schema`` as the answer, after any reasoning the served model writes first
+    (:meth:`ReasoningParser.after_reasoning`: the prompt's reasoning closed, or a whole block),
+    so the JSON is the content and the reasoning stays reasoning."""
+    from quanta.engine.grammar import Grammar
+
+    parser = request_parser(state, False, prompt)
+    if not isinstance(parser, ReasoningParser):
+        return Grammar.json_schema(schema)
+    lark = Lark(request_marks(state, parser))
+    return lark.grammar(parser.after_reasoning(lark, lark.json(schema)))
