@@ -93,6 +93,8 @@ positive_int = number_type(int, lambda v: v >= 1, "a positive integer")
 nonneg_int = number_type(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = number_type(float, lambda v: v > 0 and not math.isinf(v), "a positive number")  # NaN fails v > 0
 nonneg_float = number_type(float, lambda v: v >= 0 and not math.isinf(v), "a number >= 0")
+#: a keep-alive interval: 0 (none) or at least 0.1 s (shorter would flood every stream with comments)
+keepalive_seconds = number_type(float, lambda v: v == 0 or 0.1 <= v < math.inf, "0 (none) or a number >= 0.1")
 
 
 def kv_bytes(text: str) -> int:
@@ -262,7 +264,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--stats-interval", type=nonneg_float, default=DEFAULT_STATS_INTERVAL_S, metavar="SECONDS",
                        help="seconds between stats lines (throughput, running, waiting, KV slots, prefix-cache hits) while "
                             f"requests run or wait; 0: none (default {DEFAULT_STATS_INTERVAL_S:g})")
-    serve.add_argument("--stream-keepalive", type=nonneg_float, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
+    serve.add_argument("--stream-keepalive", type=keepalive_seconds, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
                        help="streamed responses send a keep-alive (an SSE comment; Anthropic's ping event) after this "
                             "many seconds without an event, e.g. while a long prompt is computed; 0: none "
                             f"(default {DEFAULT_KEEPALIVE_S:g})")

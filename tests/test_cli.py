@@ -152,8 +152,10 @@ def test_invalid_configuration_exits_2_before_loading(argv, fragments, capsys, n
         (["serve", "--prefill-quantum", "8192", "--prefill-cap", "4096"], ["--prefill-quantum", "--prefill-cap"]),
         (["serve", "--scheduler", "static", "--prefill-cap", "1024"], ["--prefill-cap"]),
         (["serve", "--kv-cache-memory", "1MiB"], ["--kv-cache-memory", "holds 32 tokens", "--max-model-len 8192"]),
+        (["serve", "--stream-keepalive", "0.0001"], ["--stream-keepalive", "0 (none) or a number >= 0.1"]),
     ],
-    ids=["unknown-scheduler", "zero-seqs", "negative-quantum", "quantum-over-cap", "foreign-knob", "kv-budget"],
+    ids=["unknown-scheduler", "zero-seqs", "negative-quantum", "quantum-over-cap", "foreign-knob", "kv-budget",
+         "keepalive-floor"],
 )
 def test_invalid_configuration_subprocess(argv, fragments):
     proc = run_cli(*argv)

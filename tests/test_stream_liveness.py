@@ -214,6 +214,8 @@ def test_a_client_that_leaves_mid_prefill_is_aborted_and_its_retry_resumes(live,
 def test_head_probes_answer_200(live):
     assert httpx.head(live.base_url + "/", timeout=30).status_code == 200
     assert httpx.head(live.base_url + "/health", timeout=30).status_code == 200
+    root = httpx.get(live.base_url + "/", timeout=30)  # Ollama's clients check that the server runs
+    assert root.status_code == 200 and root.text == "quanta is running"
 
 
 def test_the_stats_line_shows_prefill_progress(live):

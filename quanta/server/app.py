@@ -7,7 +7,7 @@ Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
 and ``POST /detokenize`` (:mod:`quanta.server.tokenize`), ``GET /version``, ``GET /v1/models/{id}``,
 ``GET /props`` and ``GET /slots`` (:mod:`quanta.server.introspect`). Served
 here: ``GET /v1/models``, ``GET /health`` and ``HEAD /health`` (and ``/api/hello``, Claude Code's
-probe, and ``HEAD /``, which clients send to check the base URL), ``GET /metrics`` (Prometheus text),
+probe, and ``GET``/``HEAD /``, which clients send to check the base URL), ``GET /metrics`` (Prometheus text),
 ``GET /v1/config`` (effective scheduling values) and ``GET /v1/trace`` (step
 records, for the bench's server-side ITL; paged: ``since``, ``limit``, at most
 :data:`TRACE_PAGE_RECORDS` records and about :data:`TRACE_PAGE_BYTES` a page).
@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -99,9 +99,10 @@ def _service_router(state: ServerState) -> APIRouter:
     async def hello() -> Response:  # Claude Code's reachability probe of ANTHROPIC_BASE_URL
         return JSONResponse({"status": "ok"})
 
+    @router.get("/", include_in_schema=False)
     @router.head("/", include_in_schema=False)
-    async def root_probe() -> Response:  # clients probe the base URL with HEAD before their first request
-        return Response(status_code=200)
+    async def root_probe() -> Response:  # clients probe the base URL (HEAD; Ollama's clients GET "is it running")
+        return PlainTextResponse("quanta is running")
 
     @router.get("/metrics")
     async def metrics() -> Response:
