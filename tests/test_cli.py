@@ -352,5 +352,6 @@ def test_ctrl_c_while_loading_ends_with_one_line():
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out
+    # 130, or death by SIGINT where the interpreter re-raises it at exit (a shell shows 130 for both)
+    assert proc.returncode in (130, -signal.SIGINT), out
     assert "Traceback" not in out and out.strip().splitlines()[-1] == "quanta: interrupted", out
