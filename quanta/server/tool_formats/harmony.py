@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quanta.server.tool_formats.marked import MarkedStream, Pieces, Sink, first_marker, held_tail, run_sink
+from quanta.server.tool_formats.marked import MarkedStream, ModeMachine, Pieces, Sink, first_marker, held_tail, run_sink
 from quanta.server.tools import Parsed, ToolParser, parse_json
 
 MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"
@@ -27,7 +27,7 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
 @dataclass
-class HarmonyMachine:
+class HarmonyMachine(ModeMachine):
     sink: Sink
     mode: str = "header"  # header, body, plain
     buf: str = ""
@@ -35,14 +35,8 @@ class HarmonyMachine:
     raw: str = ""
     args: str = ""
 
-    def feed(self, text: str) -> None:
-        self.buf += text
-        while getattr(self, "_" + self.mode)(False):
-            pass
-
     def finish(self) -> None:
-        while getattr(self, "_" + self.mode)(True):
-            pass
+        self._run(True)
         if self.buf:
             self.sink.text(self.buf)
         self.buf = ""

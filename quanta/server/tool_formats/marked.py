@@ -110,8 +110,24 @@ class Sink:
     def whole(self, call: ToolCall) -> None: ...
 
 
+class ModeMachine:
+    """A reader in modes: ``mode`` names the method ``_MODE(final)`` that consumes what it can of
+    ``buf`` and returns whether it made progress; each step runs them until none does."""
+
+    mode: str
+    buf: str
+
+    def feed(self, text: str) -> None:
+        self.buf += text
+        self._run(False)
+
+    def _run(self, final: bool) -> None:
+        while getattr(self, "_" + self.mode)(final):
+            pass
+
+
 @dataclass
-class Machine:
+class Machine(ModeMachine):
     """Reads one output's text in pieces; reports to ``sink`` (see the module docstring)."""
 
     syntax: Syntax
@@ -127,14 +143,8 @@ class Machine:
     #: tool name -> parameter name -> its schema (:func:`.params.param_schemas`), for XML-like parameters
     schemas: dict[str, dict[str, dict]] = field(default_factory=dict)
 
-    def feed(self, text: str) -> None:
-        self.buf += text
-        while getattr(self, "_" + self.mode)(False):
-            pass
-
     def finish(self) -> None:
-        while getattr(self, "_" + self.mode)(True):
-            pass
+        self._run(True)
         if self.mode in ("json", "params"):
             self.sink.close(False, self.raw + self.buf)
         elif self.mode != "text":
