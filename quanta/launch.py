@@ -224,9 +224,14 @@ def kv_block_bytes(cfg: ModelConfig, engine_cfg: EngineConfig, model_dtype: torc
 
 def kv_cache_blocks(loaded: LoadedModel, engine_cfg: EngineConfig, max_len: int, max_num_seqs: int) -> int:
     """Blocks of the KV pool for ``engine_cfg``'s budget (:func:`quanta.engine.kv_budget.num_blocks`)."""
-    block_bytes = kv_block_bytes(loaded.config, engine_cfg, loaded.model.dtype)
-    return num_blocks(block_bytes, engine_cfg.block_size, max_len, max_num_seqs, engine_cfg.kv_cache_memory,
-                      engine_cfg.kv_cache_tokens, physical_memory())
+    return _pool_blocks(loaded.config, engine_cfg, loaded.model.dtype, max_len, max_num_seqs)
+
+
+def _pool_blocks(cfg: ModelConfig, engine_cfg: EngineConfig, model_dtype: torch.dtype, max_len: int,
+                 max_num_seqs: int) -> int:
+    """:func:`kv_cache_blocks` from a model's config and dtype alone (no weights needed)."""
+    return num_blocks(kv_block_bytes(cfg, engine_cfg, model_dtype), engine_cfg.block_size, max_len, max_num_seqs,
+                      engine_cfg.kv_cache_memory, engine_cfg.kv_cache_tokens, physical_memory())
 
 
 def check_kv_budget(engine_cfg: EngineConfig, max_num_seqs: int) -> None:
@@ -241,10 +246,8 @@ def check_kv_budget(engine_cfg: EngineConfig, max_num_seqs: int) -> None:
     if engine_cfg.kv_cache_memory is None and engine_cfg.kv_cache_tokens is None and engine_cfg.max_model_len is None:
         return
     cfg = load_config(Path(engine_cfg.model) if engine_cfg.model else embedded_model_path())
-    dtype = resolve_dtype(engine_cfg.dtype)
-    num_blocks(kv_block_bytes(cfg, engine_cfg, dtype), engine_cfg.block_size,
-               engine_cfg.max_model_len or cfg.max_position_embeddings, max_num_seqs,
-               engine_cfg.kv_cache_memory, engine_cfg.kv_cache_tokens, physical_memory())
+    _pool_blocks(cfg, engine_cfg, resolve_dtype(engine_cfg.dtype), engine_cfg.max_model_len or cfg.max_position_embeddings,
+                 max_num_seqs)
 
 
 def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig) -> Engine:
