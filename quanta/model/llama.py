@@ -14,6 +14,8 @@ which ``tests/test_model.py`` checks these logits against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,7 +145,8 @@ class LlamaModel(nn.Module):
         self.native = None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Run the decoder on flattened tokens.
 
         Args:
@@ -153,6 +156,9 @@ class LlamaModel(nn.Module):
                 KV cache the new keys/values are written to, and the rows' role:
                 a decode batch (generated tokens) runs the C glue where enabled
                 and the weights' decode forms, a prompt batch the reference.
+            between_layers: called after each decoder block of a prompt batch;
+                an exception it raises ends the forward there (the engine's way
+                to stop a long prefill whose requests were all cancelled).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states.
@@ -164,6 +170,8 @@ class LlamaModel(nn.Module):
         batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
         for layer in self.layers:
             x = layer(x, batch)
+            if between_layers is not None:
+                between_layers()
         return self.norm(x)
 
     def enable_native_decode(self) -> str:
