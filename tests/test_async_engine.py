@@ -20,7 +20,7 @@ POISON = 13  # a prompt containing this token makes the executor raise
 class FlakyExecutor(Executor):
     """Emits token 7 when a chunk completes; raises on any plan that carries a poisoned prompt."""
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         if any(POISON in c.seq.prompt_token_ids for c in plan.chunks):
             raise RuntimeError("kernel failure")
         return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
@@ -101,7 +101,7 @@ def test_the_length_check_runs_once_per_request():
 class SlowExecutor(FlakyExecutor):
     """20 ms a step, so that a long request stays in its slot while the test looks."""
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         time.sleep(0.02)
         return super().execute(plan)
 

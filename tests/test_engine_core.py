@@ -35,7 +35,7 @@ class ScriptedExecutor(Executor):
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = iter(tokens)
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         out = [next(self.tokens) if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None
                for c in plan.chunks]
         return StepResult(out, {"num_tokens": sum(c.num_new_tokens for c in plan.chunks)})

@@ -74,7 +74,7 @@ class BlockCheckingExecutor(Executor):
         self.scheduler = scheduler
         self.steps: list[tuple] = []
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         held = [b for s in self.scheduler.running for b in s.block_ids]
         pool = self.scheduler.blocks.pool
         assert all(pool.refs(b) >= held.count(b) for b in held)  # shared blocks: one reference per table

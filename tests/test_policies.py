@@ -39,7 +39,7 @@ class FakeExecutor(Executor):
         self.scheduler, self.check, self.t = scheduler, check, 0.0
         self.kinds: list[str] = []
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         seqs = [c.seq for c in plan.chunks]
         assert plan.chunks and len(set(map(id, seqs))) == len(seqs) <= self.scheduler.max_num_seqs
         for c in plan.chunks:

@@ -103,7 +103,7 @@ class EchoExecutor(Executor):
     def __init__(self) -> None:
         self.chunks: list[tuple[int, int, int, int]] = []
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         out = []
         for c in plan.chunks:
             assert c.seq.slot is not None and c.num_new_tokens >= 1
@@ -372,3 +372,47 @@ def test_live_second_turn_reports_cached_tokens(server):
     assert first.usage.prompt_tokens - 32 < cached < second.usage.prompt_tokens and cached % 32 == 0
     assert _metric(server, "quanta:prefix_cache_queries_total") - queries == second.usage.prompt_tokens
     assert _metric(server, "quanta:prefix_cache_hits_total") - hits == cached
+
+
+def test_a_step_of_cancelled_requests_stops_inside_the_forward_and_keeps_what_was_computed(loaded):
+    """Real model: a prefill step whose request is cancelled while it runs stops after the decoder
+    block where the check fires; the step counts nothing as computed and writes no trace record; the
+    abort then names only the blocks of the steps that finished, and the same prompt sent again
+    resumes from them and generates what an uninterrupted run generates."""
+    sched = SchedulerConfig("batched", 2, {"prefill_quantum": 32, "mixed_prefill_quantum": 32, "prefill_cap": 32})
+    engine = build_engine(loaded, EngineConfig(max_model_len=256), sched)
+    prompt = loaded.tokenizer.encode(" ".join(BLOCKS) * 2)[:96]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    seq = engine.add_request(prompt, params)
+    engine.step()  # the first 32 prompt tokens
+    assert seq.num_computed_tokens == 32
+    checks = []
+
+    def cancelled(seq_id: int) -> bool:
+        checks.append(seq_id)
+        return len(checks) >= 3  # cancelled while the third decoder block runs
+
+    assert engine.step(cancelled) == []
+    assert checks == [seq.seq_id] * 3  # stopped there, not at the end of the 30 blocks
+    assert seq.num_computed_tokens == 32 and len(engine.trace.records) == 1
+    engine.abort(seq.seq_id)
+    again = engine.add_request(prompt, params)
+    while again.finish_reason is None:
+        engine.step(lambda _: False)  # a check that never fires changes nothing
+    assert again.num_cached_tokens == 32  # the interrupted chunk's blocks were not named
+    fresh = build_engine(loaded, EngineConfig(max_model_len=256, prefix_cache=False), sched)
+    reference = fresh.add_request(prompt, params)
+    while reference.finish_reason is None:
+        fresh.step()
+    assert again.output_token_ids == reference.output_token_ids
+
+
+def test_a_step_runs_to_its_end_while_one_of_its_requests_is_not_cancelled(loaded):
+    engine = build_engine(loaded, EngineConfig(max_model_len=256), SchedulerConfig("budget", 2, {"max_num_batched_tokens": 128}))
+    tok = loaded.tokenizer
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    first = engine.add_request(tok.encode(BLOCKS[0]), params)
+    second = engine.add_request(tok.encode(BLOCKS[1]), params)
+    engine.step(lambda seq_id: seq_id == first.seq_id)  # both prompts share the step
+    assert engine.trace.records[0].seq_ids == [first.seq_id, second.seq_id]
+    assert first.num_computed_tokens == first.num_prompt_tokens and second.num_computed_tokens == second.num_prompt_tokens

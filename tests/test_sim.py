@@ -109,7 +109,7 @@ class Recorder(Executor):
     def __init__(self):
         self.t = 0.0
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         self.t += 1.0
         return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
 

@@ -41,7 +41,7 @@ class Recorder(Executor):
     def __init__(self):
         self.steps = []
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         self.steps.append([(c.seq.seq_id, c.seq.num_computed_tokens, c.num_new_tokens) for c in plan.chunks])
         return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens >= c.seq.num_tokens else None for c in plan.chunks])
 

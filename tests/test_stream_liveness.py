@@ -25,7 +25,7 @@ import pytest
 from quanta.config import SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine, RequestFailed
 from quanta.engine.engine import Engine
-from quanta.engine.executor import Executor, StepResult
+from quanta.engine.executor import Executor, StepInterrupted, StepResult
 from quanta.engine.sampling import SamplingParams
 from quanta.server.keepalive import with_keepalive
 from quanta.server.live_log import LiveLog
@@ -234,7 +234,7 @@ class SlowStep(Executor):
         self.seconds = seconds
         self.started = threading.Event()
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         self.started.set()
         time.sleep(self.seconds)
         return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None
@@ -321,7 +321,7 @@ def test_stats_line_names_aborts_and_prefill_progress():
 class DiesInStep(SlowStep):
     """Sleeps, then stops the engine thread (an exception no step failure handler takes)."""
 
-    def execute(self, plan):
+    def execute(self, plan, interrupt=None):
         super().execute(plan)
         raise SystemExit("engine thread stops")
 
@@ -346,3 +346,53 @@ def test_a_request_still_waiting_for_acceptance_fails_when_the_engine_stops():
         assert len(asyncio.run(asyncio.wait_for(scenario(), 10))) == 2  # neither waits forever
     finally:
         eng.stop()
+
+
+class LayeredStep(Executor):
+    """A step of ``layers`` sleeps of ``seconds``, calling ``interrupt`` after each (as the real
+    model does after each decoder block); records how many ran and whether the step was stopped."""
+
+    def __init__(self, layers: int, seconds: float) -> None:
+        self.layers, self.seconds = layers, seconds
+        self.started = threading.Event()
+        self.ran: list[int] = []
+        self.stopped = 0
+
+    def execute(self, plan, interrupt=None):
+        self.started.set()
+        for i in range(self.layers):
+            time.sleep(self.seconds)
+            if interrupt is not None:
+                try:
+                    interrupt()
+                except StepInterrupted:
+                    self.ran.append(i + 1)
+                    self.stopped += 1
+                    raise
+        self.ran.append(self.layers)
+        return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None
+                           for c in plan.chunks])
+
+
+def test_a_dropped_request_stops_its_running_step_at_the_next_layer():
+    executor = LayeredStep(layers=40, seconds=0.05)
+    eng = AsyncEngine(Engine(SchedulerConfig("batched", 2).build(), executor, max_model_len=64))
+    eng.start()
+
+    async def scenario():
+        stream = await eng.submit([1, 2, 3], SamplingParams(max_tokens=1, temperature=0))
+        await asyncio.to_thread(executor.started.wait, 5)
+        stream.abort()  # the client left during the prefill
+        for _ in range(400):
+            if eng.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        kept = await eng.submit([4, 5], SamplingParams(max_tokens=1, temperature=0))
+        return [t async for out in kept for t in out.token_ids]
+
+    try:
+        tokens = asyncio.run(asyncio.wait_for(scenario(), 20))
+    finally:
+        eng.stop()
+    assert executor.stopped == 1 and executor.ran[0] < 40  # the first step ended early
+    assert executor.ran[1:] == [40] and tokens == [7]  # the next request's step ran whole

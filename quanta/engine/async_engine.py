@@ -24,7 +24,10 @@ when its client went away; ``step_failed``: the step it was in raised) and
 the phase it hit (``queued``, ``prefill``, ``decode``), reported to
 ``on_abort``. The prompt blocks an aborted request computed stay in the
 prefix cache (:meth:`quanta.engine.kv_blocks.BlockTables.release`), so the
-same request sent again resumes its prefill.
+same request sent again resumes its prefill. A step whose requests were all
+aborted while it ran stops at its next decoder block instead of running to
+its end (:meth:`Engine.step`'s ``cancelled``): a dropped long prefill frees
+its blocks within about one block's compute time, not one step's.
 
 A request that fails, alone (an output with ``error``, see
 :meth:`Engine.step`) or with its whole step (the executor raised), ends its
@@ -93,6 +96,8 @@ class AsyncEngine:
         self._admission = threading.Lock()  # guards the two counts against the engine thread's queue check
         self._preparing = 0  # reservations held
         self._aborts_queued = 0  # abort commands not applied yet
+        #: seq ids of the requests whose abort is queued: a running step of only those stops early
+        self._cancelling: set[int] = set()
 
     def start(self) -> None:
         self._thread.start()
@@ -173,6 +178,8 @@ class AsyncEngine:
     def _abort(self, sub: Submission) -> None:
         with self._admission:
             self._aborts_queued += 1
+            if sub.seq_id is not None:
+                self._cancelling.add(sub.seq_id)
         self._commands.put(("abort", sub))
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -257,7 +264,7 @@ class AsyncEngine:
         """One engine step; a failing step fails only the requests resident in it."""
         self._step_started = self.engine.clock()
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self._cancelling.__contains__)
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             log.exception("engine step failed (error id %s); aborting the %d resident requests",
@@ -306,6 +313,7 @@ class AsyncEngine:
         elif verb == "abort":
             with self._admission:
                 self._aborts_queued -= 1
+                self._cancelling.discard(arg.seq_id)
             if arg.seq_id is None:
                 return
             seq = self.engine.sequences.get(arg.seq_id)

@@ -15,10 +15,10 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from quanta.engine.executor import Executor
+from quanta.engine.executor import Executor, StepInterrupted
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import FailedSample, SamplingParams
-from quanta.engine.scheduler import Scheduler
+from quanta.engine.scheduler import Scheduler, StepPlan
 from quanta.engine.sequence import Sequence, SequenceStatus
 from quanta.engine.trace import StepRecord, Trace
 
@@ -26,6 +26,18 @@ if TYPE_CHECKING:
     from quanta.engine.stop_strings import TextState
 
 log = logging.getLogger("quanta.engine")
+
+
+def _interrupt_when(plan: StepPlan, cancelled: Callable[[int], bool]) -> Callable[[], None]:
+    """The executor's interrupt check for ``plan``: raises :class:`StepInterrupted` once every
+    request in the plan is ``cancelled``."""
+    ids = [c.seq.seq_id for c in plan.chunks]
+
+    def check() -> None:
+        if all(cancelled(i) for i in ids):
+            raise StepInterrupted
+
+    return check
 
 
 class Engine:
@@ -108,7 +120,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, cancelled: Callable[[int], bool] | None = None) -> list[RequestOutput]:
         """Run one scheduled step; returns an output per sequence that emitted or finished.
 
         A failure that belongs to one sequence (its sampling, detokenization
@@ -116,13 +128,25 @@ class Engine:
         "error"`` (:meth:`_fail`); the others in the step go on. An exception
         from the executor itself (the batched forward pass) propagates: no
         single request can be blamed for it.
+
+        Args:
+            cancelled: ``seq_id -> bool``, whether a request's cancellation is on its way (the
+                async engine's aborts not yet applied). When it holds for every request in the
+                step, the executor stops the step at its next interrupt point (a decoder block
+                of a long prefill): nothing of it counts as computed, no trace record is written,
+                and ``[]`` is returned; the caller then applies the aborts, which free the blocks.
         """
         plan = self.scheduler.next_plan()
         if plan is None:
             return []
         kind = plan.kind  # before the chunks advance their sequences
         start = self.clock()
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan, _interrupt_when(plan, cancelled) if cancelled else None)
+        except StepInterrupted:
+            log.info("step of %d tokens stopped after %.2f s: every request in it was cancelled",
+                     sum(c.num_new_tokens for c in plan.chunks), self.clock() - start)
+            return []
         sampled = result.tokens
         end = self.clock()
         outputs = []

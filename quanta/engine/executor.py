@@ -8,6 +8,7 @@ no torch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from quanta.engine.scheduler import StepPlan
@@ -31,10 +32,19 @@ class StepResult:
     experts: dict | None = None
 
 
+class StepInterrupted(Exception):
+    """Raised by a step's ``interrupt`` check: every request in the step was cancelled, so its
+    forward stops where it is (nothing of the step counts as computed)."""
+
+
 class Executor(ABC):
     @abstractmethod
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``; ``tokens`` has one entry per chunk: the sampled token or None."""
+    def execute(self, plan: StepPlan, interrupt: Callable[[], None] | None = None) -> StepResult:
+        """Run ``plan``; ``tokens`` has one entry per chunk: the sampled token or None.
+
+        ``interrupt``, when given, is called at points inside a long forward (the real model:
+        after each decoder block of the prompt rows) and may raise :class:`StepInterrupted`
+        to end the step there; an executor without such points never calls it."""
 
     def release(self, seq_id: int) -> None:
         """Forget per-sequence state of a finished sequence (default: none kept)."""

@@ -9,6 +9,7 @@ MoE models, the step's expert statistics.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -72,19 +73,21 @@ class ModelExecutor(Executor):
         self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, kv_dtype or dtype)
         self.sampler = Sampler()
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, interrupt: Callable[[], None] | None = None) -> StepResult:
         """Run the plan's prompt chunks and its decode tokens as two forwards (either may be
         empty), then one LM head over every sampled row.
 
         A row's role, not the step's mix, picks its kernels (:mod:`quanta.model.linear`):
         a decode token is computed the same whether or not a prefill chunk shares its step,
-        and a prompt position the same whichever chunk holds it."""
+        and a prompt position the same whichever chunk holds it. ``interrupt`` is called after
+        each decoder block of the prompt forward (:class:`~quanta.engine.executor.StepInterrupted`
+        ends the step there)."""
         prompt = [c for c in plan.chunks if c.seq.is_prefilling]
         decode = [c for c in plan.chunks if not c.seq.is_prefilling]
         hidden, samplers = [], []
         for chunks, is_decode in ((prompt, False), (decode, True)):
             if chunks:
-                rows, seqs = self._forward(chunks, is_decode)
+                rows, seqs = self._forward(chunks, is_decode, None if is_decode else interrupt)
                 hidden.append(rows)
                 samplers += seqs
         tokens = self._sample(torch.cat(hidden), samplers) if samplers else []
@@ -93,7 +96,7 @@ class ModelExecutor(Executor):
         by_seq = dict(zip((s.seq_id for s in samplers), tokens))
         return StepResult([by_seq.get(c.seq.seq_id) for c in plan.chunks], experts)
 
-    def _forward(self, chunks: list, decode: bool) -> tuple[torch.Tensor, list]:
+    def _forward(self, chunks: list, decode: bool, interrupt: Callable[[], None] | None) -> tuple[torch.Tensor, list]:
         """Hidden states of the rows to sample among ``chunks`` (all prompt or all decode) and their sequences."""
         ids: list[int] = []
         slices, sample_rows, samplers = [], [], []
@@ -110,7 +113,7 @@ class ModelExecutor(Executor):
         if self.model.native is not None:
             threads = self.model.native.claim_threads(decode, threads)
         with _torch_threads(threads):
-            hidden = self.model(torch.tensor(ids, dtype=torch.long), batch)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long), batch, interrupt)
         return hidden[sample_rows], samplers
 
     def _sample(self, hidden: torch.Tensor, samplers: list) -> list[int]:

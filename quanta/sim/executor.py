@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.scheduler import StepPlan
@@ -50,7 +51,9 @@ class CostModelExecutor(Executor):
         decode = [c.seq.num_computed_tokens for c in plan.chunks if c.is_decode]
         return self.profile.step_cost(prefill, decode)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, interrupt: Callable[[], None] | None = None) -> StepResult:
+        """Advance the virtual clock by the plan's predicted cost (``interrupt``: never called,
+        a simulated step has no point inside it)."""
         noise = self.rng.choice(self.profile.step_noise) if self.profile.step_noise else 1.0
         self.clock.t += self.cost(plan) * noise
         for c in plan.chunks:
