@@ -15,10 +15,16 @@ from quanta.engine.grammar import GrammarCompiler
 from quanta.engine.kv_budget import KVBudgetError, num_blocks
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
+from quanta.server.anthropic import request_grammar as messages_grammar
+from quanta.server.anthropic_requests import MessagesRequest
+from quanta.server.chat import _request_grammar as chat_grammar
 from quanta.server.errors import APIError
 from quanta.server.ollama.generation import _format_grammar
 from quanta.server.ollama.models import resolve
 from quanta.server.ollama.requests import GenerateBody
+from quanta.server.openai_requests import ChatRequest
+from quanta.server.responses_requests import ResponsesRequest
+from quanta.server.responses_requests import request_grammar as responses_grammar
 from quanta.server.tool_formats.reasoning import REASONING
 from quanta.server.tool_formats.registry import TOOL_PARSERS, request_parser
 
@@ -116,6 +122,51 @@ def _accepts(compiler: GrammarCompiler, tok: Tokenizer, grammar, text: str) -> b
     matcher = llguidance.LLMatcher(compiler._tokenizer(), llguidance.LLMatcher.grammar_from_lark(grammar.lark), log_level=0)
     ids = tok.encode(text, add_special_tokens=False)
     return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting() and not matcher.is_error()
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _chat_format(state, prompt):
+    body = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    return chat_grammar(state, body, prompt)[0]
+
+
+def _messages_format(state, prompt):
+    body = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}],
+                           output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+    return messages_grammar(state, body, prompt)[0]
+
+
+def _responses_format(state, prompt):
+    body = ResponsesRequest(model="m", input="x", text={"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}})
+    return responses_grammar(state, body, [], prompt)[0]
+
+
+@pytest.mark.parametrize("route", [_chat_format, _messages_format, _responses_format])
+@pytest.mark.parametrize("opened", [True, False])
+def test_a_response_format_is_the_answer_after_the_reasoning(route, opened):
+    """chat ``response_format``, Anthropic ``output_config.format``, Responses ``text.format``: on a
+    model that reasons first, the JSON is forced after the reasoning, not from the first token."""
+    tok = Tokenizer.from_path(embedded_model_path())
+    state = SimpleNamespace(tokenizer=tok, reasoning=REASONING["qwen3"], tool_parser=TOOL_PARSERS["hermes"]())
+    prompt = tok.encode("<|im_start|>assistant\n" + ("<think>\n" if opened else ""), add_special_tokens=False)
+    grammar, compiler = route(state, prompt), GrammarCompiler(tok.hf, tok.eos_token_ids)
+    thought, answer = ("" if opened else "<think>") + "An object with a.\n</think>\n\n", '{"a":1}'
+    assert _accepts(compiler, tok, grammar, thought + answer)
+    assert _accepts(compiler, tok, grammar, answer) is not opened
+    assert not _accepts(compiler, tok, grammar, thought + '{"b":1}')
+
+
+def test_a_response_format_without_reasoning_is_json_from_the_first_token():
+    tok = Tokenizer.from_path(embedded_model_path())
+    state = SimpleNamespace(tokenizer=tok, reasoning=None, tool_parser=TOOL_PARSERS["hermes"]())
+    prompt = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    compiler = GrammarCompiler(tok.hf, tok.eos_token_ids)
+    for route in (_chat_format, _messages_format, _responses_format):
+        grammar = route(state, prompt)
+        assert _accepts(compiler, tok, grammar, '{"a":1}') and not _accepts(compiler, tok, grammar, "<think>x</think>{\"a\":1}")
 
 
 @pytest.mark.parametrize("opened", [True, False])

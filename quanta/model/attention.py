@@ -21,6 +21,12 @@ gathered, with a causal mask offset by its cached length, which is not
 chunk-invariant to the bit. Decode rows (one generated token per sequence) are
 attended by the C decode glue (:mod:`quanta.model.native_decode`) where it
 runs, else together in one padded call over their gathered blocks.
+
+A layer with a sliding window (Gemma 3's local layers) attends, for the query at
+position ``p``, only keys ``p - window < j <= p``: its prompt rows one sequence at a
+time by ``scaled_dot_product_attention`` over the blocks the window touches (the C
+rows kernel has no window), its decode rows in the padded call with the older
+positions masked. Blocks wholly outside every window stay allocated and written.
 """
 
 from __future__ import annotations
@@ -183,6 +189,8 @@ class AttentionBatch:
             blocks of its positions and padded with block 0.
         row_table: ``[T]`` int64 index of each token's sequence (its row of ``tables``).
         rope_tables: cos/sin for ``positions``, filled in by the model.
+        local_rope_tables: the same for the sliding layers where they rotate
+            with another base (Gemma 3), else None.
     """
 
     seqs: list[SeqSlice]
@@ -193,6 +201,7 @@ class AttentionBatch:
     tables: torch.Tensor = field(init=False)
     row_table: torch.Tensor = field(init=False)
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    local_rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     write_blocks: torch.Tensor = field(init=False)
     write_offsets: torch.Tensor = field(init=False)
     _rows_scratch: torch.Tensor | None = field(init=False, default=None)
@@ -224,7 +233,8 @@ class AttentionBatch:
         return self.max_position + 1
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch,
+           window: int = 0) -> torch.Tensor:
     """Write ``k``/``v`` into the cache and attend.
 
     Args:
@@ -232,6 +242,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
         k, v: ``[T, KVH, D]`` rotated keys and values of the new tokens.
         layer: layer index into the cache.
         batch: the step's context.
+        window: the query at position ``p`` sees keys ``p - window < j <= p``; 0: all up to ``p``.
 
     Returns:
         ``[T, H, D]`` attention output, in ``q``'s dtype.
@@ -240,13 +251,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     kc[batch.write_blocks, :, batch.write_offsets] = _stored(k, fmt)
     vc[batch.write_blocks, :, batch.write_offsets] = _stored(v, fmt)
     if batch.decode:
-        return _attend_decode(q, kc, vc, batch)
-    if (lib := _rows_kernel(q)) is not None:
+        return _attend_decode(q, kc, vc, batch, window)
+    if not window and (lib := _rows_kernel(q)) is not None:
         return _attend_rows(lib, q, kc, vc, batch)
     out = torch.empty_like(q)
     offset = 0
     for i, s in enumerate(batch.seqs):
-        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, fmt, batch.tables[i], s)
+        out[offset:offset + s.num_new] = _attend_chunk(q[offset:offset + s.num_new], kc, vc, fmt, batch.tables[i], s,
+                                                       window)
         offset += s.num_new
     return out
 
@@ -294,23 +306,30 @@ def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, fmt: KVFormat, table: torch.Tensor,
-                  s: SeqSlice) -> torch.Tensor:
-    end = s.start + s.num_new
-    table = table[:blocks_for(end, kc.shape[2])][None]
-    keys, values = _read(kc, table, fmt, q.dtype)[:, :, :end], _read(vc, table, fmt, q.dtype)[:, :, :end]
+                  s: SeqSlice, window: int = 0) -> torch.Tensor:
+    """One sequence's new rows over its blocks; with a ``window``, over the blocks from the one
+    holding the first row's oldest visible position on."""
+    end, bs = s.start + s.num_new, kc.shape[2]
+    first = max(0, s.start - window + 1) // bs if window else 0  # first block any row sees
+    table = table[first:blocks_for(end, bs)][None]
+    lo = first * bs
+    keys, values = _read(kc, table, fmt, q.dtype)[:, :, :end - lo], _read(vc, table, fmt, q.dtype)[:, :, :end - lo]
     query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    if s.start == 0:
+    if s.start == 0 and not window:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
     else:
-        rows = torch.arange(s.start, end)[:, None]
-        mask = torch.arange(end)[None, :] <= rows
+        rows, cols = torch.arange(s.start, end)[:, None], torch.arange(lo, end)[None, :]
+        mask = cols <= rows
+        if window:
+            mask &= cols > rows - window
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
-def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch,
+                   window: int = 0) -> torch.Tensor:
     """One query per row, padded: the rows' blocks gathered, batched matmuls with query
-    heads grouped per KV head.
+    heads grouped per KV head; with a ``window``, the positions at or before ``p - window`` are masked too.
 
     For a single query row this is ~3x faster on CPU than
     ``scaled_dot_product_attention`` (whose flash kernel is tuned for long
@@ -327,6 +346,8 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: A
     keys, values = _read(kc, batch.tables, fmt, q.dtype), _read(vc, batch.tables, fmt, q.dtype)  # [R, KVH, L, D]
     length = keys.shape[2]
     masked_out = torch.arange(length)[None, :] > batch.positions[:, None]  # [R, L]
+    if window:
+        masked_out |= torch.arange(length)[None, :] <= batch.positions[:, None] - window
     values.masked_fill_(masked_out[:, None, :, None], 0)
     query = (q * dim ** -0.5).reshape(rows * kv_heads, heads // kv_heads, dim)  # [R*KVH, G, D]
     scores = torch.bmm(query, keys.flatten(0, 1).transpose(1, 2))  # [R*KVH, G, L]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quanta.model import moe_checkpoint
+from quanta.model import gemma, moe_checkpoint
 from quanta.model.config import ModelConfig
 from quanta.model.moe_checkpoint import StateDict  # what every loader returns
 
@@ -60,6 +60,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_norm.weight": (q_out if full else config.head_dim,),
                 p + "self_attn.k_norm.weight": (kv_out if full else config.head_dim,),
             }
+        shapes |= gemma.layer_shapes(config, i)
     return shapes
 
 

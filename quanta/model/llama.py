@@ -6,7 +6,9 @@ The forward pass takes every scheduled token of a step flattened into one
 chunks) and sequences with one (decode). Linear layers run on ``[T, d]`` in one
 matmul each; attention is the only per-sequence part and reads its context from
 :class:`~quanta.model.attention.AttentionBatch`. MoE layers replace the MLP
-with :class:`~quanta.model.moe.MoEBlock`; dense layers are untouched.
+with :class:`~quanta.model.moe.MoEBlock`; dense layers are untouched. The block
+parts are in :mod:`quanta.model.layers`; Gemma 3 stacks its own blocks on them
+(:mod:`quanta.model.gemma`).
 
 Reference: the Hugging Face ``transformers`` Llama/Qwen2/Qwen3 modeling code,
 which ``tests/test_model.py`` checks these logits against.
@@ -17,89 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from quanta.model.attention import AttentionBatch, attend
+from quanta.model import gemma
+from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
 from quanta.model.form_embedding import FormEmbedding
+from quanta.model.layers import MLP, Attention, RMSNorm
 from quanta.model.linear import PackedLinear, linear, pack_weight
 from quanta.model.moe import ExpertStats, MoEBlock, RoutedExperts, expert_stats
 from quanta.model.quant import NATIVE_FORMS, QuantizedWeight, quantize
-from quanta.model.rope import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (``torch.nn.functional.rms_norm``, which accumulates bf16 in float32).
-
-    The HF reference rounds to the model dtype before the weight multiply; this
-    rounds once after it, so bf16 outputs may differ by one ulp.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.shape = (dim,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    """GQA self-attention with fused q/k/v projection."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = PackedLinear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
-        self.o_proj = PackedLinear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # OLMoE: RMSNorm over the whole q / k projection, and optional clamping.
-        self.full_qk_norm = cfg.qk_norm_full
-        if self.full_qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(q_size, cfg.rms_norm_eps), RMSNorm(kv_size, cfg.rms_norm_eps)
-        self.clip_qkv = cfg.clip_qkv
-
-    def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        t, h = x.shape[0], self.num_heads
-        qkv = self.qkv_proj(x, batch.decode)
-        if self.full_qk_norm:
-            qkv = self._olmoe_norms(qkv)
-        qk = qkv[:, :self.split[0] + self.split[1]].view(t, h + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.split[0] + self.split[1]:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.full_qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        qk = apply_rotary(qk, *batch.rope_tables)  # q and k heads rotated together
-        out = attend(qk[:, :h], qk[:, h:], v, self.layer_idx, batch)
-        return self.o_proj(out.reshape(t, -1), batch.decode)
-
-    def _olmoe_norms(self, qkv: torch.Tensor) -> torch.Tensor:
-        """``[T, q+2kv]`` -> same with q and k RMS-normed over their full width, then clamped."""
-        q, k, v = qkv.split(self.split, dim=-1)
-        qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
-        return qkv.clamp_(-self.clip_qkv, self.clip_qkv) if self.clip_qkv is not None else qkv
-
-
-class MLP(nn.Module):
-    """SwiGLU MLP with fused gate/up projection."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, decode).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up, decode)
+from quanta.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -129,7 +59,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        block = gemma.GemmaDecoderLayer if gemma.is_gemma(cfg) else DecoderLayer
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
+        #: Gemma's embedding multiplier (None: none) and its sliding layers' RoPE (built at first use)
+        self.embed_scale = gemma.embedding_scale(cfg)
+        self._local_rope = None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
@@ -167,7 +101,13 @@ class LlamaModel(nn.Module):
         if self.native is not None and batch.decode:
             return self.native.forward(input_ids, batch)
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
+        if self.config.rope_local_base_freq is not None:
+            self._local_rope = self._local_rope or gemma.local_rope(self.config)
+            if self._local_rope is not None:
+                batch.local_rope_tables = self._local_rope.tables(batch.positions, batch.max_position, x.dtype)
         for layer in self.layers:
             x = layer(x, batch)
             if between_layers is not None:
@@ -184,6 +124,9 @@ class LlamaModel(nn.Module):
         from quanta.model.native import NativeUnavailable
         from quanta.model.native_decode import NativeDecoder
 
+        if gemma.is_gemma(self.config):
+            self.native = None
+            return "torch (the C decode glue has no Gemma blocks: four norms, GELU, sliding windows)"
         try:
             self.native = NativeDecoder(self)
         except (ValueError, NativeUnavailable) as e:
@@ -211,9 +154,11 @@ class LlamaModel(nn.Module):
         if form is not None and form.kind in NATIVE_FORMS:
             hidden = hidden.float()  # exact; the C kernel then writes float32 logits, not bf16-rounded ones
         if self.lm_head is not None:
-            return self.lm_head(hidden, True).float()
-        weight = None if form is not None else self.embed_tokens.weight  # a form: the table is never read
-        return linear(hidden, weight, None, self._tied_head_packed, form, True).float()
+            logits = self.lm_head(hidden, True).float()
+        else:
+            weight = None if form is not None else self.embed_tokens.weight  # a form: the table is never read
+            logits = linear(hidden, weight, None, self._tied_head_packed, form, True).float()
+        return gemma.softcap(logits, self.config.final_logit_softcapping)
 
     def pack_weights(self) -> int:
         """Pre-pack bf16 projection weights for oneDNN (see :mod:`quanta.model.linear`).

@@ -68,7 +68,7 @@ from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser
+from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
 from quanta.server.tool_templates import template_input
 from quanta.server.tools import ToolCall
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
@@ -286,12 +286,7 @@ def router(state: ServerState) -> APIRouter:
         check_model(state, served_model(state, body))
         log_fields("/v1/messages", body)
         prompt = await render_prompt(state, body)
-        forced = body.forced_tools()  # a choice that forces a server tool, or no tool at all, is a 400
-        parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
-        if forced:  # a forced call wins over output_config.format, which governs a text answer
-            grammar, param = forced_grammar(state, prompt, forced, parallel), "tool_choice"
-        else:
-            grammar, param = body.format_grammar(), "output_config.format"
+        grammar, param = request_grammar(state, body, prompt)
         parser = request_parser(state, body.chat_tools(), prompt)
         stream = await submit(state, request, prompt, body.max_tokens, lambda n: constrain(
             state, parser_params(state, parser, with_defaults(state.config, body, body.sampling_params(n))), grammar, param),
@@ -306,3 +301,15 @@ def router(state: ServerState) -> APIRouter:
         return await until_disconnect(request, _collect(msg_id, body.model, stream, parser, body.max_tokens), stream)
 
     return routes
+
+
+def request_grammar(state, body: MessagesRequest, prompt: list[int]):
+    """(grammar, the field it enforces): a forced call (a choice that forces a server tool, or no
+    tool at all, is a 400), else ``output_config.format``'s JSON after any reasoning, else None.
+    A forced call wins over the format, which governs a text answer."""
+    forced = body.forced_tools()
+    if forced:
+        parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
+        return forced_grammar(state, prompt, forced, parallel), "tool_choice"
+    schema = body.format_schema()
+    return (schema_grammar(state, prompt, schema) if schema is not None else None), "output_config.format"

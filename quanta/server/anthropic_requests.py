@@ -32,7 +32,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from quanta.engine.grammar import Grammar
 from quanta.engine.sampling import SamplingParams
 from quanta.server.anthropic_tools import THINKING_BLOCKS, AnthropicTool, ToolChoice
 from quanta.server.errors import APIError
@@ -136,10 +135,10 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
             raise APIError(400, f"tool_choice: names {choice.name!r}, which is not among tools")
         return tools
 
-    def format_grammar(self) -> Grammar | None:
-        """The constraint of ``output_config.format`` (None without one)."""
+    def format_schema(self) -> dict | None:
+        """The JSON schema of ``output_config.format`` (None without one)."""
         fmt = self.output_config.format if self.output_config else None
-        return Grammar.json_schema(fmt.schema_) if fmt is not None else None
+        return fmt.schema_ if fmt is not None else None
 
 
 class Metadata(BaseModel):

@@ -49,7 +49,7 @@ from quanta.server.logprobs import LogprobFormatter
 from quanta.server.openai_requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser
+from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
 from quanta.server.tool_templates import template_input
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
@@ -98,8 +98,9 @@ def _request_grammar(state, body, prompt: list[int]) -> tuple[Grammar | None, st
         forced = body.forced_tools()
         if forced:
             return forced_grammar(state, prompt, forced, body.parallel_tool_calls), "tool_choice"
-        if body.response_format is not None:
-            return body.response_format.grammar(), "response_format"
+        schema = body.response_format.schema() if body.response_format is not None else None
+        if schema is not None:
+            return schema_grammar(state, prompt, schema), "response_format"
     return None, None
 
 

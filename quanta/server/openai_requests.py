@@ -265,11 +265,13 @@ class ResponseFormat(BaseModel):
             raise ValueError("type json_schema needs a json_schema object")
         return self
 
-    def grammar(self) -> Grammar | None:
+    def schema(self) -> dict | None:
+        """The JSON schema the answer must match (``json_object``: any object); None for text.
+        The route makes it a grammar after any reasoning (``schema_grammar``)."""
         if self.type == "json_object":
-            return Grammar.json_object()
+            return {"type": "object"}
         if self.type == "json_schema":
-            return Grammar.json_schema(self.json_schema.schema_)
+            return self.json_schema.schema_
         return None
 
 

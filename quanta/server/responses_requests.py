@@ -48,7 +48,7 @@ from quanta.server.protocol import (
     only,
     turns,
 )
-from quanta.server.tool_formats.registry import forced_grammar
+from quanta.server.tool_formats.registry import forced_grammar, schema_grammar
 
 
 def served(*kinds: str):
@@ -299,5 +299,5 @@ def request_grammar(state, body: ResponsesRequest, tools: list[dict], prompt: li
     fmt = body.text.format if body.text else None
     if fmt is not None and fmt.type != "text":
         schema = {"schema": fmt.schema_ or {"type": "object"}} if fmt.type == "json_schema" else None
-        return ResponseFormat(type=fmt.type, json_schema=schema).grammar(), "text.format"
+        return schema_grammar(state, prompt, ResponseFormat(type=fmt.type, json_schema=schema).schema()), "text.format"
     return None, None

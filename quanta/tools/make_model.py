@@ -53,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from quanta.tools import gemma_shapes
 from quanta.tools.model_shapes import (  # noqa: F401  (re-exported: make-model's shapes)
     SHAPES,
     gguf_arch,
@@ -147,6 +148,8 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(file_type)
+    if gguf_arch(cfg) == "gemma3":
+        gemma_shapes.add_metadata(writer, cfg)
     if gguf_arch(cfg) == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
         writer.add_rope_dimension_count(head_dim(cfg))

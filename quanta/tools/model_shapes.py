@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from quanta.tools import gemma_shapes
+
 
 def _llama3_rope(factor: float, original: int = 8192) -> dict:
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -51,6 +53,9 @@ SHAPES: dict[str, dict] = {
 #: llama.cpp's GGUF architecture of each HF ``architectures[0]``
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3"}
+_GGUF_ARCH["Gemma3ForCausalLM"] = "gemma3"
+#: Gemma 3 1B and tiny-gemma3 (four norms a block, sliding windows): :mod:`quanta.tools.gemma_shapes`
+SHAPES.update(gemma_shapes.GEMMA3_SHAPES)
 
 
 def shape_config(name: str, layers: int | None = None) -> dict:
@@ -121,6 +126,9 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
     plan.append(("token_embd.weight", (cfg["vocab_size"], hidden), "embedding"))
     for i in range(cfg["num_hidden_layers"]):
         blk = f"blk.{i}."
+        if arch == "gemma3":
+            plan += gemma_shapes.block_plan(cfg, blk, dim)
+            continue
         plan += [(blk + "attn_norm.weight", (hidden,), "norm"), (blk + "ffn_down.weight", (hidden, ffn), "weight"),
                  (blk + "ffn_gate.weight", (ffn, hidden), "weight"), (blk + "ffn_up.weight", (ffn, hidden), "weight"),
                  (blk + "ffn_norm.weight", (hidden,), "norm")]
