@@ -10,6 +10,7 @@ installed or cannot start. Without ``--replicas`` nothing imports Ray.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -26,9 +27,10 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
 
 from quanta.bench.server import start
-from quanta.cluster.forward import HTTPRequest, call_app
+from quanta.cluster.forward import HTTPRequest, ResponseStart, call_app
 from quanta.cluster.metrics import merge
 from quanta.cluster.prompts import RoutingPrompts
 
@@ -95,33 +97,91 @@ def test_call_app_stops_a_stream_its_reader_leaves():
     assert start_part.status == 200 and chunks == [b"data: 0\n\n", b"data: 1\n\n"]
 
 
-def test_a_replica_that_does_not_answer_counts_as_down_on_health(monkeypatch):
+async def _alive(incoming):
+    yield ResponseStart(200, ((b"content-type", b"application/json"),))
+    yield b'{"status": "ok"}'
+
+
+async def _silent(incoming):
+    await asyncio.Event().wait()
+    yield b""
+
+
+async def _engine_stopped(incoming):  # a replica's own /health when its engine thread has stopped
+    yield ResponseStart(503, ((b"content-type", b"application/json"),))
+    yield b'{"status": "error", "message": "engine thread stopped"}'
+
+
+async def _gone(incoming):  # the call fails at once, as when Ray reports the actor dead
+    raise ConnectionError("replica actor died\nlong Ray detail")
+    yield b""
+
+
+@functools.cache
+def _prompts() -> RoutingPrompts:
+    from quanta.model.loader import embedded_model_path
+    from quanta.model.tokenizer import Tokenizer
+
+    return RoutingPrompts(Tokenizer.from_path(embedded_model_path()), 2048)
+
+
+def _front(replicas):
+    from quanta.cluster.front import Front
+    from quanta.cluster.routing import make_router
+
+    return Front(replicas, make_router("least-loaded", len(replicas)), _prompts(), 8, None, "least-loaded")
+
+
+def _cluster_get(front, path, method="GET"):
+    """``front``'s response to a bodiless request, and the seconds it took."""
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def ask():
+        scope = {"type": "http", "method": method, "path": path, "query_string": b"", "headers": [], "client": None}
+        t0 = time.monotonic()
+        response = await front(Request(scope, receive))
+        return response, time.monotonic() - t0
+    return asyncio.run(ask())
+
+
+def test_health_is_200_with_every_replica_up():
+    response, _ = _cluster_get(_front([_alive, _alive]), "/health")
+    assert response.status_code == 200
+    assert json.loads(response.body) == {"status": "ok", "replicas": [{"replica": 0, "up": True}, {"replica": 1, "up": True}]}
+
+
+def test_health_is_503_naming_each_replica_down_and_why(monkeypatch):
     """Ray Serve holds a call to a dead replica until its replacement loads: /health asks every replica at
     once and gives each CLUSTER_ROUTE_TIMEOUT_S, so it answers at once with the silent one down."""
     from quanta.cluster import front as front_module
-    from quanta.cluster.forward import ResponseStart
-    from quanta.cluster.routing import make_router
-
-    async def alive(incoming):
-        yield ResponseStart(200, ((b"content-type", b"application/json"),))
-        yield b'{"status": "ok"}'
-
-    async def silent(incoming):
-        await asyncio.Event().wait()
-        yield b""
 
     timeout = 1.0
     monkeypatch.setattr(front_module, "CLUSTER_ROUTE_TIMEOUT_S", timeout)
-    front = front_module.Front([silent, alive, silent, silent], make_router("least-loaded", 4), None, 8, None, "least-loaded")
+    response, took = _cluster_get(_front([_silent, _alive, _engine_stopped, _gone]), "/health")
+    assert took < 2 * timeout  # asked together: one timeout, not one per silent replica
+    body = json.loads(response.body)
+    assert response.status_code == 503 and body["status"] == "degraded"
+    assert body["message"] == "3 of 4 replicas down: 0, 2, 3"
+    assert body["replicas"] == [
+        {"replica": 0, "up": False, "reason": "no answer within 1 s"},
+        {"replica": 1, "up": True},
+        {"replica": 2, "up": False, "reason": "answered 503: engine thread stopped"},
+        {"replica": 3, "up": False, "reason": "ConnectionError: replica actor died"}]
+    none, _ = _cluster_get(_front([_gone, _engine_stopped]), "/health")
+    assert none.status_code == 503 and json.loads(none.body)["status"] == "error"
 
-    async def health():
-        t0 = time.monotonic()
-        response = await front._cluster_route(HTTPRequest("GET", "/health", b"", (), b""), {})
-        return response, time.monotonic() - t0
 
-    response, took = asyncio.run(health())
-    assert response.status_code == 200 and json.loads(response.body)["replicas"] == [False, True, False, False]
-    assert took < 2 * timeout  # asked together: one timeout, not one per silent replica (three)
+def test_cluster_routes_answer_only_get_and_head():
+    """POST /health is the replica's answer (405, as on one server), not the front's."""
+    async def method_not_allowed(incoming):
+        yield ResponseStart(405 if incoming.method == "POST" else 200, ((b"content-type", b"application/json"),))
+        yield b'{"detail": "Method Not Allowed"}'
+
+    response, _ = _cluster_get(_front([method_not_allowed]), "/health", "POST")
+    assert response.status_code == 405
+    head, _ = _cluster_get(_front([_alive]), "/health", "HEAD")
+    assert head.status_code == 200
 
 
 def test_an_unreachable_ray_address_is_refused_before_ray_waits_on_it():
@@ -253,12 +313,15 @@ def test_killed_replica_errors_its_stream_and_is_replaced(cluster):
         t.join(90)
     assert "stopped mid-stream" in long.get("error", ""), long
     assert short == {"finish": "length"}, short
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while time.monotonic() < deadline:
-        health = httpx.get(cluster.base_url + "/health", timeout=30).json()
-        if all(health["replicas"]):
+    deadline, degraded = time.monotonic() + RESTART_TIMEOUT_S, []
+    while time.monotonic() < deadline:  # replica 0's replacement loads the model: /health is 503 naming it until then
+        health = httpx.get(cluster.base_url + "/health", timeout=30)
+        if health.status_code == 200:
             break
+        degraded.append((health.status_code, [(r["replica"], r["up"], bool(r.get("reason"))) for r in health.json()["replicas"]]))
         time.sleep(1)
+    assert health.json() == {"status": "ok", "replicas": [{"replica": 0, "up": True}, {"replica": 1, "up": True}]}
+    assert degraded and degraded[0] == (503, [(0, False, True), (1, True, False)]), degraded
     new = _replica_pids(cluster.base_url)
     assert new[1] == pids[1] and new[0] != pids[0]
     reply = client.completions.create(model=model, prompt="One, two,", max_tokens=4, temperature=0)

@@ -19,7 +19,9 @@ server's. The front adds three things:
   replica 0's settings plus ``cluster`` (replica count, routing, prefix
   routing's ``max_waiting`` and ``load_tokens``, requests routed to and in
   flight on each replica, each replica's settings); ``GET /v1/trace?replica=I``: that replica's step trace
-  (step numbers are per replica). ``GET /health`` is ok while any replica is.
+  (step numbers are per replica). ``GET /health``: 200 when every replica's
+  own ``/health`` is, else 503 naming the replicas that are down and why
+  (:func:`health_response`).
   Each of these asks the replicas with the client's own headers, so the
   replicas' key checks apply; a refusal comes back as it is.
 
@@ -73,6 +75,13 @@ class Answer:
         return out
 
 
+@dataclass(frozen=True)
+class Down:
+    """A replica that gave no answer, and why (a timeout, its process gone)."""
+
+    reason: str
+
+
 class Front:
     """Routes requests over ``replicas`` with ``router`` (see the module's docstring).
 
@@ -97,7 +106,7 @@ class Front:
 
     async def __call__(self, request: Request) -> Response:
         incoming = await self._incoming(request)
-        if incoming.path in CLUSTER_PATHS:
+        if incoming.path in CLUSTER_PATHS and incoming.method in ("GET", "HEAD"):
             return await self._cluster_route(incoming, request.query_params)
         tokens = await self.prompts.tokens(incoming.path, incoming.body)
         loads = self.loads()
@@ -147,13 +156,16 @@ class Front:
             self.in_flight[replica] -= 1
             await parts.aclose()
 
-    async def _answer(self, replica: int, incoming: HTTPRequest, timeout: float | None = None) -> Answer | None:
-        """A replica's whole answer (None: it failed, or gave none within ``timeout`` seconds)."""
+    async def _answer(self, replica: int, incoming: HTTPRequest, timeout: float | None = None) -> Answer | Down:
+        """A replica's whole answer, or :class:`Down` with the reason it gave none within ``timeout`` seconds."""
         try:
             return await asyncio.wait_for(self._whole(replica, incoming), timeout)
-        except Exception as exc:  # TimeoutError included: a dead replica's calls wait for its replacement
-            log.warning("replica %d did not answer %s: %s", replica, incoming.path, exc or type(exc).__name__)
-            return None
+        except TimeoutError:  # a dead replica's calls wait for its replacement
+            reason = f"no answer within {timeout:g} s"
+        except Exception as exc:
+            reason = _exception_reason(exc)
+        log.warning("replica %d did not answer %s %s: %s", replica, incoming.method, incoming.path, reason)
+        return Down(reason)
 
     async def _whole(self, replica: int, incoming: HTTPRequest) -> Answer:
         parts = aiter(self.replicas[replica](incoming))
@@ -168,8 +180,10 @@ class Front:
         if incoming.path == "/v1/trace":
             return await self._trace(incoming, query.get("replica"))
         answers = await asyncio.gather(*(self._answer(i, incoming, CLUSTER_ROUTE_TIMEOUT_S) for i in range(len(self.replicas))))
-        good = {i: a for i, a in enumerate(answers) if a is not None and a.status == 200}
-        refused = next((a for a in answers if a is not None and a.status != 200 and incoming.path != "/health"), None)
+        if incoming.path == "/health":
+            return health_response(answers)
+        good = {i: a for i, a in enumerate(answers) if isinstance(a, Answer) and a.status == 200}
+        refused = next((a for a in answers if isinstance(a, Answer) and a.status != 200), None)
         if refused is not None:  # a key check or a limit: the replicas' own answer
             return refused.response()
         if not good:
@@ -179,8 +193,6 @@ class Front:
             first = good[min(good)]
             return Response(merge({i: a.body.decode() for i, a in good.items()}), status_code=200,
                             headers={"content-type": _header(first, b"content-type") or "text/plain"})
-        if incoming.path == "/health":
-            return JSONResponse({"status": "ok", "replicas": [i in good for i in range(len(self.replicas))]})
         return JSONResponse(self._config({i: json.loads(a.body) for i, a in good.items()}))
 
     def _config(self, configs: dict[int, dict]) -> dict:
@@ -197,9 +209,46 @@ class Front:
             status = 404 if replica is not None and replica.isdigit() else 400  # no such replica, or no index at all
             return JSONResponse(route_error_body(incoming.path, status, message, "replica"), status_code=status)
         answer = await self._answer(int(replica), incoming)
-        if answer is None:
-            return JSONResponse(route_error_body(incoming.path, 503, f"replica {replica} did not answer"), status_code=503)
+        if isinstance(answer, Down):
+            message = f"replica {replica} did not answer: {answer.reason}"
+            return JSONResponse(route_error_body(incoming.path, 503, message), status_code=503)
         return answer.response()
+
+
+def health_response(answers: Sequence[Answer | Down]) -> JSONResponse:
+    """``GET /health`` of the cluster: 200 when every replica's own ``/health`` is 200, else 503; the body
+    names each replica, up or not, and why not (``{"status": "ok"|"degraded"|"error", "replicas": [...]}``)."""
+    replicas = []
+    for i, answer in enumerate(answers):
+        if isinstance(answer, Answer) and answer.status == 200:
+            replicas.append({"replica": i, "up": True})
+        else:
+            reason = answer.reason if isinstance(answer, Down) else f"answered {answer.status}: {_message(answer.body)}"
+            replicas.append({"replica": i, "up": False, "reason": reason})
+    down = [r["replica"] for r in replicas if not r["up"]]
+    if not down:
+        return JSONResponse({"status": "ok", "replicas": replicas})
+    status = "error" if len(down) == len(replicas) else "degraded"
+    message = f"{len(down)} of {len(replicas)} replicas down: {', '.join(map(str, down))}"
+    return JSONResponse({"status": status, "message": message, "replicas": replicas}, status_code=503)
+
+
+def _message(body: bytes) -> str:
+    """The message of a JSON error body (``message``, or ``error.message``), else its first 200 characters."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:200].decode(errors="replace") or "no body"
+    error = data.get("error") if isinstance(data, dict) else None
+    found = data.get("message") if isinstance(data, dict) else None
+    found = found or (error.get("message") if isinstance(error, dict) else error)
+    return str(found)[:200] if found else json.dumps(data)[:200]
+
+
+def _exception_reason(exc: BaseException) -> str:
+    """``Type: first line of the message`` (Ray's errors run to many lines), at most 200 characters."""
+    text = str(exc).strip().splitlines()
+    return (f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__)[:200]
 
 
 def _header(answer: Answer, name: bytes) -> str | None:
