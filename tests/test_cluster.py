@@ -238,6 +238,7 @@ def test_official_clients_keys_errors_and_metrics(cluster):
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     trace = httpx.get(cluster.base_url + "/v1/trace?replica=1", headers=admin, timeout=30)
     assert trace.status_code == 200, trace.text
+    assert httpx.post(cluster.base_url + "/health", timeout=30).status_code == 405  # the replica's answer, as on one server
     for query, status in (("", 400), ("?replica=abc", 400), ("?replica=-1", 400), ("?replica=2", 404)):
         wrong = httpx.get(cluster.base_url + "/v1/trace" + query, headers=admin, timeout=30)
         assert wrong.status_code == status, (query, wrong.text)
