@@ -29,6 +29,7 @@ from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint, load_config
 from quanta.model.native.forms import available as native_forms_available
 from quanta.model.quant import NATIVE_FORMS, fp16_kernel_available
+from quanta.model.rope import RotaryEmbedding, rope_type
 from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("quanta")
@@ -256,12 +257,15 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
     ``max_model_len`` defaults to the model's trained context length; the pool
     holds the budget :func:`kv_cache_blocks` computes; prefix sharing across
     sequences is on unless ``engine_cfg.prefix_cache`` is False; each request gets
-    a :class:`TextState` over the model's tokenizer.
+    a :class:`TextState` over the model's tokenizer. A LongRoPE model's RoPE takes the
+    factors of ``max_model_len`` (long above the original context, as llama.cpp picks by its context).
 
     Raises:
         quanta.engine.kv_budget.KVBudgetError: the KV budget does not hold one ``max_model_len`` sequence.
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
+    if rope_type(loaded.config) == "longrope" and max_len != loaded.config.max_position_embeddings:
+        loaded.model.rope = RotaryEmbedding(loaded.config, max_len)  # LongRoPE's factors follow the served context
     num_blocks = kv_cache_blocks(loaded, engine_cfg, max_len, sched_cfg.max_num_seqs)
     kv_dtype = resolve_kv_dtype(engine_cfg.kv_cache_dtype, loaded.model.dtype)
     executor = ModelExecutor(loaded.model, num_blocks, engine_cfg.block_size, kv_dtype=kv_dtype)

@@ -97,3 +97,17 @@ def test_a_matcher_that_errs_mid_run_fails_its_request_alone(compiler, loaded):
     assert loaded.tokenizer.hf.decode(bad.output_token_ids) == '{"'
     assert [o for o in outputs if o.seq_id == healthy.seq_id][-1].finish_reason == "length"
     assert len(healthy.output_token_ids) == 6 and not engine.sequences
+
+
+@pytest.mark.parametrize(("schema", "says"), [
+    ({"type": "object", "properties": {"a": {"$ref": "#/defs/nope"}}}, "Pointer '/defs/nope' does not exist"),
+    ({"type": "strin"}, "Invalid type: strin"),
+    ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+    ({"type": "string", "format": "ipv9"}, "Unknown format: ipv9"),
+])
+def test_an_unsupported_schema_is_refused_in_one_sentence(compiler, schema, says):
+    with pytest.raises(GrammarError) as caught:
+        compiler.constraint(Grammar.json_schema(schema))
+    message = str(caught.value)
+    assert message.startswith("the JSON schema is not supported: ") and says in message
+    assert "\n" not in message and "%json" not in message and "x-guidance" not in message  # no grammar internals

@@ -47,6 +47,7 @@ never recurse; a grammar over one is a :class:`GrammarError` naming it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -219,6 +220,17 @@ def _lark_regex(pattern: str) -> str:
     return pattern.replace("/", "\\/")
 
 
+def one_sentence(message: str) -> str:
+    """llguidance's compile error as one line: no position prefix, no echo of the grammar's source
+    or caret lines, the parts joined (``failed to compile JSON schema: X`` reads ``the JSON schema
+    is not supported: X``)."""
+    message = re.sub(r"^at \d+\(\d+\): ", "", message.strip())
+    parts = [line.strip() for line in message.splitlines()]
+    parts = [re.sub(r"^error: ", "", p) for p in parts if p and not re.match(r"^(\d+ \||\^+$)", p)]
+    text = re.sub(r":$", "", ": ".join(re.sub(r":$", "", p) for p in parts))
+    return text.replace("failed to compile JSON schema: ", "the JSON schema is not supported: ")
+
+
 class GrammarError(ValueError):
     """The grammar (schema, regex) is invalid or unsupported; the message says why."""
 
@@ -267,13 +279,13 @@ class GrammarCompiler:
         try:
             compiled = llguidance.LLMatcher.grammar_from_lark(grammar.lark)
         except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError
-            raise GrammarError(str(exc)) from exc
+            raise GrammarError(one_sentence(str(exc))) from exc
         problem = llguidance.LLMatcher.validate_grammar(compiled, tok)
         if problem and not problem.startswith("WARNING"):
-            raise GrammarError(problem)
+            raise GrammarError(one_sentence(problem))
         matcher = llguidance.LLMatcher(tok, compiled, log_level=0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(one_sentence(matcher.get_error()))
         constraint = GrammarConstraint(matcher, tok.vocab_size)
         try:
             constraint.first_mask()

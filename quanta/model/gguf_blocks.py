@@ -172,14 +172,16 @@ def _load_layer(file: _File, layer, prefix: str, dtype: torch.dtype, counts: dic
     norms = [(layer.input_layernorm, "attn_norm"), (layer.post_attention_layernorm, "ffn_norm")]
     if attn.q_norm is not None:
         norms += [(attn.q_norm, "attn_q_norm"), (attn.k_norm, "attn_k_norm")]
-    norms += getattr(layer, "gguf_norms", list)()  # Gemma's post-attention and post-MLP norms
     for norm, stem in norms:
         norm.weight = nn.Parameter(file.floats(f"{prefix}{stem}.weight", dtype), requires_grad=False)
-    bias = [f"{prefix}attn_{p}.bias" for p in "qkv"] if attn.qkv_proj.bias is not None else None
+    qkv = ["attn_qkv"] if f"{prefix}attn_qkv.weight" in file.tensors else ["attn_q", "attn_k", "attn_v"]
+    bias = [f"{prefix}{p}.bias" for p in qkv] if attn.qkv_proj.bias is not None else None
+    # phi3: one attn_qkv (q, k, v rows), and ffn_up holding the gate rows, then the up rows
+    gate_up = ["ffn_gate", "ffn_up"] if f"{prefix}ffn_gate.weight" in file.tensors else ["ffn_up"]
     fused = {
-        "qkv_proj": (attn, [f"{prefix}attn_{p}.weight" for p in "qkv"], bias),
+        "qkv_proj": (attn, [f"{prefix}{p}.weight" for p in qkv], bias),
         "o_proj": (attn, [f"{prefix}attn_output.weight"], None),
-        "gate_up_proj": (mlp, [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"], None),
+        "gate_up_proj": (mlp, [f"{prefix}{p}.weight" for p in gate_up], None),
         "down_proj": (mlp, [f"{prefix}ffn_down.weight"], None),
     }
     for attr, (owner, names, bias_names) in fused.items():

@@ -4,7 +4,9 @@ The header is parsed by :mod:`quanta.model.gguf_header`; tensors are dequantized
 with the ``gguf`` library and renamed from llama.cpp's
 names (``blk.{i}.attn_q.weight``) to the schema of
 :mod:`quanta.model.checkpoint_schema`; for the ``llama`` architecture
-llama.cpp's q/k row permutation is undone.
+llama.cpp's q/k row permutation is undone. ``phi3`` files hold fused tensors, split here by rows:
+``attn_qkv`` (q, k, v rows stacked) and ``ffn_up`` (gate rows, then up rows: llama.cpp's swiglu
+takes the silu of the first half).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from quanta.model import gemma, moe_checkpoint
+from quanta.model import moe_checkpoint
 from quanta.model.checkpoint_schema import StateDict
 from quanta.model.config import ModelConfig
 from quanta.model.gguf_header import GGUFHeader
@@ -27,7 +29,8 @@ from quanta.model.rope import yarn_attention_factor
 
 #: GGUF ``general.architecture`` -> :attr:`ModelConfig.architecture`.
 #: Mistral GGUFs are written with the ``llama`` architecture.
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", gemma.GEMMA3: gemma.GEMMA3, **moe_checkpoint.GGUF_MOE_ARCHITECTURES}
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                       **moe_checkpoint.GGUF_MOE_ARCHITECTURES}
 
 #: Whole-model GGUF tensors -> HF names.
 _GGUF_GLOBAL_TENSORS = {
@@ -50,11 +53,10 @@ _GGUF_BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     **moe_checkpoint.GGUF_MOE_TENSORS,
-    **gemma.GGUF_TENSORS,
 }
 
 #: GGUF tensors that are not weights: read into the config (``rope_freqs``: per-frequency RoPE divisors)
-_NOT_WEIGHTS = ("rope_freqs.weight",)
+_NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -119,8 +121,23 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, StateDict]:
         if gguf_arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
             n_head = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
             weights = _unpermute_rope_rows(weights, n_head)
-        state[_hf_name_from_gguf(gguf_name, path)] = torch.from_numpy(weights)
+        for name, part in _split_fused(gguf_name, weights, config, tensors):
+            state[_hf_name_from_gguf(name, path)] = torch.from_numpy(np.ascontiguousarray(part))
     return config, state
+
+
+def _split_fused(name: str, weights: np.ndarray, config: ModelConfig, tensors: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """``(GGUF name, rows)`` of the separate tensors a fused one holds: ``attn_qkv`` -> ``attn_q``, ``attn_k``,
+    ``attn_v``; an ``ffn_up`` without an ``ffn_gate`` beside it (``phi3``) -> ``ffn_gate`` (first half), ``ffn_up``.
+    Any other tensor: itself."""
+    if ".attn_qkv." in name:
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        parts = np.split(weights, [q, q + kv])
+        return [(name.replace(".attn_qkv.", f".attn_{p}."), w) for p, w in zip("qkv", parts, strict=True)]
+    if ".ffn_up." in name and name.replace(".ffn_up.", ".ffn_gate.") not in tensors:
+        gate, up = np.split(weights, 2)
+        return [(name.replace(".ffn_up.", ".ffn_gate."), gate), (name, up)]
+    return [(name, weights)]
 
 
 def gguf_tensor_types(path: str | Path) -> dict[str, str]:
@@ -201,14 +218,12 @@ def _gguf_config(
         # the context the model runs at (YaRN files: the scaled one, not rope.scaling.original_context_length)
         max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors and arch != "olmoe",
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(i for i in eos if i is not None)),
         name=_gguf_field(reader, "general.name", path.stem),
         **moe,
-        **(gemma.gguf_fields(lambda key: _gguf_field(reader, f"{gguf_arch}.{key}"), required("block_count"), hidden, heads)
-           if arch == gemma.GEMMA3 else {}),
     )
 
 
@@ -233,10 +248,13 @@ def _gguf_rope_scaling(
       (llama.cpp does not for these architectures).
     - ``rope.scaling.attn_factor`` multiplies cos and sin under every type.
     - ``rope_freqs.weight`` (Llama 3.x): ``head_dim / 2`` per-frequency divisors, ``freq_factors``.
+    - ``rope_factors_long.weight`` / ``rope_factors_short.weight`` (Phi-3.5's LongRoPE): type
+      ``longrope`` with both lists and ``rope.scaling.original_context_length``; which list divides
+      the frequencies depends on the served context (:mod:`quanta.model.rope`), as in llama.cpp.
 
     Raises:
-        ValueError: a scaling type other than none / linear / yarn, or ``rope_freqs.weight``
-            of the wrong length.
+        ValueError: a scaling type other than none / linear / yarn, ``rope_freqs.weight`` or
+            LongRoPE factors of the wrong length, LongRoPE factors beside another scaling.
     """
 
     def key(name: str, default: Any = None) -> Any:
@@ -260,15 +278,34 @@ def _gguf_rope_scaling(
     elif kind == "linear" and factor != 1.0:
         scaling = {"rope_type": "linear", "factor": factor}
     if "rope_freqs.weight" in tensors:
-        factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1)
-        if factors.size != head_dim // 2:
-            raise ValueError(f"{path}: rope_freqs.weight has {factors.size} values; head_dim {head_dim} needs {head_dim // 2}")
-        scaling = {"rope_type": "freq_factors", **scaling, "freq_factors": factors.tolist()}
+        scaling = {"rope_type": "freq_factors", **scaling,
+                   "freq_factors": _rope_factors(tensors, "rope_freqs.weight", head_dim, path)}
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        if scaling:
+            raise ValueError(f"{path}: LongRoPE factors beside {scaling['rope_type']} RoPE scaling are not supported")
+        original = key("original_context_length") or _gguf_field(reader, f"{gguf_arch}.context_length")
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                   **{f"{kind}_factor": _rope_factors(tensors, f"rope_factors_{kind}.weight", head_dim, path)
+                      for kind in ("long", "short")}}
     attn = key("attn_factor", 1.0)
     if attn != 1.0:
         scaling = {"rope_type": "default", **scaling}
         scaling["attention_factor"] = scaling.get("attention_factor", 1.0) * attn
     return scaling or None
+
+
+def _rope_factors(tensors: dict[str, Any], name: str, head_dim: int, path: Path) -> list[float] | None:
+    """The ``head_dim / 2`` values of RoPE factor tensor ``name``, or None where the file lacks it.
+
+    Raises:
+        ValueError: the tensor has another length.
+    """
+    if name not in tensors:
+        return None
+    factors = _dequantize(tensors[name]).reshape(-1)
+    if factors.size != head_dim // 2:
+        raise ValueError(f"{path}: {name} has {factors.size} values; head_dim {head_dim} needs {head_dim // 2}")
+    return factors.tolist()
 
 
 def _hf_name_from_gguf(gguf_name: str, path: Path) -> str:

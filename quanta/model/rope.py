@@ -15,6 +15,10 @@ GGUF files carry:
   transformers); cos and sin are multiplied by :func:`attention_factor`.
 - ``freq_factors``: no scaling of its own, only ``freq_factors`` (below): Llama 3.x GGUF files,
   whose converter turned the ``llama3`` rule into a ``rope_freqs`` tensor.
+- ``longrope`` (Phi-3 / Phi-3.5): each frequency divided by its factor from ``long_factor`` where
+  the context the model serves (``context``, default ``max_position_embeddings``) exceeds
+  ``original_max_position_embeddings``, else from ``short_factor`` (llama.cpp's choice by
+  context size, ``llama_model::get_rope_factors``); cos and sin multiplied by ``attention_factor``.
 
 Any type may also carry ``freq_factors`` (``head_dim // 2`` floats, llama.cpp's
 ``rope_freqs.weight``: each frequency is divided by its factor before the type's own scaling,
@@ -31,7 +35,7 @@ import torch
 from quanta.model.config import ModelConfig
 
 #: ``rope_type`` values :func:`inverse_frequencies` computes
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors", "longrope")
 
 
 def rope_type(cfg: ModelConfig) -> str:
@@ -40,9 +44,10 @@ def rope_type(cfg: ModelConfig) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig, context: int | None = None) -> torch.Tensor:
     """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``cfg.rope_scaling``
-    (computed in float64, then rounded once).
+    (computed in float64, then rounded once); ``context``: the served context length, which
+    picks ``longrope``'s factors (default ``cfg.max_position_embeddings``).
 
     Raises:
         ValueError: an unsupported ``rope_type``, or ``freq_factors`` of the wrong length.
@@ -58,6 +63,8 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
         if factors.numel() != inv.numel():
             raise ValueError(f"rope freq_factors has {factors.numel()} values; head_dim {dim} needs {inv.numel()}")
         inv = inv / factors
+    if kind == "longrope":
+        inv = inv / _longrope_factors(scaling, context or cfg.max_position_embeddings, inv.numel())
     if kind == "linear":
         inv = inv / scaling["factor"]
     elif kind == "llama3":
@@ -88,6 +95,19 @@ def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all
     if mscale and mscale_all_dim:
         return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
     return get_mscale(factor)
+
+
+def _longrope_factors(s: dict, context: int, n: int) -> torch.Tensor:
+    """``long_factor`` where ``context`` exceeds ``original_max_position_embeddings``, else
+    ``short_factor``; a missing list means no factors (as llama.cpp without the tensor)."""
+    long = context > s["original_max_position_embeddings"]
+    factors = s.get("long_factor" if long else "short_factor")
+    if factors is None:
+        return torch.ones(n, dtype=torch.float64)
+    out = torch.tensor(factors, dtype=torch.float64).reshape(-1)
+    if out.numel() != n:
+        raise ValueError(f"rope {'long' if long else 'short'}_factor has {out.numel()} values; head_dim needs {n}")
+    return out
 
 
 def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -143,8 +163,8 @@ class RotaryEmbedding:
     #: positions the first tables cover
     INITIAL_POSITIONS = 4096
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.inv_freq = inverse_frequencies(cfg)
+    def __init__(self, cfg: ModelConfig, context: int | None = None) -> None:
+        self.inv_freq = inverse_frequencies(cfg, context)
         self.attention_factor = attention_factor(cfg)
         self._cos = self._sin = torch.empty(0)
         self._build(min(max(cfg.max_position_embeddings, 1), self.INITIAL_POSITIONS))

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quanta.tools import gemma_shapes
+from quanta.tools import phi3_shapes
 from quanta.tools.model_shapes import (  # noqa: F401  (re-exported: make-model's shapes)
     SHAPES,
     gguf_arch,
@@ -133,7 +133,7 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
     import gguf
 
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"{name} (random weights)")
+    writer.add_name(phi3_shapes.general_name(name))
     writer.add_description(SYNTHETIC_LABEL.format(name=name))
     writer.add_size_label(gguf.size_label(parameter_count(cfg), 0, 0, 0))
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -148,8 +148,8 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(file_type)
-    if gguf_arch(cfg) == "gemma3":
-        gemma_shapes.add_metadata(writer, cfg)
+    if gguf_arch(cfg) == "phi3":
+        phi3_shapes.add_metadata(writer, cfg, head_dim(cfg))
     if gguf_arch(cfg) == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
         writer.add_rope_dimension_count(head_dim(cfg))
@@ -288,6 +288,8 @@ def _stored_bytes(shape: tuple[int, ...], dtype: Any, ggml_type: Any) -> int:
 
 def _random_tensor(name: str, shape: tuple[int, ...], kind: str, dtype: Any, cfg: dict, seed: int, torch: Any) -> Any:
     """One tensor's values as a numpy array of torch dtype ``dtype`` (:func:`tensor_plan`'s); see the module docstring."""
+    if name.startswith("rope_factors_"):  # phi3's LongRoPE factors
+        return phi3_shapes.rope_factor_values(cfg, name)
     if kind == "rope":
         return llama3_rope_factors(cfg)
     if kind == "output_norm":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quanta.tools import gemma_shapes
+from quanta.tools import phi3_shapes
 
 
 def _llama3_rope(factor: float, original: int = 8192) -> dict:
@@ -53,9 +53,8 @@ SHAPES: dict[str, dict] = {
 #: llama.cpp's GGUF architecture of each HF ``architectures[0]``
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3"}
-_GGUF_ARCH["Gemma3ForCausalLM"] = "gemma3"
-#: Gemma 3 1B and tiny-gemma3 (four norms a block, sliding windows): :mod:`quanta.tools.gemma_shapes`
-SHAPES.update(gemma_shapes.GEMMA3_SHAPES)
+_GGUF_ARCH["Phi3ForCausalLM"] = "phi3"
+SHAPES.update(phi3_shapes.PHI3_SHAPES)
 
 
 def shape_config(name: str, layers: int | None = None) -> dict:
@@ -123,11 +122,12 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
     plan: list[tuple[str, tuple[int, ...], str]] = []
     if (rope := llama3_rope_factors(cfg)) is not None:
         plan.append(("rope_freqs.weight", rope.shape, "rope"))
+    plan += phi3_shapes.rope_factor_plan(cfg)
     plan.append(("token_embd.weight", (cfg["vocab_size"], hidden), "embedding"))
     for i in range(cfg["num_hidden_layers"]):
         blk = f"blk.{i}."
-        if arch == "gemma3":
-            plan += gemma_shapes.block_plan(cfg, blk, dim)
+        if arch == "phi3":
+            plan += phi3_shapes.block_plan(cfg, blk, dim)
             continue
         plan += [(blk + "attn_norm.weight", (hidden,), "norm"), (blk + "ffn_down.weight", (hidden, ffn), "weight"),
                  (blk + "ffn_gate.weight", (ffn, hidden), "weight"), (blk + "ffn_up.weight", (ffn, hidden), "weight"),
