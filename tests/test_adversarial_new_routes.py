@@ -183,3 +183,28 @@ def test_ollama_format_is_the_answer_after_the_reasoning(opened):
     assert not _accepts(compiler, tok, grammar, thought + "Sure.")
     parsed = request_parser(state, False, prompt).parse(thought + answer)
     assert parsed.content == answer and parsed.reasoning == "An object with a."
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_a_404_for_a_huge_model_name_does_not_echo_it(server, path):
+    body = {"model": "m" * 100_000, "messages": USER, "max_tokens": 4, "stream": False}
+    resp = httpx.post(server.base_url + path, json=body, timeout=60)
+    message = _message(path, resp.json())
+    assert resp.status_code == 404 and len(message) < 400 and "100,000 characters" in message, message
+    assert message.startswith("model "), message  # the field, also where the body has no param
+
+
+def test_an_anthropic_error_names_its_field_in_the_message(server):
+    """Anthropic's error body has no ``param``: the message leads with the field (a prompt too long: ``messages``)."""
+    long = [{"role": "user", "content": " ".join(f"w{i}" for i in range(3000))}]
+    resp = _post(server, "/v1/messages", {"max_tokens": 8, "messages": long})
+    assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
+    assert resp.json()["error"]["message"].startswith("messages: the prompt has "), resp.text
+
+
+def test_an_anthropic_schema_error_is_one_sentence_naming_its_field(server):
+    body = {"max_tokens": 8, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}}
+    resp = _post(server, "/v1/messages", body)
+    assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
+    message = resp.json()["error"]["message"]
+    assert message.startswith("output_config.format: ") and "Invalid type: strin" in message and "\n" not in message, message

@@ -103,11 +103,24 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 def route_error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The error body of the API that serves ``path`` (the one place a domain error meets a protocol)."""
-    if path.startswith(ANTHROPIC_PREFIX):
-        return anthropic_error_body(status, message)
-    if path.startswith(OLLAMA_PREFIX):  # Ollama's API (quanta.server.ollama): the message names the field
-        return {"error": message if not param or message.startswith(param) else f"{param}: {message}"}
+    if path.startswith(ANTHROPIC_PREFIX):  # Anthropic's and Ollama's bodies have no param: the message names it
+        return anthropic_error_body(status, _naming(message, param))
+    if path.startswith(OLLAMA_PREFIX):
+        return {"error": _naming(message, param)}
     return error_body(status, message, param, code)
+
+
+def _naming(message: str, param: str | None) -> str:
+    """``message`` led by the field it is about, unless it already is."""
+    return message if not param or message.startswith(param) else f"{param}: {message}"
+
+
+def quoted(value: str, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with the full length said
+    (an error never echoes a client's megabyte back)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
 def stream_error_event(path: str, message: str, sequence_number: int = 0) -> str:

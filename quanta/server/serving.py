@@ -21,7 +21,7 @@ from quanta.engine.async_engine import AsyncEngine, QueueFullError, RequestFaile
 from quanta.engine.grammar import GrammarCompiler
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.access import TENANT_STATE, AccessPolicy, tenant_salt
-from quanta.server.errors import APIError, internal_error_message, log_internal_error
+from quanta.server.errors import APIError, internal_error_message, log_internal_error, quoted
 from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, RESERVATION, BuildTimeout, PromptWork
 from quanta.server.metrics import EngineMetrics
 from quanta.server.tool_formats.reasoning import ReasoningSyntax
@@ -74,7 +74,7 @@ def check_model(state: ServerState, model: str) -> None:
     """Raise a 404 :class:`APIError` unless ``model`` is one of the served model's ids."""
     if model not in state.model_names:
         served = " or ".join(repr(n) for n in state.model_names)
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served}", "model", "model_not_found")
+        raise APIError(404, f"model {quoted(model)} does not exist; this server serves {served}", "model", "model_not_found")
 
 
 async def submit(state: ServerState, request: Request, prompt: list[int], max_tokens: int, make_params,

@@ -19,7 +19,7 @@ import time
 from datetime import UTC, datetime
 
 from quanta.model.config import ModelConfig
-from quanta.server.errors import APIError
+from quanta.server.errors import APIError, quoted
 
 #: what ``/api/version`` answers: the release of Ollama's API this adapter follows
 OLLAMA_API_VERSION = "0.13.0"
@@ -43,7 +43,7 @@ def resolve(state, model: str) -> str:
         if tagged(model) == tagged(name):
             return name
     served = " or ".join(repr(tagged(n)) for n in state.model_names)
-    raise APIError(404, f"model {model!r} not found; this server serves {served}", "model")
+    raise APIError(404, f"model {quoted(model)} not found; this server serves {served}", "model")
 
 
 def served_model(state):
