@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: Dense Llama-family architectures.
-DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 #: Mixture-of-Experts architectures: Llama-family attention, an MoE block in
 #: place of the MLP (see :mod:`quanta.model.moe`). ``dots1`` is the
 #: DeepSeek-style block (sigmoid scoring, shared expert) with Qwen3 attention.
@@ -47,6 +47,14 @@ class ModelConfig:
         qk_norm_full: q/k RMSNorm spans the whole projection
             (``heads * head_dim``) instead of each head (OLMoE).
         clip_qkv: clamp q, k, v to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.
+        sliding_window: positions a sliding layer's query sees, its own included
+            (query ``p`` sees keys ``p - sliding_window < j <= p``); 0 for none.
+        sliding_layers: the layers with that window (Gemma 3: five of every six).
+        rope_local_base_freq: RoPE base of the sliding layers, unscaled (Gemma 3's
+            10000); None: they rotate as the global layers.
+        query_pre_attn_scalar: attention scores are scaled by its inverse square
+            root; None means ``head_dim`` (the usual ``1 / sqrt(head_dim)``).
+        final_logit_softcapping: logits become ``c * tanh(logits / c)``; None for none.
 
     MoE fields (all zero/defaults for a dense model):
         num_experts: routed experts per MoE layer (E); 0 means dense.
@@ -88,6 +96,11 @@ class ModelConfig:
     name: str = "model"
     qk_norm_full: bool = False
     clip_qkv: float | None = None
+    sliding_window: int = 0
+    sliding_layers: list[int] = field(default_factory=list)
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -109,6 +122,10 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Layer ``layer`` runs an MoE block (else the dense SwiGLU MLP)."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    def window_of(self, layer: int) -> int:
+        """The attention window of layer ``layer`` in positions; 0 for a global layer."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from quanta.model import moe_checkpoint
+from quanta.model import gemma, moe_checkpoint
 from quanta.model.checkpoint_schema import StateDict
 from quanta.model.config import ModelConfig
 from quanta.model.gguf_header import GGUFHeader
@@ -30,7 +30,7 @@ from quanta.model.rope import yarn_attention_factor
 #: GGUF ``general.architecture`` -> :attr:`ModelConfig.architecture`.
 #: Mistral GGUFs are written with the ``llama`` architecture.
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                       **moe_checkpoint.GGUF_MOE_ARCHITECTURES}
+                       gemma.GEMMA3: gemma.GEMMA3, **moe_checkpoint.GGUF_MOE_ARCHITECTURES}
 
 #: Whole-model GGUF tensors -> HF names.
 _GGUF_GLOBAL_TENSORS = {
@@ -53,6 +53,7 @@ _GGUF_BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     **moe_checkpoint.GGUF_MOE_TENSORS,
+    **gemma.GGUF_TENSORS,
 }
 
 #: GGUF tensors that are not weights: read into the config (``rope_freqs``: per-frequency RoPE divisors)
@@ -224,6 +225,8 @@ def _gguf_config(
         eos_token_ids=list(dict.fromkeys(i for i in eos if i is not None)),
         name=_gguf_field(reader, "general.name", path.stem),
         **moe,
+        **(gemma.gguf_fields(lambda key: _gguf_field(reader, f"{gguf_arch}.{key}"), required("block_count"), hidden, heads)
+           if arch == gemma.GEMMA3 else {}),
     )
 
 

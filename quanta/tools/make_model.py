@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quanta.tools import phi3_shapes
+from quanta.tools import gemma_shapes, phi3_shapes
 from quanta.tools.model_shapes import (  # noqa: F401  (re-exported: make-model's shapes)
     SHAPES,
     gguf_arch,
@@ -148,6 +148,8 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(file_type)
+    if gguf_arch(cfg) == "gemma3":
+        gemma_shapes.add_metadata(writer, cfg)
     if gguf_arch(cfg) == "phi3":
         phi3_shapes.add_metadata(writer, cfg, head_dim(cfg))
     if gguf_arch(cfg) == "llama":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quanta.tools import phi3_shapes
+from quanta.tools import gemma_shapes, phi3_shapes
 
 
 def _llama3_rope(factor: float, original: int = 8192) -> dict:
@@ -53,7 +53,11 @@ SHAPES: dict[str, dict] = {
 #: llama.cpp's GGUF architecture of each HF ``architectures[0]``
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3"}
+_GGUF_ARCH["Gemma3ForCausalLM"] = "gemma3"
+#: Gemma 3 1B and tiny-gemma3 (four norms a block, sliding windows): :mod:`quanta.tools.gemma_shapes`
+SHAPES.update(gemma_shapes.GEMMA3_SHAPES)
 _GGUF_ARCH["Phi3ForCausalLM"] = "phi3"
+#: Phi-3.5-mini and tiny-phi3 (fused attn_qkv and gate/up ffn_up, LongRoPE): :mod:`quanta.tools.phi3_shapes`
 SHAPES.update(phi3_shapes.PHI3_SHAPES)
 
 
@@ -126,6 +130,9 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
     plan.append(("token_embd.weight", (cfg["vocab_size"], hidden), "embedding"))
     for i in range(cfg["num_hidden_layers"]):
         blk = f"blk.{i}."
+        if arch == "gemma3":
+            plan += gemma_shapes.block_plan(cfg, blk, dim)
+            continue
         if arch == "phi3":
             plan += phi3_shapes.block_plan(cfg, blk, dim)
             continue
