@@ -172,6 +172,7 @@ def _load_layer(file: _File, layer, prefix: str, dtype: torch.dtype, counts: dic
     norms = [(layer.input_layernorm, "attn_norm"), (layer.post_attention_layernorm, "ffn_norm")]
     if attn.q_norm is not None:
         norms += [(attn.q_norm, "attn_q_norm"), (attn.k_norm, "attn_k_norm")]
+    norms += getattr(layer, "gguf_norms", list)()  # Gemma's post-attention and post-MLP norms
     for norm, stem in norms:
         norm.weight = nn.Parameter(file.floats(f"{prefix}{stem}.weight", dtype), requires_grad=False)
     qkv = ["attn_qkv"] if f"{prefix}attn_qkv.weight" in file.tensors else ["attn_q", "attn_k", "attn_v"]
