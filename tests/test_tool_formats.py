@@ -384,3 +384,26 @@ def test_calls_round_trip_through_the_template(stem, index):
     parser = output_parser(TOOL_PARSERS[tool](), REASONING.get(reasoning) if reasoning else None, True, thinking)
     again = parser.parse(_assistant_text(template, calls, thinking))
     assert _calls(again.calls) == _calls(calls)
+
+
+@pytest.mark.parametrize(("tool", "text"), [
+    ("kimi_k2", "<|tool_calls_section_begin|>" + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1}"
+     "<|tool_call_end|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 2}<|tool_call_end|>"
+     "<|tool_calls_section_end|>"),
+    ("command_r", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {"a": 1}}, '
+     '{"tool_call_id": "0", "tool_name": "f", "parameters": {"a": 2}}]<|END_ACTION|>'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}, "id": "abcdefghi"}, '
+     '{"name": "f", "arguments": {"a": 2}, "id": "abcdefghi"}]'),
+])
+def test_an_id_the_model_repeats_is_replaced_whole_and_streamed(tool, text):
+    """A client matches each tool result to its call by id: two calls of one output never share one."""
+    parser = TOOL_PARSERS[tool]()
+    parsed = parser.parse(text)
+    assert _calls(parsed.calls) == [("f", {"a": 1}), ("f", {"a": 2})]
+    first, second = (c.id for c in parsed.calls)
+    assert second != first and first in text  # the first keeps the model's id
+    for size in (1, 5):
+        stream = parser.stream()
+        events = [e for i in range(0, len(text), size) for e in stream.feed(text[i:i + size])] + stream.finish()
+        ids = [e.id for e in events if isinstance(e, CallOpened)]
+        assert len(ids) == 2 and ids[0] == first and ids[1] != first, ids

@@ -39,17 +39,28 @@ if TYPE_CHECKING:  # grammars load torch and transformers: imported when one is 
     from quanta.server.tools_stream import ToolStream
 
 
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 @dataclass(slots=True)
 class ToolCall:
     """One function call: ``arguments`` is a JSON object's text."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=new_call_id)
 
     def openai(self, index: int | None = None) -> dict:
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return out if index is None else {"index": index, **out}
+
+
+def unused_id(call_id: str, earlier: list) -> str:
+    """``call_id`` unless a call in ``earlier`` (the output's calls before it) has it, else a new id:
+    formats whose ids the model writes (Kimi-K2, Command R) can repeat one, and a client matches
+    each result to its call by id."""
+    return new_call_id() if any(isinstance(c, ToolCall) and c.id == call_id for c in earlier) else call_id
 
 
 @dataclass(slots=True)
@@ -70,6 +81,10 @@ class Parsed:
     order: list[str | ToolCall] = field(default_factory=list)
     #: the reasoning before the answer (:mod:`quanta.server.tool_formats.reasoning`), None if none
     reasoning: str | None = None
+
+    def __post_init__(self) -> None:
+        for i, call in enumerate(self.calls):  # each call's id unique in the output
+            call.id = unused_id(call.id, self.calls[:i])
 
     @property
     def made_calls(self) -> bool:

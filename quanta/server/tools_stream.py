@@ -55,7 +55,7 @@ import json
 from dataclasses import dataclass
 
 from quanta.server.tool_scan import BlockScanner, ObjectScanner
-from quanta.server.tools import HERMES_HEAD, HermesParser, ToolCall, ToolParser, hermes_call, partial_suffix
+from quanta.server.tools import HERMES_HEAD, HermesParser, ToolCall, ToolParser, hermes_call, partial_suffix, unused_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +143,7 @@ class ToolStream:
 
     def _whole_call(self, call: ToolCall) -> None:
         index = len(self.calls)
+        call.id = unused_id(call.id, self.calls)
         self._events += [CallOpened(index, call.id, call.name), ArgumentsDelta(index, call.arguments)]
         self._close(call)
 

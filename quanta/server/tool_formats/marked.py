@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from quanta.server.tool_formats.params import ParamReader, ParamSyntax, param_schemas
 from quanta.server.tool_scan import ObjectScanner
-from quanta.server.tools import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix
+from quanta.server.tools import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix, unused_id
 from quanta.server.tools_stream import ArgumentsDelta, CallOpened, ReasoningDelta, ToolStream
 
 
@@ -382,7 +382,7 @@ class MarkedStream(ToolStream, Sink):
     def open(self, name: str, call_id: str | None) -> None:
         self._call = ToolCall(name, "")
         if call_id:
-            self._call.id = call_id
+            self._call.id = unused_id(call_id, self.calls)
         self._events.append(CallOpened(len(self.calls), self._call.id, name))
 
     def args(self, text: str) -> None:
