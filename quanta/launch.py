@@ -264,6 +264,9 @@ def build_engine(loaded: LoadedModel, engine_cfg: EngineConfig, sched_cfg: Sched
         quanta.engine.kv_budget.KVBudgetError: the KV budget does not hold one ``max_model_len`` sequence.
     """
     max_len = engine_cfg.max_model_len or loaded.config.max_position_embeddings
+    if max_len > loaded.config.max_position_embeddings:  # served as asked (long-context tests), as llama.cpp does
+        log.warning("--max-model-len %d is above the model's trained context (%d tokens): positions past it were "
+                    "never trained and the output there may degrade", max_len, loaded.config.max_position_embeddings)
     if rope_type(loaded.config) == "longrope" and max_len != loaded.config.max_position_embeddings:
         loaded.model.rope = RotaryEmbedding(loaded.config, max_len)  # LongRoPE's factors follow the served context
     num_blocks = kv_cache_blocks(loaded, engine_cfg, max_len, sched_cfg.max_num_seqs)

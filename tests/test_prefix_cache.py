@@ -416,3 +416,16 @@ def test_a_step_runs_to_its_end_while_one_of_its_requests_is_not_cancelled(loade
     engine.step(lambda seq_id: seq_id == first.seq_id)  # both prompts share the step
     assert engine.trace.records[0].seq_ids == [first.seq_id, second.seq_id]
     assert first.num_computed_tokens == first.num_prompt_tokens and second.num_computed_tokens == second.num_prompt_tokens
+
+
+def test_a_max_model_len_above_the_trained_context_is_served_with_a_warning(loaded, caplog):
+    trained = loaded.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="quanta"):
+        engine = build_engine(loaded, EngineConfig(max_model_len=trained + 16, kv_cache_tokens=trained + 16),
+                              SchedulerConfig("batched", 1))
+    assert engine.max_model_len == trained + 16
+    assert f"above the model's trained context ({trained} tokens)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="quanta"):
+        build_engine(loaded, EngineConfig(max_model_len=256), SchedulerConfig("batched", 1))
+    assert "trained context" not in caplog.text
