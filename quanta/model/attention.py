@@ -308,7 +308,12 @@ def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, fmt: KVFormat, table: torch.Tensor,
                   s: SeqSlice, window: int = 0) -> torch.Tensor:
     """One sequence's new rows over its blocks; with a ``window``, over the blocks from the one
-    holding the first row's oldest visible position on."""
+    holding the first row's oldest visible position on, ``window`` rows at a time (so a long
+    chunk costs its rows times about twice the window, not its rows squared)."""
+    if window and s.num_new > window:
+        pieces = [SeqSlice(s.blocks, s.start + i, min(window, s.num_new - i)) for i in range(0, s.num_new, window)]
+        return torch.cat([_attend_chunk(q[p.start - s.start:p.start - s.start + p.num_new], kc, vc, fmt, table, p, window)
+                          for p in pieces])
     end, bs = s.start + s.num_new, kc.shape[2]
     first = max(0, s.start - window + 1) // bs if window else 0  # first block any row sees
     table = table[first:blocks_for(end, bs)][None]
