@@ -25,6 +25,7 @@ Architectures: llama with Llama 3 ``rope_freqs`` (F16, F32 through the dequantiz
 mistral (llama layout, untied head, Q4_0), qwen2 (q/k/v biases, Q8_0), qwen3 (q/k norms, Q8_0).
 gemma3 (four norms a block, GELU, sliding window 32 on five of six layers with their own RoPE base, Q8_0).
 phi3 (fused attn_qkv and gate/up ffn_up, LongRoPE long factors with attn_factor, a sliding window llama.cpp ignores, Q8_0).
+qwen3moe (q/k norms, an F32 router choosing 4 of 16 experts stored as 3-D tensors, F16 and Q8_0).
 A wrong RoPE layout or a wrong block decoding moves logprobs by several nats and fails.
 """
 

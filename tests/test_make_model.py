@@ -188,3 +188,41 @@ def test_quantized_type_through_llama_quantize(tmp_path) -> None:
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
     assert types["rope_freqs.weight"] == gguf.GGMLQuantizationType.F32
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-q8.gguf"]  # the F16 intermediate is gone
+
+
+def test_qwen3_moe_shapes_follow_the_converter() -> None:
+    """Qwen3-30B-A3B: the Hugging Face checkpoint's parameter count, the converter's 579 tensors (12 a block)
+    with the experts stacked as 3-D tensors and the router ffn_gate_inp kept in F32."""
+    cfg = mm.shape_config("qwen3-30b-a3b")
+    plan = mm.tensor_plan(cfg)
+    assert (mm.parameter_count(cfg), len(plan)) == (30_532_122_624, 579)
+    block = [(name.removeprefix("blk.47."), shape, dtype) for name, shape, _, dtype in plan if name.startswith("blk.47.")]
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    assert block == [("attn_norm.weight", (2048,), f32), ("ffn_down_exps.weight", (128, 2048, 768), f16),
+                     ("ffn_gate_exps.weight", (128, 768, 2048), f16), ("ffn_up_exps.weight", (128, 768, 2048), f16),
+                     ("ffn_gate_inp.weight", (128, 2048), f32), ("ffn_norm.weight", (2048,), f32),
+                     ("attn_k_norm.weight", (128,), f32), ("attn_k.weight", (512, 2048), f16),
+                     ("attn_output.weight", (2048, 4096), f16), ("attn_q_norm.weight", (128,), f32),
+                     ("attn_q.weight", (4096, 2048), f16), ("attn_v.weight", (512, 2048), f16)]
+    assert plan[-1][:2] == ("output.weight", (151936, 2048))  # untied
+
+
+def test_tiny_qwen3_moe_file(tmp_path) -> None:
+    """The MoE metadata keys, the converter's size label (16 experts x the weights outside them plus one expert's:
+    12.82 M + 0.15 M), 3-D expert tensors in the file's type, an F32 router, and quanta reads it as qwen3_moe."""
+    path = mm.write_direct("tiny-qwen3moe", tmp_path / "moe.gguf", "Q8_0", progress=lambda _: None)
+    reader = gguf.GGUFReader(path)
+    arch = "qwen3moe"
+    assert _field(reader, "general.architecture") == arch and _field(reader, "general.size_label") == "16x13M"
+    assert {k: _field(reader, f"{arch}.{k}") for k in ("expert_count", "expert_used_count", "expert_feed_forward_length")} == \
+        {"expert_count": 16, "expert_used_count": 4, "expert_feed_forward_length": 192}
+    tensors = {t.name: t for t in reader.tensors}
+    gate = tensors["blk.1.ffn_gate_exps.weight"]
+    assert tuple(int(d) for d in gate.shape) == (128, 192, 16) and gate.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    router = tensors["blk.1.ffn_gate_inp.weight"]
+    assert router.tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.asarray(router.data).std() == pytest.approx(mm.ROUTER_LOGIT_STD * 128 ** -0.5, rel=0.1)
+    cfg = load_config(path)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == \
+        ("qwen3_moe", 16, 4, 192, True)
+    assert cfg.qk_norm and not cfg.tie_word_embeddings and cfg.dense_layers == []

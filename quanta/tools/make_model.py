@@ -3,12 +3,14 @@
 Real sizes, memory and speed need files of real shapes; their weights need not be trained.
 A shape (:data:`SHAPES`) is the subset of the model's Hugging Face ``config.json`` that
 decides the file, and the file is written as llama.cpp's ``convert_hf_to_gguf.py`` writes
-that architecture (``LlamaModel`` / ``Qwen2Model`` / ``Qwen3Model`` and ``TextModel.set_gguf_parameters``;
+that architecture (``LlamaModel`` / ``Qwen2Model`` / ``Qwen3Model`` / ``Qwen3MoeModel`` and ``TextModel.set_gguf_parameters``;
 shapes and tensor lists in :mod:`quanta.tools.model_shapes`):
 the same ``general.*`` and ``{arch}.*`` keys (``{arch}.attention.key_length`` only where the
 config names ``head_dim``; ``llama.vocab_size`` and ``llama.rope.dimension_count`` for
 ``llama``), tensors named ``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``, ``output``
-(absent for tied embeddings), 1-D tensors in F32, matrices in F16, and for a Llama 3.x
+(absent for tied embeddings), 1-D tensors and an MoE router (``ffn_gate_inp``) in F32, matrices and
+stacked experts (``ffn_{gate,up,down}_exps``, 3-D, with ``{arch}.expert_count``, ``expert_used_count``
+and ``expert_feed_forward_length``) in F16, and for a Llama 3.x
 ``rope_scaling`` of type ``llama3`` the ``rope_freqs.weight`` F32 tensor of per-frequency
 factors computed as the converter computes them (:func:`llama3_rope_factors`).
 
@@ -29,7 +31,12 @@ so some positions stay near ties between two engines (~5% at 8 bits, ~1% at fp16
 shapes: ``tests/test_agreement_llama_cpp.py`` counts them). The reserved tokens' rows of the embedding and of
 the output matrix are zero (as Llama 3's untrained reserved tokens are near zero): their logits
 are 0, some 4 std below the top ones, so generated tokens are the tokenizer's own, not
-unprintable control tokens. Each tensor's generator is seeded
+unprintable control tokens. An MoE router (``ffn_gate_inp``) has std ``ROUTER_LOGIT_STD / sqrt(hidden)``:
+router logits of std 4, so a token's top-k experts get unequal weights and the k-th one a small one.
+Where two engines' rounding swaps the k-th and the next expert (a routing near tie), the output then
+moves little; with router logits of std 1 (near-equal weights) such swaps move a position's logprobs
+by several nats (tiny-qwen3moe's Q8_0 file against llama.cpp: max ``|logprob diff|`` 11.7 at std 1,
+2.6 at std 4). Each tensor's generator is seeded
 from ``--seed`` and the tensor's name, so ``--layers`` keeps the remaining tensors the same.
 Tensors are generated and written one at a time (an 8B F16 file is 16 GB; the largest
 tensor held is the embedding). ``--type F32`` widens the F16 values; other ``--type`` values write
@@ -91,6 +98,8 @@ EMBEDDING_STD = 0.02
 NORM_STD = 0.2
 #: std of the logits (set by the output norm's weights)
 LOGIT_STD = 10.0
+#: std of an MoE router's logits (its weights' std over ``1 / sqrt(hidden)``)
+ROUTER_LOGIT_STD = 4.0
 
 #: files of at least this many bytes get progress lines
 _PROGRESS_BYTES = 1 << 30
@@ -135,7 +144,7 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(phi3_shapes.general_name(name))
     writer.add_description(SYNTHETIC_LABEL.format(name=name))
-    writer.add_size_label(gguf.size_label(parameter_count(cfg), 0, 0, 0))
+    writer.add_size_label(_size_label(cfg))
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -144,6 +153,9 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("num_experts"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if "head_dim" in cfg:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
@@ -152,12 +164,28 @@ def _add_metadata(writer: Any, name: str, cfg: dict, file_type: Any) -> None:
         gemma_shapes.add_metadata(writer, cfg)
     if gguf_arch(cfg) == "phi3":
         phi3_shapes.add_metadata(writer, cfg, head_dim(cfg))
+    if cfg.get("num_experts"):  # Qwen2MoeModel adds it after the common keys
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if gguf_arch(cfg) == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
         writer.add_rope_dimension_count(head_dim(cfg))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, vtype, sub_type in padded_tokenizer(cfg["vocab_size"]):
         writer.add_key_value(key, value, vtype, sub_type)
+
+
+def _size_label(cfg: dict) -> str:
+    """``general.size_label`` as the converter derives it from the tensors: the weight count, or for
+    stacked experts ``{experts}x{weights outside them + one expert's}`` (``128x1.8B``)."""
+    import math
+
+    import gguf
+
+    sizes = [(name, shape) for name, shape, kind, _ in tensor_plan(cfg) if kind != "rope"]
+    stacked = [shape for name, shape in sizes if "_exps." in name]
+    total, in_experts = sum(math.prod(s) for _, s in sizes), sum(math.prod(s) for s in stacked)
+    count = stacked[0][0] if stacked else 0
+    return gguf.size_label(total, total - in_experts, sum(math.prod(s[1:]) for s in stacked), count)
 
 
 #: control tokens a padded vocabulary reserves (as Llama 3's 256 ``<|reserved_special_token_N|>``)
@@ -252,9 +280,9 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
     writer = gguf.GGUFWriter(out, gguf_arch(cfg))
     _add_metadata(writer, name, cfg, _file_types()[qtype])
     for tensor_name, shape, _, dtype, nbytes in plan:
-        matrix = len(shape) > 1
-        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32) if matrix else dtype, nbytes,
-                               ggml_type if matrix else None)
+        typed = dtype == np.float16  # a weight matrix (or stacked experts): stored in qtype
+        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32) if typed else dtype, nbytes,
+                               ggml_type if typed else None)
     total = sum(nbytes for *_, nbytes in plan)
     report = _progress_printer(total, "wrote", progress) if total >= _PROGRESS_BYTES else lambda _: None
     try:
@@ -264,7 +292,7 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
         written = 0
         for tensor_name, shape, kind, dtype, nbytes in plan:
             values = _random_tensor(tensor_name, shape, kind, getattr(torch, dtype.name), cfg, seed, torch)
-            if len(shape) > 1 and qtype != "F16":
+            if dtype == np.float16 and qtype != "F16":
                 values = gguf.quants.quantize(values.astype(np.float32), ggml_type)
             writer.write_tensor_data(values)
             written += nbytes
@@ -278,12 +306,12 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
 
 
 def _stored_bytes(shape: tuple[int, ...], dtype: Any, ggml_type: Any) -> int:
-    """Bytes of a tensor in the file: a vector in its float ``dtype``, a matrix in ``ggml_type``."""
+    """Bytes of a tensor in the file: a float32 one (vector, router) in float32, a float16 one in ``ggml_type``."""
     import math
 
     import gguf
 
-    if len(shape) == 1:
+    if dtype.itemsize == 4:
         return math.prod(shape) * dtype.itemsize
     return math.prod(gguf.quants.quant_shape_to_byte_shape(shape, ggml_type))
 
@@ -303,6 +331,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], kind: str, dtype: Any, cfg
         values = torch.zeros(shape, dtype=dtype)
         values[:tokenizer_size()].normal_(0.0, EMBEDDING_STD, generator=gen)
         return values.numpy()
+    if kind == "router":
+        return torch.empty(shape, dtype=dtype).normal_(0.0, ROUTER_LOGIT_STD * shape[-1] ** -0.5, generator=gen).numpy()
     std = shape[-1] ** -0.5 if kind == "weight" else cfg["hidden_size"] ** -0.5
     return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen).numpy()
 

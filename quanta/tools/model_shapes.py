@@ -2,7 +2,7 @@
 
 A shape (:data:`SHAPES`) is the subset of the model's Hugging Face ``config.json`` that decides
 the file; :func:`tensor_plan` lists its tensors as llama.cpp's ``convert_hf_to_gguf.py`` writes
-that architecture (``LlamaModel`` for Llama and Mistral, ``Qwen2Model``, ``Qwen3Model``).
+that architecture (``LlamaModel`` for Llama and Mistral, ``Qwen2Model``, ``Qwen3Model``, ``Qwen3MoeModel``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-7b": {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
                    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960},
     # for tests: Llama 3.x layout (rope_freqs, tied embeddings) at toy width; SmolLM2's vocabulary plus 128 reserved tokens;
     # an original context of 64 so that the rope_freqs factors turn positions below 100 (Llama 3's 8192 would not)
     "tiny-llama3": {**_LLAMA3, "vocab_size": 49152 + 128, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
@@ -48,11 +52,15 @@ SHAPES: dict[str, dict] = {
                    "rms_norm_eps": 1e-6},
     "tiny-qwen3": {**_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 64, "tie_word_embeddings": True,
                    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    # Qwen3-MoE (Qwen3's attention; every block's MLP 16 routed experts of which 4 run; untied head as Qwen3-30B-A3B's)
+    "tiny-qwen3moe": {**_TINY, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 64, "moe_intermediate_size": 192,
+                      "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True, "tie_word_embeddings": False,
+                      "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
 }
 
 #: llama.cpp's GGUF architecture of each HF ``architectures[0]``
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3"}
+              "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
 _GGUF_ARCH["Gemma3ForCausalLM"] = "gemma3"
 #: Gemma 3 1B and tiny-gemma3 (four norms a block, sliding windows): :mod:`quanta.tools.gemma_shapes`
 SHAPES.update(gemma_shapes.GEMMA3_SHAPES)
@@ -115,11 +123,12 @@ def llama3_rope_factors(cfg: dict) -> Any:
 def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
     """``(GGUF name, numpy shape, kind, numpy dtype)`` of every tensor in writing order (the converter's:
     ``rope_freqs`` first, then HF's alphabetical order within a block); kinds: ``rope``, ``norm``,
-    ``embedding``, ``output_norm``, ``output``, ``weight``, ``bias``. A numpy shape is ``(rows, columns)``;
-    GGUF lists it reversed. The dtype: float16 for a matrix, float32 for a vector."""
+    ``embedding``, ``output_norm``, ``output``, ``weight``, ``bias``, ``router``. A numpy shape is ``(rows, columns)``
+    (``(experts, rows, columns)`` for stacked experts); GGUF lists it reversed. The dtype: float16 for a matrix,
+    float32 for a vector and for the router ``ffn_gate_inp`` (kept F32 by the converter and ``llama-quantize``)."""
     import numpy as np
 
-    hidden, ffn, dim = cfg["hidden_size"], cfg["intermediate_size"], head_dim(cfg)
+    hidden, dim = cfg["hidden_size"], head_dim(cfg)
     q_rows, kv_rows = cfg["num_attention_heads"] * dim, cfg["num_key_value_heads"] * dim
     arch = gguf_arch(cfg)
     bias = arch == "qwen2"  # Qwen2's q/k/v projections always carry a bias
@@ -136,11 +145,9 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
         if arch == "phi3":
             plan += phi3_shapes.block_plan(cfg, blk, dim)
             continue
-        plan += [(blk + "attn_norm.weight", (hidden,), "norm"), (blk + "ffn_down.weight", (hidden, ffn), "weight"),
-                 (blk + "ffn_gate.weight", (ffn, hidden), "weight"), (blk + "ffn_up.weight", (ffn, hidden), "weight"),
-                 (blk + "ffn_norm.weight", (hidden,), "norm")]
+        plan += [(blk + "attn_norm.weight", (hidden,), "norm"), *_ffn_plan(cfg, blk), (blk + "ffn_norm.weight", (hidden,), "norm")]
         for proj, rows in (("k", kv_rows), ("output", hidden), ("q", q_rows), ("v", kv_rows)):
-            if arch == "qwen3" and proj in ("q", "k"):  # Qwen3's per-head q/k RMS norms (k_norm sorts before k_proj)
+            if arch in ("qwen3", "qwen3moe") and proj in ("q", "k"):  # Qwen3's per-head q/k RMS norms (k_norm sorts before k_proj)
                 plan.append((f"{blk}attn_{proj}_norm.weight", (dim,), "norm"))
             if bias and proj != "output":
                 plan.append((f"{blk}attn_{proj}.bias", (rows,), "bias"))
@@ -148,7 +155,24 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str, Any]]:
     plan.append(("output_norm.weight", (hidden,), "output_norm"))
     if not cfg["tie_word_embeddings"]:
         plan.append(("output.weight", (cfg["vocab_size"], hidden), "output"))
-    return [(name, shape, kind, np.dtype(np.float16 if len(shape) > 1 else np.float32)) for name, shape, kind in plan]
+    return [(name, shape, kind, np.dtype(np.float16 if len(shape) > 1 and kind != "router" else np.float32))
+            for name, shape, kind in plan]
+
+
+def _ffn_plan(cfg: dict, blk: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """A block's MLP tensors: ``ffn_down`` / ``ffn_gate`` / ``ffn_up``, or for a shape with ``num_experts`` the
+    experts stacked into 3-D ``ffn_{down,gate,up}_exps`` (the converter stacks them when a block's last expert
+    arrives, before ``mlp.gate`` sorts in) and the router ``ffn_gate_inp``."""
+    hidden = cfg["hidden_size"]
+    if not cfg.get("num_experts"):
+        ffn = cfg["intermediate_size"]
+        return [(blk + "ffn_down.weight", (hidden, ffn), "weight"), (blk + "ffn_gate.weight", (ffn, hidden), "weight"),
+                (blk + "ffn_up.weight", (ffn, hidden), "weight")]
+    experts, ffn = cfg["num_experts"], cfg["moe_intermediate_size"]
+    return [(blk + "ffn_down_exps.weight", (experts, hidden, ffn), "weight"),
+            (blk + "ffn_gate_exps.weight", (experts, ffn, hidden), "weight"),
+            (blk + "ffn_up_exps.weight", (experts, ffn, hidden), "weight"),
+            (blk + "ffn_gate_inp.weight", (experts, hidden), "router")]
 
 
 def parameter_count(cfg: dict) -> int:
