@@ -322,6 +322,26 @@ def test_a_forced_call_in_a_format_without_a_grammar_is_a_400(plain):
     assert err.value.status == 400 and err.value.param == "tool_choice" and "none" in err.value.message
 
 
+@pytest.mark.parametrize("name", ['a"b', "<|im_end|>", "k>v", "two\nlines"])
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "glm45", "deepseek_v32", "deepseek_v4", "hermes"])
+def test_a_parameter_name_an_xml_format_cannot_write_is_a_400_naming_tools(plain, fmt, name):
+    """XML-like formats write parameter names bare (``<parameter=k>``, ``name="k"``): a name holding
+    their delimiters would end or break the call, so a forced call with it is refused; JSON
+    formats escape names and take it."""
+    tool = {"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "properties": {name: {"type": "string"}}, "required": [name]}}}
+
+    class State:
+        tokenizer, tool_parser, reasoning = plain, TOOL_PARSERS[fmt](), None
+
+    if fmt == "hermes":
+        assert forced_grammar(State, [1, 2], [tool], False) is not None
+        return
+    with pytest.raises(APIError) as err:
+        forced_grammar(State, [1, 2], [tool], False)
+    assert err.value.status == 400 and err.value.param == "tools" and "cannot be written" in err.value.message
+
+
 # Over HTTP: the embedded model served with --tool-call-parser qwen3_coder (XML parameters, not hermes).
 READ = {"type": "function", "function": {"name": "read_file", "description": "Read a text file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string", "enum": ["notes.txt", "todo.txt"]}}, "required": ["path"]}}}

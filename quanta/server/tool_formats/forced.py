@@ -132,10 +132,26 @@ def _value(b: Lark, schema, closer: str, written: str | None = None, until: str 
     return f'{value} "\\n"'
 
 
+class UnwritableName(ValueError):
+    """A parameter name an XML-like format cannot write: it holds the format's own delimiters."""
+
+
+#: what an XML-like format's parameter name cannot hold (``<parameter=k>``, ``name="k"``, ``<arg_key>k</arg_key>``)
+_NAME_BREAKERS = ("<", ">", '"', "\n")
+
+
 def _params(tool: dict, one: Callable[[str, dict], str]) -> str:
-    """The tool's parameters in schema order (each as ``one`` writes it; optional ones may be left out)."""
+    """The tool's parameters in schema order (each as ``one`` writes it; optional ones may be left out).
+
+    Raises:
+        UnwritableName: a parameter name holds ``<``, ``>``, ``"`` or a line break.
+    """
     params = tool_params(tool)
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    for key in props:
+        if any(c in key for c in _NAME_BREAKERS):
+            raise UnwritableName(f"parameter {key[:80]!r} of tool {tool_name(tool)!r}: a name with <, >, \" or a line "
+                                 "break cannot be written in this tool-call format")
     required = set(params.get("required") or [])
     parts = [one(k, s) if k in required else f"({one(k, s)})?" for k, s in props.items()]
     return " ".join(parts)

@@ -150,16 +150,20 @@ def forced_grammar(state, prompt: list[int], tools: list[dict], parallel: bool, 
     model's format, after any reasoning (:func:`request_parser` of ``prompt``).
 
     Raises:
-        APIError: 400 naming ``param`` for a format that has no forced-call grammar.
+        APIError: 400 naming ``param`` for a format that has no forced-call grammar, or naming
+            ``tools`` for a parameter name an XML-like format cannot write (:class:`UnwritableName`).
     """
+    from quanta.server.errors import APIError
+    from quanta.server.tool_formats.forced import UnwritableName
+
     parser = request_parser(state, tools, prompt)
     try:
         return parser.grammar(tools, parallel, request_marks(state, parser))
     except NotImplementedError as exc:
-        from quanta.server.errors import APIError
-
         raise APIError(400, f"{param}: the {parser.name} tool-call format cannot force a call; "
                             "use tool_choice auto", param) from exc
+    except UnwritableName as exc:
+        raise APIError(400, f"tools: {exc} ({parser.name})", "tools") from exc
 
 
 def schema_grammar(state, prompt: list[int], schema: dict) -> Grammar:
