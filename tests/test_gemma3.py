@@ -8,10 +8,15 @@ are scaled up from transformers' initialisation (projections ``1 / sqrt(fan_in)`
 ``N(0, 0.2)`` around Gemma's ``1 + w``) so every part moves the logits. quanta computes the same
 sequences in prompt chunks of several sizes, and as a prompt followed by decode rows (the padded
 decode attention, with its window mask); float32 logits agree within 1e-4.
+
+Decode rows are also checked against llama.cpp: the stored tiny-gemma3 outputs of
+``tests/test_agreement_llama_cpp.py`` (sequences past the window of 32), each continuation token
+fed as a decode step, under that test's rules.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from quanta.model import gemma
-from quanta.model.attention import AttentionBatch
+from quanta.model.attention import AttentionBatch, KVCache, SeqSlice, blocks_for
 from quanta.model.config import ModelConfig
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_config
@@ -27,6 +32,7 @@ from quanta.model.native import forms
 from quanta.tools import agreement
 from quanta.tools.make_model import write_direct
 from slot_cache import SlotCache
+from test_agreement_llama_cpp import DATA, failures, tolerance
 
 LAYERS, WINDOW, SCALAR = 6, 8, 48
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -162,3 +168,31 @@ def test_make_model_file_reads_back_and_both_load_paths_agree(tmp_path: Path):
     tokens = list(range(1000, 1080))  # 80 positions: past the window of 32
     a, b = (agreement.position_logprobs(m, tokens, 1) for m in (blocks, dequantized))
     assert (a - b).abs().max() < 0.02  # observed 0.003: fp16 weights either way, summation order differs
+
+
+def decode_logprobs(loaded, tokens: list[int], first: int) -> torch.Tensor:
+    """Log-softmax after each of ``tokens[first - 1:]``: the prompt ``tokens[:first]`` as one chunk, then
+    every further token as a decode row (one sequence, one token a step)."""
+    model, cfg = loaded.model, loaded.config
+    blocks = blocks_for(len(tokens), 16)
+    kv = KVCache(cfg.num_hidden_layers, blocks, cfg.num_key_value_heads, 16, cfg.head_dim, torch.float32)
+    table = list(range(blocks))
+    rows = [model(torch.tensor(tokens[:first]), AttentionBatch([SeqSlice(table, 0, first)], kv))[-1:]]
+    for p in range(first, len(tokens)):
+        rows.append(model(torch.tensor(tokens[p:p + 1]), AttentionBatch([SeqSlice(table, p, 1)], kv, decode=True)))
+    return torch.log_softmax(model.compute_logits(torch.cat(rows)).float(), dim=-1)
+
+
+def test_decode_rows_agree_with_stored_llama_cpp_outputs(tmp_path: Path):
+    if not forms.available():
+        pytest.skip("quanta's C kernels do not build here (the served model then takes other forms)")
+    record = json.loads((DATA / "tiny-gemma3-Q8_0.json").read_text())
+    spec = record["file"]
+    path = write_direct(spec["shape"], tmp_path / "g.gguf", spec["type"], spec["seed"], spec["layers"], progress=lambda _: None)
+    loaded = agreement.load_as_served(path)
+    assert all(len(c["tokens"]) > 32 + 8 for c in record["cases"])  # past the window
+    results = [agreement.compare(c["top"], decode_logprobs(loaded, c["tokens"], c["first"]), tolerance(record)["max_diff"])
+               for c in record["cases"]]
+    summary = agreement.summarize(results)
+    assert summary["positions"] == 8 * 64
+    assert not failures(summary, record), summary
