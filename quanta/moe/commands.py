@@ -1,5 +1,5 @@
 """The MoE subcommands of ``quanta``: ``make-model``, ``profile`` and ``advise``
-(``make-model --shape`` writes dense GGUFs, :mod:`quanta.tools.make_model`).
+(``make-model --shape`` writes GGUFs of real model shapes, dense and Qwen3-MoE, :mod:`quanta.tools.make_model`).
 
 Kept out of :mod:`quanta.cli` so the main command line stays small; the
 flags follow its rules (:mod:`quanta.flags`: each given once, errors exit 2 before any model loads).
