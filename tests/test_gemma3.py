@@ -196,3 +196,10 @@ def test_decode_rows_agree_with_stored_llama_cpp_outputs(tmp_path: Path):
     summary = agreement.summarize(results)
     assert summary["positions"] == 8 * 64
     assert not failures(summary, record), summary
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma3_text"])
+def test_hugging_face_gemma_directories_are_refused_in_one_line(tmp_path: Path, model_type: str):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 256}))
+    with pytest.raises(ValueError, match="Gemma 3 is read from GGUF files only"):
+        load_config(tmp_path)

@@ -86,6 +86,8 @@ def hf_config(hf: dict, generation: dict, path: Path) -> ModelConfig:
         ValueError: unsupported ``model_type`` or RoPE scaling.
     """
     arch = hf.get("model_type")
+    if arch in ("gemma3", "gemma3_text"):  # Gemma's HF norms are 1 + w, its names its own: not mapped here
+        raise ValueError(f"{path}: Gemma 3 is read from GGUF files only (llama.cpp's convert_hf_to_gguf.py writes one)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{path}: unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
