@@ -203,3 +203,26 @@ def test_hugging_face_gemma_directories_are_refused_in_one_line(tmp_path: Path, 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 256}))
     with pytest.raises(ValueError, match="Gemma 3 is read from GGUF files only"):
         load_config(tmp_path)
+
+
+def test_sequences_of_different_lengths_share_steps(pair):
+    """Two sequences (lengths 30 and 17, past and near the window) prefilled in one step and decoded together
+    give each one's logits alone: the windows follow each row's own position."""
+    ref, ours = pair
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, SHAPE["vocab_size"], (n,), generator=gen) for n in (30, 17)]
+    alone = [run(ours, ids, [len(ids) - 6], len(ids) - 6) for ids in seqs]
+    cfg = ours.config
+    kv = SlotCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, cfg.head_dim, torch.float32)
+    starts = [len(ids) - 6 for ids in seqs]
+    hidden = ours(torch.cat([ids[:n] for ids, n in zip(seqs, starts, strict=True)]),
+                  AttentionBatch([kv.seq(i, 0, n) for i, n in enumerate(starts)], kv))
+    firsts = torch.tensor(starts).cumsum(0) - 1
+    together = [[row] for row in ours.compute_logits(hidden[firsts])]
+    for step in range(6):
+        ids = torch.stack([s[n + step] for s, n in zip(seqs, starts, strict=True)])
+        batch = AttentionBatch([kv.seq(i, n + step, 1) for i, n in enumerate(starts)], kv, decode=True)
+        for i, row in enumerate(ours.compute_logits(ours(ids, batch))):
+            together[i].append(row)
+    for mine, solo in zip(together, alone, strict=True):
+        torch.testing.assert_close(torch.stack(mine), solo[-7:], atol=1e-5, rtol=0)  # positions n - 1 .. n + 5
