@@ -11,7 +11,7 @@ decode attention, with its window mask); float32 logits agree within 1e-4.
 
 Decode rows are also checked against llama.cpp: the stored tiny-gemma3 outputs of
 ``tests/test_agreement_llama_cpp.py`` (sequences past the window of 32), each continuation token
-fed as a decode step, under that test's rules.
+fed as a decode step (the 8 sequences' rows decoded together), under that test's rules.
 """
 
 from __future__ import annotations
@@ -170,17 +170,23 @@ def test_make_model_file_reads_back_and_both_load_paths_agree(tmp_path: Path):
     assert (a - b).abs().max() < 0.02  # observed 0.003: fp16 weights either way, summation order differs
 
 
-def decode_logprobs(loaded, tokens: list[int], first: int) -> torch.Tensor:
-    """Log-softmax after each of ``tokens[first - 1:]``: the prompt ``tokens[:first]`` as one chunk, then
-    every further token as a decode row (one sequence, one token a step)."""
+def decode_logprobs(loaded, cases: list[dict]) -> list[torch.Tensor]:
+    """Per case, the log-softmax after each of ``tokens[first - 1:]``: every case's prompt in one prompt
+    step, then each further token as a decode row, the cases' rows decoded together (one step a position)."""
     model, cfg = loaded.model, loaded.config
-    blocks = blocks_for(len(tokens), 16)
-    kv = KVCache(cfg.num_hidden_layers, blocks, cfg.num_key_value_heads, 16, cfg.head_dim, torch.float32)
-    table = list(range(blocks))
-    rows = [model(torch.tensor(tokens[:first]), AttentionBatch([SeqSlice(table, 0, first)], kv))[-1:]]
-    for p in range(first, len(tokens)):
-        rows.append(model(torch.tensor(tokens[p:p + 1]), AttentionBatch([SeqSlice(table, p, 1)], kv, decode=True)))
-    return torch.log_softmax(model.compute_logits(torch.cat(rows)).float(), dim=-1)
+    per = blocks_for(max(len(c["tokens"]) for c in cases), 16)
+    kv = KVCache(cfg.num_hidden_layers, len(cases) * per, cfg.num_key_value_heads, 16, cfg.head_dim, torch.float32)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(cases))]
+    firsts = [c["first"] for c in cases]
+    prompts = torch.tensor([t for c in cases for t in c["tokens"][:c["first"]]])
+    hidden = model(prompts, AttentionBatch([SeqSlice(tables[i], 0, f) for i, f in enumerate(firsts)], kv))
+    rows = [[h] for h in hidden[torch.tensor(firsts).cumsum(0) - 1]]
+    for step in range(min(len(c["tokens"]) - c["first"] for c in cases)):
+        ids = torch.tensor([c["tokens"][c["first"] + step] for c in cases])
+        batch = AttentionBatch([SeqSlice(tables[i], f + step, 1) for i, f in enumerate(firsts)], kv, decode=True)
+        for i, h in enumerate(model(ids, batch)):
+            rows[i].append(h)
+    return [torch.log_softmax(model.compute_logits(torch.stack(r)).float(), dim=-1) for r in rows]
 
 
 def test_decode_rows_agree_with_stored_llama_cpp_outputs(tmp_path: Path):
@@ -191,8 +197,8 @@ def test_decode_rows_agree_with_stored_llama_cpp_outputs(tmp_path: Path):
     path = write_direct(spec["shape"], tmp_path / "g.gguf", spec["type"], spec["seed"], spec["layers"], progress=lambda _: None)
     loaded = agreement.load_as_served(path)
     assert all(len(c["tokens"]) > 32 + 8 for c in record["cases"])  # past the window
-    results = [agreement.compare(c["top"], decode_logprobs(loaded, c["tokens"], c["first"]), tolerance(record)["max_diff"])
-               for c in record["cases"]]
+    results = [agreement.compare(c["top"], logprobs, tolerance(record)["max_diff"])
+               for c, logprobs in zip(record["cases"], decode_logprobs(loaded, record["cases"]), strict=True)]
     summary = agreement.summarize(results)
     assert summary["positions"] == 8 * 64
     assert not failures(summary, record), summary
