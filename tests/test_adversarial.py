@@ -44,7 +44,7 @@ from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.app import TRACE_PAGE_BYTES, TRACE_PAGE_RECORDS, trace_page
 from quanta.server.chat_tokens import chat_prompt_ids
-from quanta.server.openai_requests import ChatRequest
+from quanta.server.openai.requests import ChatRequest
 
 MAX_MODEL_LEN = 2048
 #: ``/health`` answers taken before the block: the slowest is the one the block's answers are held to

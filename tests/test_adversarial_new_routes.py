@@ -15,16 +15,16 @@ from quanta.engine.grammar import GrammarCompiler
 from quanta.engine.kv_budget import KVBudgetError, num_blocks
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.anthropic import request_grammar as messages_grammar
-from quanta.server.anthropic_requests import MessagesRequest
-from quanta.server.chat import _request_grammar as chat_grammar
+from quanta.server.anthropic.messages import request_grammar as messages_grammar
+from quanta.server.anthropic.requests import MessagesRequest
 from quanta.server.errors import APIError
 from quanta.server.ollama.generation import _format_grammar
 from quanta.server.ollama.models import resolve
 from quanta.server.ollama.requests import GenerateBody
-from quanta.server.openai_requests import ChatRequest
-from quanta.server.responses_requests import ResponsesRequest
-from quanta.server.responses_requests import request_grammar as responses_grammar
+from quanta.server.openai.chat import _request_grammar as chat_grammar
+from quanta.server.openai.requests import ChatRequest
+from quanta.server.responses.requests import ResponsesRequest
+from quanta.server.responses.requests import request_grammar as responses_grammar
 from quanta.server.tool_formats.reasoning import REASONING
 from quanta.server.tool_formats.registry import TOOL_PARSERS, request_parser
 

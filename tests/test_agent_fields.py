@@ -30,8 +30,8 @@ from pydantic import BaseModel
 from quanta.engine.output import RequestOutput
 from quanta.server.access import AccessPolicy, RequestGate
 from quanta.server.field_rule import ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_COMPLETIONS, OPENAI_RESPONSES, resembles
-from quanta.server.tools import HermesParser
-from quanta.server.tools_stream import tool_stream
+from quanta.server.tool_formats.base import HermesParser
+from quanta.server.tool_formats.stream import tool_stream
 
 BASH = {"name": "Bash", "description": "Run a shell command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"],
@@ -444,9 +444,9 @@ def test_every_field_the_official_clients_send_is_documented_to_the_rule():
     from openai.types.chat import completion_create_params as chat_create_params
     from openai.types.responses import response_create_params
 
-    from quanta.server.anthropic_requests import CountTokensRequest, MessagesRequest
-    from quanta.server.openai_requests import ChatRequest, CompletionsRequest
-    from quanta.server.responses_requests import ResponsesRequest
+    from quanta.server.anthropic.requests import CountTokensRequest, MessagesRequest
+    from quanta.server.openai.requests import ChatRequest, CompletionsRequest
+    from quanta.server.responses.requests import ResponsesRequest
 
     cases = [
         (chat_create_params.CompletionCreateParamsBase, ChatRequest, OPENAI_CHAT),
@@ -475,10 +475,10 @@ def test_a_vendor_extension_is_no_typo(name):
 def test_no_engine_extension_is_taken_for_a_typo_on_any_route():
     """Each other engine's field a route does not declare is accepted as unknown on every route, even one
     edit from a known field (``top_k`` on a body with ``top_p`` only)."""
-    from quanta.server.anthropic_requests import CountTokensRequest, MessagesRequest
+    from quanta.server.anthropic.requests import CountTokensRequest, MessagesRequest
     from quanta.server.field_rule import ENGINE_EXTENSIONS, FieldRule
-    from quanta.server.openai_requests import ChatRequest, CompletionsRequest
-    from quanta.server.responses_requests import ResponsesRequest
+    from quanta.server.openai.requests import ChatRequest, CompletionsRequest
+    from quanta.server.responses.requests import ResponsesRequest
 
     class TopPOnly(FieldRule):
         top_p: float = 1.0
@@ -510,7 +510,7 @@ def _streamed_kinds(text: str, on_event, close) -> list:
 
 @pytest.mark.parametrize("text", list(ORDERS.values()), ids=list(ORDERS))
 def test_non_streamed_anthropic_blocks_keep_the_stream_s_order(text):
-    from quanta.server.anthropic import ToolBlocks, _collect
+    from quanta.server.anthropic.messages import ToolBlocks, _collect
 
     body = json.loads(asyncio.run(_collect("msg_1", "m", _outputs(text), HermesParser(), 64)).body)
     blocks = ToolBlocks()
@@ -524,7 +524,7 @@ def test_non_streamed_anthropic_blocks_keep_the_stream_s_order(text):
 
 @pytest.mark.parametrize("text", list(ORDERS.values()), ids=list(ORDERS))
 def test_non_streamed_responses_items_keep_the_stream_s_order(text):
-    from quanta.server.responses import ResponsesRequest, _Builder, _collect, _Events, _Items
+    from quanta.server.responses.routes import ResponsesRequest, _Builder, _collect, _Events, _Items
 
     builder = _Builder(ResponsesRequest(model="m", input="x"), [])
     body = json.loads(asyncio.run(_collect(builder, _outputs(text), HermesParser())).body)

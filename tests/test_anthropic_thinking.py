@@ -18,12 +18,12 @@ import pytest
 from llama_cpp_material import chat_templates, llama_cpp_tree
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.anthropic_requests import MessagesRequest
-from quanta.server.anthropic_tools import chat_messages
+from quanta.server.anthropic.requests import MessagesRequest
+from quanta.server.anthropic.tools import chat_messages
 from quanta.server.errors import APIError
-from quanta.server.openai_requests import Message
+from quanta.server.openai.requests import Message
 from quanta.server.system_turns import prompt_text
-from quanta.server.tool_templates import template_input
+from quanta.server.tool_formats.templates import template_input
 
 BASH = {"name": "Bash", "description": "Run a shell command.",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}

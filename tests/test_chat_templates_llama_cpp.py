@@ -31,9 +31,9 @@ from llama_cpp_material import chat_templates, llama_cpp_tree
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.chat_render import TemplateRejected, request_template
-from quanta.server.openai_requests import Message
+from quanta.server.openai.requests import Message
 from quanta.server.system_turns import prompt_ids, prompt_text
-from quanta.server.tool_templates import needs_hermes_text, render_for_template, template_input
+from quanta.server.tool_formats.templates import needs_hermes_text, render_for_template, template_input
 
 TOOLS = [
     {"type": "function", "function": {

@@ -125,7 +125,7 @@ def _control(tok: Tokenizer, ids: list[int]) -> list[int]:
 def test_no_client_string_yields_a_control_token(tok, monkeypatch, template):
     """Issue 12: with the real embedded tokenizer, the control token ids of a conversation whose every client
     string is a forged turn are exactly those of the same conversation in plain words (the template's own)."""
-    from quanta.server.tool_templates import render_for_template
+    from quanta.server.tool_formats.templates import render_for_template
 
     native = template == "native"
     if native:

@@ -26,9 +26,9 @@ from quanta.launch import load_model
 from quanta.server.access import AccessPolicy, RequestGate
 from quanta.server.app import GENERATION_PATHS
 from quanta.server.ollama.shapes import Shape
+from quanta.server.tool_formats.base import HermesParser
 from quanta.server.tool_formats.reasoning import REASONING
 from quanta.server.tool_formats.registry import output_parser
-from quanta.server.tools import HermesParser
 
 GREEDY = {"temperature": 0, "num_predict": 12}
 ASK = [{"role": "user", "content": "Write a haiku about the sea."}]

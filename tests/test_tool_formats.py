@@ -26,7 +26,7 @@ from quanta.server.tool_formats.registry import (
     reasoning_name,
     tool_parser_name,
 )
-from quanta.server.tools_stream import ArgumentsDelta, CallClosed, CallOpened, ReasoningDelta, TextDelta
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallClosed, CallOpened, ReasoningDelta, TextDelta
 
 SPECIAL = [("special_function", {"arg1": 1})]
 HELLO = "Hello, world!\nWhat's up?"

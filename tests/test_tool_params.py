@@ -17,7 +17,7 @@ import pytest
 from quanta.server.tool_formats.params import param_value, schema_types
 from quanta.server.tool_formats.reasoning import REASONING
 from quanta.server.tool_formats.registry import TOOL_PARSERS, bound_parser, output_parser
-from quanta.server.tools_stream import ArgumentsDelta, CallClosed
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallClosed
 
 PROPS = {
     "path": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},

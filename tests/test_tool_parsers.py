@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from quanta.server.tool_templates import render_for_template, template_reads_tools
-from quanta.server.tools import (
+from quanta.server.tool_formats.base import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     choose_parser,
 )
+from quanta.server.tool_formats.templates import render_for_template, template_reads_tools
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]

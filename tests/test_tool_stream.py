@@ -1,4 +1,4 @@
-"""The streaming tool-call splitter (quanta.server.tools_stream) on fixed outputs,
+"""The streaming tool-call splitter (quanta.server.tool_formats.stream) on fixed outputs,
 split at every possible point: what streams must add up to the non-streamed parse."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from quanta.server.tools import HermesParser, Llama3JsonParser, MistralParser, ToolCall
-from quanta.server.tools_stream import ArgumentsDelta, CallClosed, CallOpened, TextDelta, tool_stream
+from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser, ToolCall
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallClosed, CallOpened, TextDelta, tool_stream
 
 HERMES_OUTPUTS = [
     'Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
@@ -188,7 +188,7 @@ def sse_payloads(chunks):
 
 
 def test_anthropic_blocks_follow_output_order():
-    from quanta.server.anthropic import ToolBlocks
+    from quanta.server.anthropic.messages import ToolBlocks
 
     blocks = ToolBlocks()
     events = sse_payloads([s for e in TEXT_CALL_TEXT for s in blocks.events(e)] + blocks.close_text())
@@ -205,7 +205,7 @@ def test_anthropic_blocks_follow_output_order():
 
 
 def test_responses_items_follow_output_order():
-    from quanta.server.responses import ResponsesRequest, _Builder, _Events, _Items
+    from quanta.server.responses.routes import ResponsesRequest, _Builder, _Events, _Items
 
     items = _Items(_Events(), _Builder(ResponsesRequest(model="m", input="x"), []))
     events = sse_payloads([s for e in TEXT_CALL_TEXT for s in items.on(e)] + items.close())
@@ -227,7 +227,7 @@ def test_responses_items_follow_output_order():
 
 
 def test_responses_without_items_gets_an_empty_message():
-    from quanta.server.responses import ResponsesRequest, _Builder, _Events, _Items
+    from quanta.server.responses.routes import ResponsesRequest, _Builder, _Events, _Items
 
     items = _Items(_Events(), _Builder(ResponsesRequest(model="m", input="x"), []))
     kinds = [e["type"] for e in sse_payloads(items.close())]
@@ -237,7 +237,7 @@ def test_responses_without_items_gets_an_empty_message():
 
 def test_chat_chunks_carry_content_then_call_deltas():
     from quanta.engine.output import RequestOutput
-    from quanta.server.chat import ChatFormat, _Meta
+    from quanta.server.openai.chat import ChatFormat, _Meta
 
     fmt = ChatFormat(None, tool_stream(HermesParser()))
     fmt.meta = _Meta("chatcmpl-1", 0, "m")
@@ -263,7 +263,7 @@ def test_chat_chunks_carry_content_then_call_deltas():
 def chat_run(output: str, finish: str, pieces=None):
     """(streamed finish_reason, streamed call arguments, non-streamed choice) of ``output`` ending with ``finish``."""
     from quanta.engine.output import RequestOutput
-    from quanta.server.chat import ChatFormat, _Meta
+    from quanta.server.openai.chat import ChatFormat, _Meta
 
     fmt = ChatFormat(None, tool_stream(HermesParser()))
     fmt.meta = _Meta("chatcmpl-1", 0, "m")
@@ -295,7 +295,7 @@ def test_chat_stop_string_inside_the_arguments():
 
 def test_anthropic_stop_reason_inside_a_call():
     from quanta.engine.output import RequestOutput
-    from quanta.server.anthropic import _stop
+    from quanta.server.anthropic.messages import _stop
 
     out = RequestOutput(0, [], "", True, "stop", 5, 4, 0.0, 0.0)
     out.stop_string = "}"
@@ -307,7 +307,7 @@ def test_anthropic_stop_reason_inside_a_call():
 
 
 def test_responses_marks_a_cut_call_incomplete():
-    from quanta.server.responses import ResponsesRequest, _Builder, _Events, _Items
+    from quanta.server.responses.routes import ResponsesRequest, _Builder, _Events, _Items
 
     items = _Items(_Events(), _Builder(ResponsesRequest(model="m", input="x"), []))
     stream = tool_stream(HermesParser())

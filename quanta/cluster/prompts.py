@@ -2,9 +2,9 @@
 
 The front of a cluster routes by prompt prefix, so it needs the ids the
 replica will compute: the same request models (:mod:`quanta.server.protocol`'s
-OpenAI bodies, :mod:`quanta.server.anthropic_requests`,
-:mod:`quanta.server.responses_requests`) and the same renderers
-(:func:`quanta.server.chat.chat_prompt`, :func:`quanta.server.anthropic.render_prompt`,
+OpenAI bodies, :mod:`quanta.server.anthropic.requests`,
+:mod:`quanta.server.responses.requests`) and the same renderers
+(:func:`quanta.server.openai.chat.chat_prompt`, :func:`quanta.server.anthropic.messages.render_prompt`,
 :meth:`quanta.server.limits.PromptWork.encode`) over the same tokenizer and
 chat template. A body those refuse has no ids (None): it goes to any
 replica, whose own route answers it with the single server's 400.
@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.anthropic import render_prompt
-from quanta.server.anthropic_requests import MessagesRequest
-from quanta.server.chat import chat_prompt
+from quanta.server.anthropic.messages import render_prompt
+from quanta.server.anthropic.requests import MessagesRequest
 from quanta.server.limits import PromptWork
-from quanta.server.openai_requests import ChatRequest, CompletionsRequest
-from quanta.server.responses_requests import ResponsesRequest
+from quanta.server.openai.chat import chat_prompt
+from quanta.server.openai.requests import ChatRequest, CompletionsRequest
+from quanta.server.responses.requests import ResponsesRequest
 
 
 class RoutingPrompts:

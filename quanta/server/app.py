@@ -1,9 +1,9 @@
 """The FastAPI application: the routers of each protocol over one :class:`ServerState`.
 
 Routers: OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(:mod:`quanta.server.chat`), ``POST /v1/responses``
-(:mod:`quanta.server.responses`), Anthropic's ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic`), ``POST /tokenize``
+(:mod:`quanta.server.openai.chat`), ``POST /v1/responses``
+(:mod:`quanta.server.responses.routes`), Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (:mod:`quanta.server.anthropic.messages`), ``POST /tokenize``
 and ``POST /detokenize`` (:mod:`quanta.server.tokenize`), ``GET /version``, ``GET /v1/models/{id}``,
 ``GET /props`` and ``GET /slots`` (:mod:`quanta.server.introspect`). Served
 here: ``GET /v1/models``, ``GET /health`` and ``HEAD /health`` (and ``/api/hello``, Claude Code's
@@ -24,10 +24,13 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quanta.engine.trace import Trace
-from quanta.server import anthropic, chat, introspect, ollama, responses, tokenize
+from quanta.server import introspect, ollama, tokenize
 from quanta.server.access import install_access
+from quanta.server.anthropic import messages
 from quanta.server.errors import install_error_handlers
 from quanta.server.limits import Admission, BodyLimit
+from quanta.server.openai import chat
+from quanta.server.responses import routes as responses
 from quanta.server.serving import ServerState
 
 __all__ = ["ServerState", "build_app"]
@@ -49,7 +52,7 @@ def build_app(state: ServerState) -> FastAPI:
                        max_prompt_tokens=state.max_model_len - 1)
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, max_structure=state.prompts.max_structure)
     install_access(app, state.access)
-    for router in [_service_router(state)] + [p.router(state) for p in (chat, responses, anthropic, tokenize, introspect, ollama)]:
+    for router in [_service_router(state)] + [p.router(state) for p in (chat, responses, messages, tokenize, introspect, ollama)]:
         app.include_router(_head_beside_get(router))
     return app
 

@@ -1,8 +1,8 @@
 """What every protocol's routes share: the server state, submission to the
 engine, the client-disconnect watch, and the end of a stream that failed.
 
-The routers (:mod:`quanta.server.chat` for OpenAI chat and text completions,
-:mod:`quanta.server.responses`, :mod:`quanta.server.anthropic`) import this
+The routers (:mod:`quanta.server.openai.chat` for OpenAI chat and text completions,
+:mod:`quanta.server.responses.routes`, :mod:`quanta.server.anthropic.messages`) import this
 module and nothing of each other; :mod:`quanta.server.app` composes them.
 Routes raise :class:`quanta.server.errors.APIError`; the handlers of
 :mod:`quanta.server.errors` write it in the body of the route's protocol.
@@ -24,9 +24,9 @@ from quanta.server.access import TENANT_STATE, AccessPolicy, tenant_salt
 from quanta.server.errors import APIError, internal_error_message, log_internal_error, quoted
 from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, RESERVATION, BuildTimeout, PromptWork
 from quanta.server.metrics import EngineMetrics
+from quanta.server.tool_formats.base import ToolParser, choose_parser
 from quanta.server.tool_formats.reasoning import ReasoningSyntax
 from quanta.server.tool_formats.registry import choose_reasoning
-from quanta.server.tools import ToolParser, choose_parser
 
 
 @dataclass

@@ -20,12 +20,12 @@ from typing import Annotated, ClassVar
 from fastapi import APIRouter, Request
 from pydantic import StrictBool, StrictInt, model_validator
 
-from quanta.server.chat import chat_prompt
 from quanta.server.defaults import served_model
 from quanta.server.errors import APIError
 from quanta.server.field_rule import FieldRule, field_error, log_fields
 from quanta.server.limits import PromptError
-from quanta.server.openai_requests import FEW_TOOLS, Message, Tool
+from quanta.server.openai.chat import chat_prompt
+from quanta.server.openai.requests import FEW_TOOLS, Message, Tool
 from quanta.server.protocol import turns
 from quanta.server.serving import ServerState, check_model
 

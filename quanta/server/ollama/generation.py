@@ -1,7 +1,7 @@
 """``POST /api/chat`` and ``POST /api/generate`` over the shared request core.
 
 A chat's ``messages`` (and ``tools``) are rendered by the model's chat
-template (:func:`quanta.server.chat.chat_prompt`); a generate's ``prompt`` is
+template (:func:`quanta.server.openai.chat.chat_prompt`); a generate's ``prompt`` is
 one user turn after its ``system`` turn, or with ``raw: true`` the prompt's
 own text, tokenized as it is; its ``context`` (token ids a previous response
 returned) goes before it. ``format`` (``"json"`` or a JSON schema) is a
@@ -24,16 +24,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.sampling import SamplingParams
-from quanta.server.chat import chat_prompt, constrain
 from quanta.server.defaults import output_cap
 from quanta.server.errors import APIError
 from quanta.server.field_rule import log_fields
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
-from quanta.server.logprobs import LogprobFormatter
 from quanta.server.ollama.models import resolve, thinks
 from quanta.server.ollama.requests import ChatBody, GenerateBody, openai_messages
 from quanta.server.ollama.shapes import Shape, error_line, line, loaded
+from quanta.server.openai.chat import chat_prompt, constrain
+from quanta.server.openai.logprobs import LogprobFormatter
 from quanta.server.serving import ending_in_error, submit, until_disconnect
 from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
 

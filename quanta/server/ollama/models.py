@@ -120,7 +120,7 @@ class ModelFacts:
 
     def capabilities(self) -> list[str]:
         """``completion`` and ``tools`` always (a template that does not read tools gets them as
-        Hermes text, :mod:`quanta.server.tool_templates`); ``thinking`` when the model reasons."""
+        Hermes text, :mod:`quanta.server.tool_formats.templates`); ``thinking`` when the model reasons."""
         return ["completion", "tools"] + (["thinking"] if thinks(self.state) else [])
 
     def show(self, name: str) -> dict:

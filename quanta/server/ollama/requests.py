@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from quanta.server.field_rule import FieldRule, field_error
 from quanta.server.ollama.options import Options
-from quanta.server.openai_requests import FEW_TOOLS, Tool, schema_problem, unique_tools
+from quanta.server.openai.requests import FEW_TOOLS, Tool, schema_problem, unique_tools
 from quanta.server.protocol import NullMeansDefault, StrictFlag, UnicodeText, _fitting_turns, integer
 
 #: top-level fields of Ollama's ``/api/chat`` (API docs and the official clients)

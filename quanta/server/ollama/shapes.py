@@ -25,9 +25,9 @@ import time
 from datetime import UTC, datetime
 
 from quanta.engine.output import RequestOutput
-from quanta.server.logprobs import LogprobFormatter
-from quanta.server.tools import ToolCall, parse_json
-from quanta.server.tools_stream import CallClosed, Event, ReasoningDelta, TextDelta, ToolStream
+from quanta.server.openai.logprobs import LogprobFormatter
+from quanta.server.tool_formats.base import ToolCall, parse_json
+from quanta.server.tool_formats.stream import CallClosed, Event, ReasoningDelta, TextDelta, ToolStream
 
 
 def created_at() -> str:

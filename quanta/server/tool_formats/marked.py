@@ -7,7 +7,7 @@ whole calls, or XML-like parameters) and which markers close it. One
 sink: content text, a call opened (name known), argument fragments, a call
 closed (complete or not), a whole call. :class:`MarkedParser` runs it over a
 finished output (``parse``); :class:`MarkedStream` maps its reports onto the
-stream events of :mod:`quanta.server.tools_stream`. Both use the same
+stream events of :mod:`quanta.server.tool_formats.stream`. Both use the same
 machine, which decides nothing until the text read so far determines it (a
 tail that may begin a marker is held), so a stream fed one character at a
 time reports what ``parse`` reports.
@@ -25,10 +25,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from quanta.server.tool_formats.base import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix, unused_id
 from quanta.server.tool_formats.params import ParamReader, ParamSyntax, param_schemas
-from quanta.server.tool_scan import ObjectScanner
-from quanta.server.tools import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix, unused_id
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, ReasoningDelta, ToolStream
+from quanta.server.tool_formats.scan import ObjectScanner
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, ReasoningDelta, ToolStream
 
 
 def plain_name(raw: str) -> tuple[str, str | None]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from quanta.server.tools import Parsed, ToolParser, partial_suffix
-from quanta.server.tools_stream import ReasoningDelta, ToolStream
+from quanta.server.tool_formats.base import Parsed, ToolParser, partial_suffix
+from quanta.server.tool_formats.stream import ReasoningDelta, ToolStream
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
 from quanta.server.tool_formats.families import FAMILIES
 from quanta.server.tool_formats.harmony import HarmonyParser
 from quanta.server.tool_formats.lark import Lark, Marks, special_markers
 from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax, prompt_opens
-from quanta.server.tools import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
 
 if TYPE_CHECKING:
     from quanta.engine.grammar import Grammar
@@ -89,7 +89,7 @@ class PlainParser(ToolParser):
         return Parsed(text or None, [])
 
     def stream(self):
-        from quanta.server.tools_stream import PlainStream
+        from quanta.server.tool_formats.stream import PlainStream
 
         return PlainStream(self)
 

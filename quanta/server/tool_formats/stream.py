@@ -25,11 +25,11 @@ streams incrementally: once ``{"name": "...", "arguments":`` is read and the
 value starts with ``{``, the raw text of the arguments object is forwarded
 as it arrives (a tail that may begin ``</tool_call>`` is held back), ending
 at its matching ``}``; the wrapper's closing brace is never sent. A block
-ends where :class:`quanta.server.tool_scan.BlockScanner` says, for both the
+ends where :class:`quanta.server.tool_formats.scan.BlockScanner` says, for both the
 stream and the parser: a ``</tool_call>`` inside a JSON string of the call
 is data; a repeated key keeps its first value (``name`` included); text
 after the call object, before ``</tool_call>``, is dropped in both.
-:class:`quanta.server.tools.HermesParser` reports that same raw text as the
+:class:`quanta.server.tool_formats.base.HermesParser` reports that same raw text as the
 call's arguments. Blocks of another shape (``arguments`` first, or a JSON
 string) are sent whole when their ``</tool_call>`` arrives, as are invalid
 ones (as content). What cannot be taken back: once a call's name is sent,
@@ -38,7 +38,7 @@ EOS) or whose JSON breaks has streamed a call with incomplete
 ``arguments``, ended by a ``CallClosed`` with ``complete=False``, while the
 non-streamed answer keeps such text as content. Both then agree on the
 finish reason: such a call sets :attr:`ToolStream.broken` (and
-:attr:`quanta.server.tools.Parsed.broken`), so ``made_calls`` is False and
+:attr:`quanta.server.tool_formats.base.Parsed.broken`), so ``made_calls`` is False and
 the finish reason is the engine's (``stop`` / ``length``), never
 ``tool_calls`` (``tool_use``).
 
@@ -54,8 +54,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from quanta.server.tool_scan import BlockScanner, ObjectScanner
-from quanta.server.tools import HERMES_HEAD, HermesParser, ToolCall, ToolParser, hermes_call, partial_suffix, unused_id
+from quanta.server.tool_formats.base import HERMES_HEAD, HermesParser, ToolCall, ToolParser, hermes_call, partial_suffix, unused_id
+from quanta.server.tool_formats.scan import BlockScanner, ObjectScanner
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,13 @@
 """OpenAI chat and text completions over the engine: prompts with tools,
 constraints, and the response shapes (JSON and SSE).
 
-- Tools reach the model through its chat template (:mod:`quanta.server.tools`);
+- Tools reach the model through its chat template (:mod:`quanta.server.tool_formats.base`);
   with ``tool_choice`` ``auto`` the output is parsed for calls in the model's
   native format; ``required`` or a named function is enforced by a grammar.
 - ``response_format`` and the ``guided_*`` fields become a grammar
   (:mod:`quanta.engine.grammar`); an invalid schema or regex is a 400 naming it.
-- ``logprobs`` come from the sampler's records (:mod:`quanta.server.logprobs`).
-- Streamed tool calls (:mod:`quanta.server.tools_stream`): text around the
+- ``logprobs`` come from the sampler's records (:mod:`quanta.server.openai.logprobs`).
+- Streamed tool calls (:mod:`quanta.server.tool_formats.stream`): text around the
   calls streams as ``content``; a call's first ``delta.tool_calls`` chunk
   carries ``index``, ``id``, ``type`` and ``function.name`` (``arguments:
   ""``), the next ones ``function.arguments`` fragments as the model writes
@@ -45,13 +45,13 @@ from quanta.server.field_rule import log_fields
 from quanta.server.keepalive import SSE_COMMENT, keepalive_interval, with_keepalive
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
-from quanta.server.logprobs import LogprobFormatter
-from quanta.server.openai_requests import ChatRequest, CompletionsRequest
+from quanta.server.openai.logprobs import LogprobFormatter
+from quanta.server.openai.requests import ChatRequest, CompletionsRequest
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
 from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
-from quanta.server.tool_templates import template_input
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
+from quanta.server.tool_formats.templates import template_input
 
 
 async def chat_prompt(state, messages: list[dict], tools: list[dict] | None) -> list[int]:

@@ -17,7 +17,7 @@ mentions ``tool_calls``), quanta writes them in as Qwen 2.5's template does
 (:func:`render_for_template`): the tools in a Hermes-style system prompt,
 calls as ``<tool_call>`` blocks in the assistant text and results as a user
 turn of ``<tool_response>`` blocks, so the model answers in the format
-:class:`quanta.server.tools.HermesParser` reads. Such a prompt is not
+:class:`quanta.server.tool_formats.base.HermesParser` reads. Such a prompt is not
 transformers' (which would drop the tools); it is transformers' rendering of
 the rewritten conversation.
 """
@@ -31,7 +31,7 @@ import jinja2.meta
 
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.chat_render import request_template, takes_string_arguments
-from quanta.server.tools import parse_json
+from quanta.server.tool_formats.base import parse_json
 
 
 def template_input(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:

@@ -13,12 +13,12 @@ A :class:`ToolParser` knows one family's format:
 
 Each parser splits a finished output into text and calls (:meth:`ToolParser.parse`;
 a Hermes call's ``arguments`` are the object's text as the model wrote it,
-which :mod:`quanta.server.tools_stream` forwards while it streams), and
+which :mod:`quanta.server.tool_formats.stream` forwards while it streams), and
 writes the grammar that forces calls for ``tool_choice`` ``required`` or a
 named function (:meth:`ToolParser.grammar`). The parser is chosen from the
 chat template's text (:func:`choose_parser`) unless ``--tool-call-parser``
 names one. What the template gets for a request with tools is
-:mod:`quanta.server.tool_templates`. The other families (DeepSeek, Kimi-K2,
+:mod:`quanta.server.tool_formats.templates`. The other families (DeepSeek, Kimi-K2,
 Qwen3-Coder, GLM, gpt-oss harmony, ...) and reasoning are in
 :mod:`quanta.server.tool_formats`.
 """
@@ -31,12 +31,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from quanta.server.tool_scan import BlockScanner, ObjectScanner
+from quanta.server.tool_formats.scan import BlockScanner, ObjectScanner
 
 if TYPE_CHECKING:  # grammars load torch and transformers: imported when one is written (``quanta --help`` needs none)
     from quanta.engine.grammar import Grammar
     from quanta.server.tool_formats.lark import Lark, Marks
-    from quanta.server.tools_stream import ToolStream
+    from quanta.server.tool_formats.stream import ToolStream
 
 
 def new_call_id() -> str:
@@ -144,7 +144,7 @@ def in_order(pieces: list[str | ToolCall]) -> list[str | ToolCall]:
 
 
 def _content(parts: list[str]) -> str | None:
-    """The text around calls, trailing whitespace dropped (what :mod:`tools_stream` streams)."""
+    """The text around calls, trailing whitespace dropped (what :mod:`~quanta.server.tool_formats.stream` streams)."""
     text = "".join(parts).rstrip()
     return text or None
 
@@ -184,9 +184,9 @@ class ToolParser:
         return build(lark, tools, parallel)
 
     def stream(self) -> ToolStream:
-        """A fresh :class:`quanta.server.tools_stream.ToolStream` for one output in this format
+        """A fresh :class:`quanta.server.tool_formats.stream.ToolStream` for one output in this format
         (content streamed up to the call marker, the calls sent whole at the end)."""
-        from quanta.server.tools_stream import WholeCallStream
+        from quanta.server.tool_formats.stream import WholeCallStream
 
         return WholeCallStream(self)
 
@@ -213,7 +213,7 @@ class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
 
     A block ends at the first ``</tool_call>`` outside the JSON strings of
-    its leading object (:class:`quanta.server.tool_scan.BlockScanner`: inside a string the marker is
+    its leading object (:class:`quanta.server.tool_formats.scan.BlockScanner`: inside a string the marker is
     data), else at the end of the output. It is a call when it begins with
     one JSON object with a string ``name`` and object (or JSON-string)
     ``arguments``; a repeated key keeps its first value. Text after that
@@ -221,7 +221,7 @@ class HermesParser(ToolParser):
     the call), here and in the stream. Other blocks stay text. When the
     object starts ``{"name": ..., "arguments": {`` the call's ``arguments``
     are the text of that object exactly as the model wrote it (so the
-    stream can forward it as it comes, :mod:`quanta.server.tools_stream`);
+    stream can forward it as it comes, :mod:`quanta.server.tool_formats.stream`);
     otherwise they are the object re-serialized with :func:`json.dumps`.
     """
 
@@ -229,7 +229,7 @@ class HermesParser(ToolParser):
     markers = (start, end)
 
     def stream(self) -> ToolStream:
-        from quanta.server.tools_stream import HermesStream
+        from quanta.server.tool_formats.stream import HermesStream
 
         return HermesStream(self)
 

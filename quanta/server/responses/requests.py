@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from quanta.engine.sampling import SamplingParams
 from quanta.server.errors import APIError
 from quanta.server.field_rule import OPENAI_RESPONSES, FieldRule, field_error
-from quanta.server.openai_requests import FEW_TOOLS, ResponseFormat, ToolSchema
+from quanta.server.openai.requests import FEW_TOOLS, ResponseFormat, ToolSchema
 from quanta.server.protocol import (
     NO_EFFECT_FIELDS,
     CacheSalt,

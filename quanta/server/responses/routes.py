@@ -8,7 +8,7 @@ function and ``namespace`` ``tools``, ``tool_choice`` (``auto``, ``none``,
 ``json_object``, ``json_schema``), ``ignore_eos`` and ``stream``. The body,
 what is mapped, accepted with no effect (hosted tools, ``client_metadata``,
 ``reasoning``) or refused (stored state), is
-:mod:`quanta.server.responses_requests`, under
+:mod:`quanta.server.responses.requests`, under
 :mod:`quanta.server.field_rule`. Non-text inputs are refused. Output items
 come in output order (text, calls, text, as generated), streamed or not; a
 message item that ``max_output_tokens`` cut is ``incomplete``, as the response is.
@@ -39,16 +39,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quanta.engine.async_engine import RequestStream
-from quanta.server.chat import chat_prompt, constrain
 from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.field_rule import log_fields
 from quanta.server.keepalive import SSE_COMMENT, keepalive_interval, with_keepalive
 from quanta.server.live_log import label_request
-from quanta.server.responses_requests import NamedChoice, ResponsesRequest, request_grammar
+from quanta.server.openai.chat import chat_prompt, constrain
+from quanta.server.responses.requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
+from quanta.server.tool_formats.base import ToolCall
 from quanta.server.tool_formats.registry import parser_params, request_parser
-from quanta.server.tools import ToolCall
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 
 __all__ = ["ResponsesRequest", "router"]
 
@@ -171,7 +171,7 @@ async def _events(ev: _Events, b: _Builder, stream: RequestStream, tools: ToolSt
 
 class _Items:
     """The output items of a streamed response, in output order, from
-    :mod:`quanta.server.tools_stream` events: a message item opens when text
+    :mod:`quanta.server.tool_formats.stream` events: a message item opens when text
     arrives and is done before a function_call item opens; a call's item
     gets one ``response.function_call_arguments.delta`` per arguments
     fragment, then ``.done`` (item ``status: incomplete`` when the output

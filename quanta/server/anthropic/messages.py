@@ -9,7 +9,7 @@ them with ``extra_body``). A final ``assistant`` message is a prefill:
 generation continues after its text.
 Tools: ``tools``, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``),
 ``tool_use`` blocks in assistant turns and ``tool_result`` blocks in user
-turns (:mod:`quanta.server.anthropic_tools`); a response's calls are
+turns (:mod:`quanta.server.anthropic.tools`); a response's calls are
 ``tool_use`` blocks with ``stop_reason: tool_use`` (only when the model
 stopped after complete calls: one that ended inside a call, e.g. at a stop
 sequence, keeps ``stop_sequence`` with it set, or ``max_tokens``, and its
@@ -17,7 +17,7 @@ streamed tool_use block has incomplete ``input`` JSON). Images and documents are
 refused with a 400; ``cache_control`` markers are accepted and ignored, since
 prefix reuse is automatic. Other fields follow :mod:`quanta.server.field_rule`
 (the bodies, with what is mapped and what has no effect:
-:mod:`quanta.server.anthropic_requests`): ``output_config.format`` is a JSON
+:mod:`quanta.server.anthropic.requests`): ``output_config.format`` is a JSON
 schema constraint, a mid-conversation ``system`` message a system turn,
 ``thinking``, ``output_config.effort`` and ``context_management`` have no
 effect. Tool names must be unique. A non-streamed answer lists text and
@@ -41,7 +41,7 @@ tools, blocks come in output order: a text block opens only once text
 arrives, and each call is a ``tool_use`` block (``content_block_start`` with
 empty ``input`` once its name is out, ``input_json_delta`` events whose
 ``partial_json`` fragments follow the model's output and concatenate to the
-input's JSON, ``content_block_stop``; see :mod:`quanta.server.tools_stream`);
+input's JSON, ``content_block_stop``; see :mod:`quanta.server.tool_formats.stream`);
 a failure after the stream began is an ``error`` event. Every error is
 Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
 """
@@ -56,9 +56,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quanta.engine.async_engine import RequestStream
 from quanta.engine.output import RequestOutput
-from quanta.server.anthropic_requests import ContentBlock, CountTokensRequest, MessagesRequest
-from quanta.server.anthropic_tools import chat_messages, thinking_block, tool_use_block, tool_use_id
-from quanta.server.chat import constrain
+from quanta.server.anthropic.requests import ContentBlock, CountTokensRequest, MessagesRequest
+from quanta.server.anthropic.tools import chat_messages, thinking_block, tool_use_block, tool_use_id
 from quanta.server.chat_tokens import text_ids
 from quanta.server.defaults import served_model, with_defaults
 from quanta.server.errors import ANTHROPIC_PREFIX, APIError, stream_error_event
@@ -66,12 +65,13 @@ from quanta.server.field_rule import log_fields
 from quanta.server.keepalive import keepalive_interval, with_keepalive
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
+from quanta.server.openai.chat import constrain
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
+from quanta.server.tool_formats.base import ToolCall
 from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
-from quanta.server.tool_templates import template_input
-from quanta.server.tools import ToolCall
-from quanta.server.tools_stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
+from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
+from quanta.server.tool_formats.templates import template_input
 
 
 def _text(content: str | list[ContentBlock], where: str) -> str:
@@ -212,7 +212,7 @@ async def _tool_events(msg_id: str, model: str, stream: RequestStream, tools: To
 
 
 class ToolBlocks:
-    """Content blocks of a streamed response with tools, from :mod:`quanta.server.tools_stream` events.
+    """Content blocks of a streamed response with tools, from :mod:`quanta.server.tool_formats.stream` events.
 
     A text block opens when text arrives and closes before a tool_use block;
     a thinking block likewise with reasoning (``thinking_delta``s); a tool_use

@@ -213,7 +213,7 @@ class Message(BaseModel):
         return self.content or ""
 
     def as_dict(self) -> dict:
-        """The OpenAI-shaped dict :func:`quanta.server.tools.render_for_template` takes."""
+        """The OpenAI-shaped dict :func:`quanta.server.tool_formats.base.render_for_template` takes."""
         out: dict = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]

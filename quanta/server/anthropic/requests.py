@@ -33,10 +33,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quanta.engine.sampling import SamplingParams
-from quanta.server.anthropic_tools import THINKING_BLOCKS, AnthropicTool, ToolChoice
+from quanta.server.anthropic.tools import THINKING_BLOCKS, AnthropicTool, ToolChoice
 from quanta.server.errors import APIError
 from quanta.server.field_rule import ANTHROPIC_MESSAGES, FieldRule
-from quanta.server.openai_requests import FEW_TOOLS, unique_tools
+from quanta.server.openai.requests import FEW_TOOLS, unique_tools
 from quanta.server.protocol import CacheSalt, NullMeansDefault, StopList, StrictFlag, check_stop_strings, integer, number, only, turns
 
 

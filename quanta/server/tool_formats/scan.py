@@ -1,6 +1,6 @@
 """Where a JSON object, and a Hermes ``<tool_call>`` block, end in model output
-read piece by piece: the scanners :class:`quanta.server.tools.HermesParser`
-and :mod:`quanta.server.tools_stream` share, so the parser and the stream
+read piece by piece: the scanners :class:`quanta.server.tool_formats.base.HermesParser`
+and :mod:`quanta.server.tool_formats.stream` share, so the parser and the stream
 agree on every block's end.
 """
 

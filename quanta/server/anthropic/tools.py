@@ -2,12 +2,12 @@
 ``tool_use`` / ``tool_result`` blocks, and tool_use in responses and streams.
 
 Anthropic's shapes are mapped onto the OpenAI-shaped messages that
-:func:`quanta.server.tool_templates.render_for_template` renders, so both APIs reach
+:func:`quanta.server.tool_formats.templates.render_for_template` renders, so both APIs reach
 the model through the same chat template and parser. ``tool_choice``:
 ``auto`` (parse the output), ``none`` (tools left out of the prompt), ``any``
 (some tool, enforced by a grammar) and ``{"type": "tool", "name"}`` (that
 one); ``disable_parallel_tool_use`` limits a forced choice to one call.
-Streamed tool_use blocks are built in :class:`quanta.server.anthropic.ToolBlocks`.
+Streamed tool_use blocks are built in :class:`quanta.server.anthropic.messages.ToolBlocks`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quanta.server.field_rule import field_error
-from quanta.server.tools import ToolCall
+from quanta.server.tool_formats.base import ToolCall
 
 #: content blocks of a reasoning model's earlier turns: ``thinking`` is the assistant message's
 #: ``reasoning_content`` (the chat template writes or drops it), ``redacted_thinking`` is dropped

@@ -1,0 +1,1 @@
+"""Anthropic's Messages protocol: routes, request models, tool and thinking blocks."""

@@ -1,0 +1,1 @@
+"""OpenAI's protocol: chat completions and completions (with logprobs), their request models."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses protocol: routes and request models."""
