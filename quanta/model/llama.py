@@ -104,10 +104,9 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         batch.rope_tables = self.rope.tables(batch.positions, batch.max_position, x.dtype)
-        if self.config.rope_local_base_freq is not None:
+        if self.config.sliding_layers and self.config.rope_local_base_freq is not None:
             self._local_rope = self._local_rope or gemma.local_rope(self.config)
-            if self._local_rope is not None:
-                batch.local_rope_tables = self._local_rope.tables(batch.positions, batch.max_position, x.dtype)
+            batch.local_rope_tables = self._local_rope.tables(batch.positions, batch.max_position, x.dtype)
         for layer in self.layers:
             x = layer(x, batch)
             if between_layers is not None:
