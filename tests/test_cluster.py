@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,15 +135,19 @@ def _front(replicas):
 
 
 def _cluster_get(front, path, method="GET"):
-    """``front``'s response to a bodiless request, and the seconds it took."""
+    """``front``'s response to a bodiless request (a forwarded one's ``body`` read), and the seconds it took."""
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
     async def ask():
-        scope = {"type": "http", "method": method, "path": path, "query_string": b"", "headers": [], "client": None}
+        route, _, query = path.partition("?")
+        scope = {"type": "http", "method": method, "path": route, "query_string": query.encode(), "headers": [], "client": None}
         t0 = time.monotonic()
         response = await front(Request(scope, receive))
-        return response, time.monotonic() - t0
+        took = time.monotonic() - t0
+        if hasattr(response, "body_iterator"):  # a forwarded response: read it here, in its event loop
+            response.body = b"".join([chunk async for chunk in response.body_iterator])
+        return response, took
     return asyncio.run(ask())
 
 
@@ -182,6 +188,32 @@ def test_cluster_routes_answer_only_get_and_head():
     assert response.status_code == 405
     head, _ = _cluster_get(_front([_alive]), "/health", "HEAD")
     assert head.status_code == 200
+
+
+def test_access_line_names_method_route_status_reason_and_replica(caplog):
+    async def streamed(incoming):
+        yield ResponseStart(404, ((b"content-type", b"application/json"),))
+        yield b'{"error": "no such route"}'
+
+    front = _front([streamed, streamed])
+    with caplog.at_level(logging.INFO, logger="quanta.access"):
+        response, _ = _cluster_get(front, "/v1/nothing?x=1", "POST")
+        assert response.status_code == 404 and response.body == b'{"error": "no such route"}'
+        _cluster_get(_front([_gone]), "/health")
+    lines = [r.getMessage() for r in caplog.records if r.name == "quanta.access"]
+    assert re.fullmatch(r"POST /v1/nothing\?x=1 404 Not Found \d+\.\d ms replica=0", lines[0]), lines
+    assert re.fullmatch(r"GET /health 503 Service Unavailable \d+\.\d ms", lines[1]), lines
+
+
+def test_ray_prints_plain_lines_when_stderr_is_not_a_terminal():
+    code = ("import os, sys; from quanta.cluster.app import ray_log_env; ray_log_env(); "
+            "print(os.environ.get('RAY_COLOR_PREFIX'), os.environ.get('RAY_DEDUP_LOGS'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_COLOR_PREFIX", "RAY_DEDUP_LOGS", "NO_COLOR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.split() == ["0", "0"], out.stderr  # stderr is a pipe here
+    kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**env, "RAY_COLOR_PREFIX": "1"})
+    assert kept.stdout.split() == ["1", "0"], kept.stderr
 
 
 def test_an_unreachable_ray_address_is_refused_before_ray_waits_on_it():
@@ -238,7 +270,7 @@ def test_official_clients_keys_errors_and_metrics(cluster):
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     trace = httpx.get(cluster.base_url + "/v1/trace?replica=1", headers=admin, timeout=30)
     assert trace.status_code == 200, trace.text
-    assert httpx.post(cluster.base_url + "/health", timeout=30).status_code == 405  # the replica's answer, as on one server
+    assert httpx.post(cluster.base_url + "/health", json={}, timeout=30).status_code == 405  # the replica's answer, as on one server
     for query, status in (("", 400), ("?replica=abc", 400), ("?replica=-1", 400), ("?replica=2", 404)):
         wrong = httpx.get(cluster.base_url + "/v1/trace" + query, headers=admin, timeout=30)
         assert wrong.status_code == status, (query, wrong.text)
@@ -327,3 +359,24 @@ def test_killed_replica_errors_its_stream_and_is_replaced(cluster):
     assert new[1] == pids[1] and new[0] != pids[0]
     reply = client.completions.create(model=model, prompt="One, two,", max_tokens=4, temperature=0)
     assert reply.choices[0].text
+
+
+def test_cluster_log_is_plain_with_real_routes_and_stops_in_one_line(cluster):
+    """Runs last (it stops the module's cluster): the log file has no ANSI colour codes, one access line
+    per request with its method, route, status and reason, no Ray access line naming every route ``/``;
+    Ctrl-C ends it with one line and exit code 0."""
+    httpx.get(cluster.base_url + "/v1/trace?replica=2", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    httpx.post(cluster.base_url + "/v1/completions", json={"prompt": "One,", "max_tokens": 2},
+               headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    time.sleep(2)  # Ray forwards the replicas' lines to the driver's stderr in batches
+    log_text = cluster.log_path.read_text(errors="replace")
+    assert "\x1b[" not in log_text
+    assert re.search(r"quanta\.access: GET /v1/trace\?replica=2 404 Not Found \d+\.\d ms\n", log_text)
+    assert re.search(r"quanta\.access: POST /v1/completions 200 OK \d+\.\d ms replica=[01]\n", log_text)
+    assert not re.search(r" -- (GET|POST|HEAD) / \d{3} ", log_text)  # Ray Serve's own access lines
+    before = len(log_text)
+    cluster.proc.send_signal(signal.SIGINT)
+    assert cluster.proc.wait(timeout=60) == 0
+    tail = cluster.log_path.read_text(errors="replace")[before:].strip().splitlines()
+    assert len(tail) == 1 and re.search(r"INFO quanta\.cluster: cluster stopped: 2 replicas and the local Ray, in [\d.]+ s$",
+                                         tail[0]), tail

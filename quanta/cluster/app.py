@@ -86,10 +86,11 @@ def build_application(args: argparse.Namespace, engine_cfg, sched_cfg, options: 
     from quanta.cluster.replica import ReplicaServer
 
     actor = {"num_cpus": args.replica_cpus}
+    logs = serve_logging(args.log_level, args.log_format)
     replicas = [
         serve.deployment(ReplicaServer, name=f"replica-{i}", num_replicas=1, ray_actor_options=actor,
                          max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2,
-                         graceful_shutdown_timeout_s=5).bind(
+                         graceful_shutdown_timeout_s=5, logging_config=logs).bind(
             i, engine_cfg, sched_cfg, {**options, "host": args.host}, max(1, int(args.replica_cpus)), args.stats_interval,
             args.log_level, args.log_format)
         for i in range(args.replicas)]
@@ -99,8 +100,24 @@ def build_application(args: argparse.Namespace, engine_cfg, sched_cfg, options: 
                 "max_request_bytes": options.get("max_request_bytes"), "log_level": args.log_level,
                 "log_format": args.log_format}
     front = serve.deployment(FrontDeployment, name="front", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=MAX_ONGOING_REQUESTS)
+                             max_ongoing_requests=MAX_ONGOING_REQUESTS, logging_config=logs)
     return front.bind(replicas, settings)
+
+
+def serve_logging(level: str, fmt: str) -> dict:
+    """Ray Serve's ``LoggingConfig`` for quanta's deployments, its controller and proxy: ``--log-level``,
+    ``--log-format`` (``json``: Ray Serve's JSON encoding), and no Ray access log (it names every request
+    ``/``, the application's route prefix; the front logs each one with its route, status and reason)."""
+    return {"log_level": level.upper(), "encoding": "JSON" if fmt == "json" else "TEXT", "enable_access_log": False}
+
+
+def ray_log_env() -> None:
+    """How Ray prints its workers' lines here: no ANSI colours (``RAY_COLOR_PREFIX=0``) when stderr is not a
+    terminal or ``NO_COLOR`` is set, and every replica's own lines rather than one with a repeat count
+    (``RAY_DEDUP_LOGS=0``, read when ``ray`` is imported). A variable already set is left as it is."""
+    if not sys.stderr.isatty() or os.environ.get("NO_COLOR"):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def build(args: dict):
@@ -117,6 +134,7 @@ def build(args: dict):
     from quanta import flags
     from quanta.preflight import read_chat_template
 
+    ray_log_env()
     ns = flags.parse_serve_flags(shlex.split(str(args.get("flags", ""))))
     if ns.replicas is None:
         ns.replicas = 2
@@ -162,30 +180,64 @@ class RayStartError(RuntimeError):
 
 
 def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict) -> int:
-    """Start (or join) Ray, deploy the application at ``--host``:``--port`` and serve until SIGINT or SIGTERM.
+    """Start (or join) Ray, deploy the application at ``--host``:``--port`` and serve until SIGINT or SIGTERM;
+    then stop what this process started and say so in one line (exit code 0).
 
     Raises:
         RayStartError: Ray did not start (or ``--ray-address`` did not answer).
     """
+    ray_log_env()
     import ray
     from ray import serve
 
+    _on_stop_signals()  # Ctrl-C and SIGTERM: the finally below stops what this process started
+    started = time.monotonic()
     try:
-        start_ray(args.ray_address, args.replicas, args.replica_cpus)
-    except Exception as exc:  # Ray's own errors vary: a missing binary, a refused address, no room
-        raise RayStartError(f"Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
-                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally below stops what this process started
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            start_ray(args.ray_address, args.replicas, args.replica_cpus)
+        except Exception as exc:  # Ray's own errors vary: a missing binary, a refused address, no room
+            raise RayStartError(f"Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        _on_stop_signals()  # again: ray.init installs a SIGTERM handler of its own, which dumps a stack and exits
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config=serve_logging(args.log_level, args.log_format))
         serve.run(build_application(args, engine_cfg, sched_cfg, options), name="quanta", route_prefix="/")
-        log.info("serving %d replicas (routing %s) on http://%s:%d", args.replicas, args.routing, args.host, args.port)
+        log.info("serving %d replicas (routing %s) on http://%s:%d, %.1f s after start", args.replicas, args.routing,
+                 args.host, args.port, time.monotonic() - started)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        if not args.ray_address:  # a cluster of our own: stop it whole
-            serve.shutdown()
-            ray.shutdown()
+        _stop(args, ray, serve)
     return 0
+
+
+def _on_stop_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (also where the shell that started this process ignores SIGINT,
+    as it does for a background job)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(args: argparse.Namespace, ray, serve) -> None:
+    """Stop the application (and a local Ray) with Ray's own shutdown chatter off; one line says so."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the shutdown into a traceback
+        signal.signal(sig, signal.SIG_IGN)
+    t0 = time.monotonic()
+    if not ray.is_initialized():
+        return
+    worker = sys.modules.get("ray._private.worker")
+    if worker is not None and hasattr(worker, "_worker_logs_enabled"):
+        worker._worker_logs_enabled = False  # the controller's removal lines and raylet's retry of a killed actor
+    if args.ray_address:  # someone else's cluster: it keeps running, with the application (`serve shutdown` removes it)
+        ray.shutdown()
+        log.info("stopped; the application stays deployed on the Ray cluster at %s", args.ray_address)
+        return
+    serve.shutdown()
+    ray.shutdown()
+    log.info("cluster stopped: %d replicas and the local Ray, in %.1f s", args.replicas, time.monotonic() - t0)

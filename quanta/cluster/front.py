@@ -34,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -47,6 +49,7 @@ from quanta.cluster.routing import PrefixRouter, ReplicaLoad, Router, least_load
 from quanta.server.errors import internal_error_message, log_internal_error, route_error_body, stream_error_event
 
 log = logging.getLogger("quanta.cluster")
+access_log = logging.getLogger("quanta.access")
 
 #: one replica: a request in, its response's parts out (:func:`quanta.cluster.forward.call_app`'s stream)
 Replica = Callable[[HTTPRequest], AsyncIterator[ResponseStart | bytes]]
@@ -105,16 +108,19 @@ class Front:
         return [ReplicaLoad(waiting=max(0, n - self.max_num_seqs), running=min(n, self.max_num_seqs)) for n in self.in_flight]
 
     async def __call__(self, request: Request) -> Response:
+        started = time.monotonic()
         incoming = await self._incoming(request)
         if incoming.path in CLUSTER_PATHS and incoming.method in ("GET", "HEAD"):
-            return await self._cluster_route(incoming, request.query_params)
+            response = await self._cluster_route(incoming, request.query_params)
+            log_access(incoming, response.status_code, started)
+            return response
         tokens = await self.prompts.tokens(incoming.path, incoming.body)
         loads = self.loads()
         replica = self.router.choose(tokens, loads) if tokens is not None else least_loaded(loads)
         if tokens is not None:
             self.router.routed(replica, tokens)
             self.routed[replica] += 1
-        return await self._forward(replica, incoming)
+        return await self._forward(replica, incoming, started)
 
     async def _incoming(self, request: Request) -> HTTPRequest:
         body = bytearray()
@@ -126,7 +132,7 @@ class Front:
         return HTTPRequest(request.method, request.url.path, request.scope.get("query_string", b""),
                            tuple(request.scope["headers"]), bytes(body), client)
 
-    async def _forward(self, replica: int, incoming: HTTPRequest) -> Response:
+    async def _forward(self, replica: int, incoming: HTTPRequest, started: float) -> Response:
         self.in_flight[replica] += 1
         parts = aiter(self.replicas[replica](incoming))
         try:
@@ -135,26 +141,33 @@ class Front:
             self.in_flight[replica] -= 1
             await parts.aclose()
             message = f"replica {replica} failed before answering; " + internal_error_message(log_internal_error("replica", exc))
+            log_access(incoming, 503, started, replica)
             return JSONResponse(route_error_body(incoming.path, 503, message), status_code=503)
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
-        response = StreamingResponse(self._body(replica, parts, incoming.path, sse), status_code=start.status)
+        response = StreamingResponse(self._body(replica, parts, incoming, start.status, started, sse), status_code=start.status)
         response.raw_headers = [*start.headers, (REPLICA_HEADER, str(replica).encode())]
         return response
 
-    async def _body(self, replica: int, parts: AsyncIterator, path: str, sse: bool) -> AsyncIterator[bytes]:
-        events = 0
+    async def _body(self, replica: int, parts: AsyncIterator, incoming: HTTPRequest, status: int, started: float,
+                    sse: bool) -> AsyncIterator[bytes]:
+        events, ending = 0, ""
         try:
             async for chunk in parts:
                 events += chunk.count(b"\n\n")
                 yield chunk
         except Exception as exc:  # the replica died or was cut off mid-response
             error_id = log_internal_error(f"replica {replica} stream", exc)
+            ending = f"replica stopped mid-response, error id {error_id}"
             if sse:
                 message = f"replica {replica} stopped mid-stream; " + internal_error_message(error_id)
-                yield stream_error_event(path, message, events).encode()
+                yield stream_error_event(incoming.path, message, events).encode()
+        except BaseException:  # the client went away (the proxy cancels the response)
+            ending = "client disconnected"
+            raise
         finally:
             self.in_flight[replica] -= 1
             await parts.aclose()
+            log_access(incoming, status, started, replica, ending)
 
     async def _answer(self, replica: int, incoming: HTTPRequest, timeout: float | None = None) -> Answer | Down:
         """A replica's whole answer, or :class:`Down` with the reason it gave none within ``timeout`` seconds."""
@@ -213,6 +226,19 @@ class Front:
             message = f"replica {replica} did not answer: {answer.reason}"
             return JSONResponse(route_error_body(incoming.path, 503, message), status_code=503)
         return answer.response()
+
+
+def log_access(incoming: HTTPRequest, status: int, started: float, replica: int | None = None, ending: str = "") -> None:
+    """One access line: ``GET /v1/models 200 OK 12.3 ms replica=0`` (Ray Serve's own access log is off: it
+    names every request by the application's route prefix, ``/``)."""
+    target = incoming.path + (f"?{incoming.query_string.decode(errors='replace')}" if incoming.query_string else "")
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "-"
+    where = f" replica={replica}" if replica is not None else ""
+    access_log.info("%s %s %d %s %.1f ms%s%s", incoming.method, target, status, reason, (time.monotonic() - started) * 1e3,
+                    where, f" ({ending})" if ending else "")
 
 
 def health_response(answers: Sequence[Answer | Down]) -> JSONResponse:
