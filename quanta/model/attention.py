@@ -334,7 +334,8 @@ def _attend_chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, fmt: KVFo
 def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: AttentionBatch,
                    window: int = 0) -> torch.Tensor:
     """One query per row, padded: the rows' blocks gathered, batched matmuls with query
-    heads grouped per KV head; with a ``window``, the positions at or before ``p - window`` are masked too.
+    heads grouped per KV head. With a ``window``, only the blocks each row's window touches are
+    gathered (:func:`_window_tables`) and the positions at or before ``p - window`` are masked too.
 
     For a single query row this is ~3x faster on CPU than
     ``scaled_dot_product_attention`` (whose flash kernel is tuned for long
@@ -348,14 +349,28 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: A
     rows, heads, dim = q.shape
     kv_heads = kc.shape[1]
     fmt = batch.kv.format
-    keys, values = _read(kc, batch.tables, fmt, q.dtype), _read(vc, batch.tables, fmt, q.dtype)  # [R, KVH, L, D]
+    tables, first = _window_tables(batch, window) if window else (batch.tables, torch.zeros(1, dtype=torch.long))
+    keys, values = _read(kc, tables, fmt, q.dtype), _read(vc, tables, fmt, q.dtype)  # [R, KVH, L, D]
     length = keys.shape[2]
-    masked_out = torch.arange(length)[None, :] > batch.positions[:, None]  # [R, L]
+    key_positions = first[:, None] + torch.arange(length)[None, :]  # [R or 1, L]
+    masked_out = key_positions > batch.positions[:, None]  # [R, L]
     if window:
-        masked_out |= torch.arange(length)[None, :] <= batch.positions[:, None] - window
+        masked_out |= key_positions <= batch.positions[:, None] - window
     values.masked_fill_(masked_out[:, None, :, None], 0)
     query = (q * dim ** -0.5).reshape(rows * kv_heads, heads // kv_heads, dim)  # [R*KVH, G, D]
     scores = torch.bmm(query, keys.flatten(0, 1).transpose(1, 2))  # [R*KVH, G, L]
     scores.view(rows, kv_heads, -1, length).masked_fill_(masked_out[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, values.flatten(0, 1)).view(rows, heads, dim)
+
+
+def _window_tables(batch: AttentionBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tables, first)``: per decode row the blocks from the one holding its oldest visible position
+    (``p - window + 1``) on, as many as a window can touch, and ``[R]`` the position each table's first
+    block starts at. Columns past a row's own table repeat its last one (their positions lie past ``p``)."""
+    bs = batch.kv.block_size
+    width = min(blocks_for(window + bs - 1, bs), batch.tables.shape[1])
+    start = (batch.positions - window + 1).clamp(min=0) // bs
+    start = start.clamp(max=batch.tables.shape[1] - width)
+    columns = start[:, None] + torch.arange(width)[None, :]
+    return batch.tables.gather(1, columns), start * bs
