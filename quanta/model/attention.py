@@ -365,9 +365,10 @@ def _attend_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: A
 
 
 def _window_tables(batch: AttentionBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tables, first)``: per decode row the blocks from the one holding its oldest visible position
-    (``p - window + 1``) on, as many as a window can touch, and ``[R]`` the position each table's first
-    block starts at. Columns past a row's own table repeat its last one (their positions lie past ``p``)."""
+    """``(tables, first)``: per decode row ``width`` consecutive columns of its block table (as many
+    blocks as a window can touch) starting at the block of its oldest visible position ``p - window + 1``,
+    or at the batch table's last ``width`` columns where that runs past them (the older positions then
+    masked by the window, the padding's by ``p``), and ``[R]`` the position each row's first column starts at."""
     bs = batch.kv.block_size
     width = min(blocks_for(window + bs - 1, bs), batch.tables.shape[1])
     start = (batch.positions - window + 1).clamp(min=0) // bs
