@@ -28,7 +28,7 @@ def advisor_report(profile: Profile, cap: int) -> dict:
         "machine": {"date": profile.meta.get("created", "undated")},
         "rows": [{"quantum": q, "ms_per_token": {"median": profile.step_cost([(0, q)], []) / q * 1e3}}
                  for q in _candidates(profile, cap)],
-        "decode_step_ms": {"median": (profile.overhead_s + profile.decode_cost([0])) * 1e3},
+        "decode_step_ms": {"median": profile.step_cost([], [0]) * 1e3},
     }
 
 

@@ -30,7 +30,8 @@ class CostModelExecutor(Executor):
     """Same contract as :class:`~quanta.engine.model_executor.ModelExecutor`: one token per
     chunk, :data:`SIM_TOKEN` for a chunk that reaches the end of its sequence
     (prompt done or a decode), else None; the step takes
-    :meth:`Profile.step_cost` seconds of the virtual ``clock``, times a factor
+    :meth:`Profile.step_cost` seconds of the virtual ``clock`` (prefix-hit tokens of the
+    sequences it runs for the first time included), times a factor
     drawn from ``profile.step_noise`` (seeded by ``seed``) when the profile has one.
 
     It charges exactly the plan's chunks: a prompt admitted past its cached
@@ -49,7 +50,13 @@ class CostModelExecutor(Executor):
         """Predicted seconds of ``plan`` (sequences not yet advanced)."""
         prefill = [(c.seq.num_computed_tokens, c.num_new_tokens) for c in plan.chunks if not c.is_decode]
         decode = [c.seq.num_computed_tokens for c in plan.chunks if c.is_decode]
-        return self.profile.step_cost(prefill, decode)
+        return self.profile.step_cost(prefill, decode, self.prefix_hit(plan))
+
+    def prefix_hit(self, plan: StepPlan) -> int:
+        """Prompt tokens taken from the prefix cache by the plan's sequences that run for the first time
+        (a first prompt chunk that starts past 0)."""
+        return sum(c.seq.num_computed_tokens for c in plan.chunks
+                   if not c.is_decode and c.seq.seq_id not in self._reached)
 
     def execute(self, plan: StepPlan, interrupt: Callable[[], None] | None = None) -> StepResult:
         """Advance the virtual clock by the plan's predicted cost (``interrupt``: never called,

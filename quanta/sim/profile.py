@@ -18,6 +18,8 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
         "context_s_per_pos": 0.0                 # extra s per step per context position summed over the batch
       },
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
+      "step_model": {...},                       # optional: the per-step cost model fitted to engine traces
+                                                 # (quanta.sim.step_model); when present it alone prices a step
       "step_noise": {"factors": [...], "source": "..."},  # optional: each simulated step's cost is
                                                  # multiplied by a factor drawn uniformly from this list
       "kv": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "bfloat16"},  # optional: the model's
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quanta.config import KV_CACHE_DTYPES
+from quanta.sim.step_model import StepModel
 
 FORMAT = "quanta-cost-profile/1"
 #: element formats a profile's ``kv`` block may name (``--kv-cache-dtype``'s, less ``auto``)
@@ -69,6 +72,8 @@ class Profile:
     #: per simulated step with the run's seed; None: every step takes exactly its predicted time
     step_noise: list[float] | None = None
     step_noise_source: str = ""
+    #: the per-step cost model fitted to engine traces; when set, :meth:`step_cost` is its cost
+    step_model: StepModel | None = None
 
     # ------------------------------------------------------------------ JSON
     @classmethod
@@ -88,9 +93,11 @@ class Profile:
                 mixed_decode_factor=float(d.get("mixed_decode_factor", 1.0)),
                 moe=pre.get("moe"),
                 meta={k: v for k, v in d.items()
-                      if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor", "step_noise")},
+                      if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor", "step_noise",
+                                   "step_model")},
                 step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
                 step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
+                step_model=StepModel.from_dict(d["step_model"]) if d.get("step_model") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed cost profile: {exc!r}") from exc
@@ -130,6 +137,8 @@ class Profile:
              "mixed_decode_factor": self.mixed_decode_factor}
         if self.step_noise:
             d["step_noise"] = {"factors": list(self.step_noise), "source": self.step_noise_source}
+        if self.step_model is not None:
+            d["step_model"] = self.step_model.to_dict()
         return d
 
     @classmethod
@@ -180,14 +189,17 @@ class Profile:
             return 0.0
         return _interp_lin(self.decode_points, float(len(positions))) + self.decode_ctx * sum(positions)
 
-    def step_cost(self, prefill_chunks: list[tuple[int, int]], decode_positions: list[int]) -> float:
-        """The combination rule of one forward call::
+    def step_cost(self, prefill_chunks: list[tuple[int, int]], decode_positions: list[int], prefix_hit: int = 0) -> float:
+        """Seconds of one forward call: with a :attr:`step_model`, its cost (``prefix_hit``: prompt
+        tokens of the step's new sequences taken from the prefix cache); else the combination rule::
 
             overhead + prefill_cost(prefill chunks) + f * decode_cost(decodes)
 
         with ``f = 1`` for a pure decode step and ``f = mixed_decode_factor`` when
         the step also carries prefill (a fused ``mixed`` step).
         """
+        if self.step_model is not None:
+            return self.step_model.cost(prefill_chunks, decode_positions, prefix_hit)
         f = self.mixed_decode_factor if prefill_chunks else 1.0
         return self.overhead_s + self.prefill_cost(prefill_chunks) + f * self.decode_cost(decode_positions)
 
