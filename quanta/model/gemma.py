@@ -16,7 +16,14 @@ What differs from a Llama block:
   ``sliding_window`` positions and rotate with RoPE base ``rope_local_base_freq`` (10000),
   unscaled; the others attend globally and rotate with ``rope_theta`` and the file's
   ``rope_scaling`` (linear, factor 8, on the 4B and larger);
-- the LM head is tied; a ``final_logit_softcapping`` in the file is applied (Gemma 3 has none).
+- the LM head is tied (an ``output.weight`` is used where a file has one); a
+  ``final_logit_softcapping`` in the file is applied (Gemma 3's have none).
+
+Paths: projections take the same forms as a Llama's (from the file's blocks where the C library
+builds); the sliding layers' prompt rows are attended by SDPA over their windows' blocks, the
+global layers' by the C rows kernel; decode steps run in torch (the C decode glue has no Gemma
+block), their sliding layers reading only the blocks their windows touch. A sequence keeps every
+block of every layer, those behind the windows included.
 
 GGUF names: ``blk.N.post_attention_norm`` -> ``post_attn_norm``, ``blk.N.post_ffw_norm`` ->
 ``post_mlp_norm``; ``attn_norm`` and ``ffn_norm`` keep the Llama mapping.
