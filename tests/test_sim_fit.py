@@ -86,8 +86,10 @@ def test_step_noise_is_fitted_from_the_spread_and_drawn_by_the_simulator():
 
 
 def test_too_little_data_is_a_clear_error():
-    with pytest.raises(FitError, match="pure decode steps"):
+    with pytest.raises(FitError, match="only 1 of the traces' steps have prompt rows; need at least 3"):
         fit([[rec(0, [1], [10], [1], 0.0)]])
+    with pytest.raises(FitError, match="only 0 of the traces' steps have decode rows"):
+        fit([[rec(i, [i], [10], [1], i * 0.1) for i in range(5)]])
 
 
 def bench_file(tmp_path, traces) -> str:

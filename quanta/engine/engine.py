@@ -140,6 +140,7 @@ class Engine:
         if plan is None:
             return []
         kind = plan.kind  # before the chunks advance their sequences
+        positions = [c.seq.num_computed_tokens for c in plan.chunks]
         start = self.clock()
         try:
             result = self.executor.execute(plan, _interrupt_when(plan, cancelled) if cancelled else None)
@@ -165,6 +166,7 @@ class Engine:
             [c.num_new_tokens for c in plan.chunks],
             [int(t is not None and not isinstance(t, FailedSample)) for t in sampled],
             result.experts,
+            positions,
         )
         for listener in self.step_listeners:
             try:

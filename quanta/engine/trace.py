@@ -28,6 +28,9 @@ class StepRecord:
             ``tokens_per_expert`` (``num_tokens * top_k / unique_experts``),
             ``num_layers``, ``seconds`` (wall time of the MoE blocks, summed).
             None for dense models and fake executors.
+        positions: tokens each sequence had computed before the step (same order): the
+            context its rows attend over, a prompt's prefix-cache hit included. None in
+            records written without it.
     """
 
     step: int
@@ -38,6 +41,7 @@ class StepRecord:
     num_new_tokens: list[int]
     num_emitted: list[int]
     experts: dict | None = None
+    positions: list[int] | None = None
 
     @property
     def duration(self) -> float:
@@ -58,8 +62,8 @@ class Trace:
         self._next_step = 0
 
     def record(self, kind: str, start: float, end: float, seq_ids: list[int], num_new_tokens: list[int],
-               num_emitted: list[int], experts: dict | None = None) -> StepRecord:
-        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, experts)
+               num_emitted: list[int], experts: dict | None = None, positions: list[int] | None = None) -> StepRecord:
+        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, experts, positions)
         self._next_step += 1
         self.counts[kind] += 1
         self.records.append(rec)

@@ -167,10 +167,10 @@ def _from_bench(args, parser) -> int:
         parser.error("--from-bench: the results hold no server trace (was the server quanta?)")
     meta = {"name": Path(args.out).stem,
             "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
-                       + ", ".join(args.from_bench) + " (quanta.sim.fit: decode least squares, prefill bins, residual quantiles)"),
+                       + ", ".join(args.from_bench) + " (quanta.sim.fit: step model by non-negative least squares, residual quantiles)"),
             "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
     try:
-        prof = fit(traces, meta)
+        prof = fit(traces, meta, threads={k: applied[k] for k in ("decode_threads", "prefill_threads") if k in applied})
         prof.validate()
     except (FitError, ProfileError) as exc:
         parser.error(f"--from-bench: {exc}")
@@ -180,6 +180,8 @@ def _from_bench(args, parser) -> int:
     f = prof.meta["fit"]
     print(f"fitted {f['steps']} steps ({f['decode_steps']} decode, {f['prefill_steps']} prefill, {f['mixed_steps']} fused) "
           f"of {len(traces)} runs; wrote {args.out}")
+    for kind, r in prof.step_model.fit["residuals"].items():
+        print(f"  {kind:8s} {r['steps']:6d} steps: |predicted / measured - 1| median {r['median']:.1%}, p90 {r['p90']:.1%}")
     return 0
 
 

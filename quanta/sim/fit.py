@@ -5,40 +5,36 @@ runs an HTTP event loop, detokenizes and streams every token, and on a small
 machine shares its cores with the benchmark client; all of that lengthens the
 steps the scheduler actually waits for. Fitting the profile to the server's
 own trace (``/v1/trace``, recorded by ``quanta bench`` in every run) measures
-the steps as they ran under load.
+the steps as they ran under load, with the mix of prompt and decode rows,
+contexts and prefix hits the workload had.
 
-Per step of the trace: ``t = end - start`` plus the median idle gap between
-back-to-back steps (the engine loop's own per-step time, which the simulator
-does not model separately), the prefill chunks ``(start position, tokens)``
-and the decode positions, reconstructed by walking the trace in order (a
-sequence's entries are prefill until it has emitted its first token, decode
-after; positions accumulate ``num_new_tokens``: :func:`trace_entries`, the
-rule of every trace figure).
+Per step of the trace (:func:`steps_from_trace`): ``t = end - start`` plus the
+median idle gap between back-to-back steps (the engine loop's own per-step
+time, which the simulator does not model separately), the prompt chunks
+``(start position, tokens)``, the decode rows' positions and the prefix-hit
+tokens. Positions are the record's ``positions`` (what each sequence had
+computed before the step, a prefix-cache hit included) where the record has
+them, else rebuilt by walking the trace (:func:`trace_entries`: positions
+accumulate ``num_new_tokens`` from 0, so a prefix hit is not seen). A prompt
+row is one of a sequence that has not emitted a token yet. Prefix-hit tokens:
+the recorded position of a sequence's first prompt chunk in the trace.
 
-Fit, in this order (each clamped at 0):
+The fit (:func:`fit_step_model`): the :class:`~quanta.sim.step_model.StepModel`
+coefficients by non-negative least squares on relative error (every row of
+features and its time divided by the time, so a 10 ms decode step weighs as
+much as a 2 s prefill step), knots at quantiles of the steps' prompt rows and
+decode rows unless given; then once more without the steps whose relative
+error exceeds ``max(5%, 3 x p90)`` (stalls: a step the engine waited in for
+something else). The residuals, ``|predicted / measured - 1|`` over every
+step, are reported per step kind (median and p90).
 
-1. decode (steps without prefill): ``k_dec`` the median over batch sizes B
-   (with >= 10 steps spanning >= 64 positions of mean context) of the slope of
-   ``t`` against S, the sum of the sequences' positions; ``a`` the intercept
-   of the least-squares line of ``t - k_dec S`` against B (clamped to [0, its
-   minimum]).
-2. prefill (steps without decode): steps binned by their token count N (bins
-   a factor sqrt 2 wide, >= 3 steps each); ``k_pre`` the median, over bins
-   whose context spread allows it, of the least-squares slope of
-   ``(t - a) / N`` against the mean context per token C / N.
-3. ``overhead_s`` = ``a`` lowered, if need be, to the cheapest prefill bin's
-   median ``t - k_pre C`` (the decode intercept can hold more than what every
-   call pays); the decode point at each batch size is the median of
-   ``t - overhead - k_dec S``, the prefill per-token cost of a bin the median of
-   ``(t - overhead - k_pre C) / N`` at the bin's median N.
-4. fused steps: ``mixed_decode_factor`` the median of
-   ``(t - a - prefill_cost) / decode_cost`` (clamped to [0, 2]); 1 without
-   fused steps.
-5. ``step_noise``: the 100 quantiles (at (i + 0.5) / 100) of measured /
-   predicted time over every step, so the simulator draws step times with
-   the measured spread (a p99 ITL made of step-time jitter, not of stalls,
-   needs it; with fixed step times the simulated p99 of a steady decode
-   is its median).
+``step_noise``: the 100 quantiles (at (i + 0.5) / 100) of measured /
+predicted time over every step, so the simulator draws step times with the
+measured spread (a p99 ITL made of step-time jitter, not of stalls, needs it;
+with fixed step times the simulated p99 of a steady decode is its median).
+The profile's ``prefill``/``decode`` points, overhead and context
+coefficients are the step model's own (read by tools that know no step
+model; they leave out interference and prefix hits).
 """
 
 from __future__ import annotations
@@ -53,11 +49,16 @@ import numpy as np
 
 from quanta.analysis.server_trace import trace_entries
 from quanta.sim.profile import Profile
+from quanta.sim.step_model import SCALARS, StepModel, nnls
 
 #: back-to-back steps: the next step starts within this many seconds of the previous end
 BUSY_GAP_S = 0.005
-#: bins with fewer steps than this give no point (a single slow step would make one)
+#: fewer steps with prompt rows or with decode rows than this: no fit
 MIN_STEPS = 3
+#: at most this many knots on each curve
+MAX_KNOTS = 6
+#: terms a fit may leave out (fixed at 0)
+TERMS = SCALARS
 
 
 class FitError(ValueError):
@@ -71,14 +72,25 @@ class Step:
     t: float
     prefill: list[tuple[int, int]] = field(default_factory=list)
     decode: list[int] = field(default_factory=list)
+    hit: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
 
 
 def steps_from_trace(records: list[dict]) -> tuple[list[Step], list[float]]:
     """The steps of one run's trace, and the idle gaps between back-to-back steps (seconds)."""
-    steps, gaps, prev_end = [], [], None
+    steps, gaps, prev_end, seen = [], [], None, set()
     for r, row in trace_entries(records):
         s = Step(r["end"] - r["start"])
-        for _, pos, n, is_decode, _ in row:
+        recorded = r.get("positions")
+        for i, (sid, pos, n, is_decode, _) in enumerate(row):
+            if recorded is not None:
+                pos = int(recorded[i])
+                if not is_decode and sid not in seen:
+                    s.hit += pos
+            seen.add(sid)
             if is_decode:
                 s.decode.append(pos)
             else:
@@ -90,53 +102,73 @@ def steps_from_trace(records: list[dict]) -> tuple[list[Step], list[float]]:
     return steps, gaps
 
 
-def _fit_decode(steps: list[Step]) -> tuple[float, float, dict[float, np.ndarray]]:
-    """``(a, k_dec, {B: t - k_dec S of its steps})`` from the steps without prefill."""
-    dec = [s for s in steps if s.decode and not s.prefill]
-    if len(dec) < MIN_STEPS:
-        raise FitError(f"{len(dec)} pure decode steps in the traces; need at least {MIN_STEPS}")
-    t = np.array([s.t for s in dec])
-    b = np.array([len(s.decode) for s in dec], dtype=float)
-    ctx = np.array([sum(s.decode) for s in dec], dtype=float)
-    # k_dec from the slope against context *within* each batch size (across batch sizes, context and
-    # batch size move together and the slope would take the batch cost for a context cost)
-    slopes = []
-    for bs in set(b):
-        sel = b == bs
-        if sel.sum() >= 10 and np.ptp(ctx[sel] / bs) >= 64:
-            slopes.append(float(np.polyfit(ctx[sel], t[sel], 1)[0]))
-    k = max(statistics.median(slopes), 0.0) if slopes else 0.0
-    net = t - k * ctx
-    a = np.polyfit(b, net, 1)[1] if len(set(b)) >= 2 else 0.0
-    by_batch = {float(bs): net[b == bs] for bs in sorted(set(b)) if (b == bs).sum() >= MIN_STEPS}
-    if not by_batch:
-        raise FitError(f"no batch size has {MIN_STEPS} pure decode steps")
-    return min(max(float(a), 0.0), float(net.min())), k, by_batch
+def knots(values: list[float], log: bool) -> list[float]:
+    """At most :data:`MAX_KNOTS` knots at quantiles of ``values`` (of log values with ``log``), rounded to
+    integers, each at least 1.5x (``log``) or 1 above the previous."""
+    v = np.log(np.asarray(values, dtype=float)) if log else np.asarray(values, dtype=float)
+    out: list[float] = []
+    for q in np.quantile(v, np.linspace(0, 1, MAX_KNOTS)):
+        x = float(round(math.exp(q) if log else q))
+        if not out or x >= (out[-1] * 1.5 if log else out[-1] + 1):
+            out.append(x)
+    return out
 
 
-def _bin(n: int) -> int:
-    return round(2 * math.log2(n))
+def design(model: StepModel, steps: list[Step], without: tuple[str, ...] = ()) -> np.ndarray:
+    """The feature matrix of ``steps`` under ``model``'s knots, the ``without`` terms' columns zeroed."""
+    a = np.array([model.features(s.prefill, s.decode, s.hit) for s in steps])
+    names = model.names()
+    for term in without:
+        a[:, names.index(term)] = 0.0
+    return a
 
 
-def _fit_prefill(steps: list[Step], a: float) -> tuple[float, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-    """``(k_pre, [(N, C, t) arrays per bin])`` from the steps without decode (C: summed context per token)."""
-    bins: dict[int, list[tuple[int, float, float]]] = {}
-    for s in steps:
-        if s.prefill and not s.decode:
-            n = sum(c for _, c in s.prefill)
-            bins.setdefault(_bin(n), []).append((n, sum(c * (p + (c - 1) / 2) for p, c in s.prefill), s.t))
-    groups = [tuple(np.array(col, dtype=float) for col in zip(*bins[k])) for k in sorted(bins) if len(bins[k]) >= MIN_STEPS]
-    if not groups:
-        raise FitError(f"no prefill size has {MIN_STEPS} pure prefill steps (steps without decode) in the traces")
-    slopes = [float(np.polyfit(c / n, (t - a) / n, 1)[0]) for n, c, t in groups if np.ptp(c / n) > 64]
-    return (max(statistics.median(slopes), 0.0) if slopes else 0.0), groups
-
-
-def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
-    """A :class:`Profile` fitted to the step records of ``traces`` (one list per run; module docstring).
+def fit_step_model(steps: list[Step], prefill_knots: list[float] | None = None, decode_knots: list[float] | None = None,
+                   without: tuple[str, ...] = ()) -> StepModel:
+    """The :class:`StepModel` of ``steps`` (module docstring), its residuals in ``fit``.
 
     Raises:
-        FitError: too few pure decode or pure prefill steps to fit.
+        FitError: fewer than :data:`MIN_STEPS` steps with prompt rows or with decode rows, or an unknown term.
+    """
+    if unknown := [w for w in without if w not in TERMS]:
+        raise FitError(f"unknown term {unknown[0]!r}: terms that can be left out are {', '.join(TERMS)}")
+    pre = [sum(c for _, c in s.prefill) for s in steps if s.prefill]
+    dec = [len(s.decode) for s in steps if s.decode]
+    for name, xs in (("prompt", pre), ("decode", dec)):
+        if len(xs) < MIN_STEPS:
+            raise FitError(f"only {len(xs)} of the traces' steps have {name} rows; need at least {MIN_STEPS}")
+    model = StepModel(prefill_knots=list(prefill_knots or knots(pre, log=True)),
+                      decode_knots=list(decode_knots or knots(dec, log=False)))
+    model.prefill_s_per_row, model.decode_s = [0.0] * len(model.prefill_knots), [0.0] * len(model.decode_knots)
+    a, t = design(model, steps, without), np.array([s.t for s in steps])
+    keep = np.ones(len(steps), dtype=bool)
+    for _ in range(2):
+        coef = nnls(a[keep] / t[keep, None], np.ones(int(keep.sum())))
+        err = np.abs(a @ coef / t - 1)
+        keep = err <= max(0.05, 3 * float(np.quantile(err, 0.9)))
+    fitted = model.with_coefficients(coef)
+    fitted.fit = {"steps": len(steps), "left_out_as_stalls": int((~keep).sum()), "without": list(without),
+                  "residuals": residuals(fitted, steps)}
+    return fitted
+
+
+def residuals(model: StepModel, steps: list[Step]) -> dict:
+    """Per step kind: ``steps``, ``median`` and ``p90`` of ``|predicted / measured - 1|``."""
+    out = {}
+    for kind in ("prefill", "decode", "mixed"):
+        err = [abs(model.cost(s.prefill, s.decode, s.hit) / s.t - 1) for s in steps if s.kind == kind]
+        if err:
+            out[kind] = {"steps": len(err), "median": float(np.median(err)), "p90": float(np.quantile(err, 0.9))}
+    return out
+
+
+def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None = None,
+        without: tuple[str, ...] = ()) -> Profile:
+    """A :class:`Profile` with a step model fitted to the step records of ``traces`` (one list per run;
+    module docstring); ``threads``: the server's thread counts, kept as the model's metadata.
+
+    Raises:
+        FitError: too few steps with prompt or decode rows to fit.
     """
     steps, gaps = [], []
     for records in traces:
@@ -146,27 +178,21 @@ def fit(traces: list[list[dict]], meta: dict | None = None) -> Profile:
     gap = statistics.median(gaps) if gaps else 0.0
     for s in steps:
         s.t += gap
-    a, k_dec, by_batch = _fit_decode(steps)
-    k_pre, groups = _fit_prefill(steps, a)
-    # the decode intercept may hold more than the per-call cost every call pays: no prefill bin may cost less
-    a = max(0.0, min([a] + [float(np.median(t - k_pre * c)) for _, c, t in groups]))
-    decode_points = [(bs, max(float(np.median(net - a)), 0.0)) for bs, net in by_batch.items()]
-    prefill_points = [(float(np.median(n)), max(float(np.median((t - a - k_pre * c) / n)), 0.0)) for n, c, t in groups]
-    prof = Profile(prefill_points=prefill_points, decode_points=decode_points, overhead_s=a, prefill_ctx=k_pre,
-                   decode_ctx=k_dec, mixed_decode_factor=1.0, meta=dict(meta or {}))
-    ratios = [(s.t - a - prof.prefill_cost(s.prefill)) / prof.decode_cost(s.decode)
-              for s in steps if s.prefill and s.decode and prof.decode_cost(s.decode) > 0]
-    prof.mixed_decode_factor = min(max(statistics.median(ratios), 0.0), 2.0) if ratios else 1.0
-    resid = np.array([s.t / c for s in steps if (c := prof.step_cost(s.prefill, s.decode)) > 0])
-    if not len(resid):
+    model = fit_step_model(steps, without=without)
+    model.threads = dict(threads or {})
+    prof = Profile(prefill_points=list(zip(model.prefill_knots, model.prefill_s_per_row)),
+                   decode_points=list(zip(model.decode_knots, model.decode_s)), overhead_s=model.overhead_s,
+                   prefill_ctx=model.prefill_ctx_s, decode_ctx=model.decode_ctx_s, meta=dict(meta or {}), step_model=model)
+    ratio = np.array([s.t / c for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0])
+    if not len(ratio):
         raise FitError("no step has a positive predicted cost to measure the step-time spread against")
-    prof.step_noise = [float(x) for x in np.quantile(resid, (np.arange(100) + 0.5) / 100)]
-    prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(resid)} "
+    prof.step_noise = [float(x) for x in np.quantile(ratio, (np.arange(100) + 0.5) / 100)]
+    prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(ratio)} "
                               "fitted steps")
     prof.meta.setdefault("created", datetime.now(UTC).isoformat(timespec="seconds"))
-    prof.meta["fit"] = {"steps": len(steps), "decode_steps": sum(1 for s in steps if s.decode and not s.prefill),
-                        "prefill_steps": sum(1 for s in steps if s.prefill and not s.decode),
-                        "mixed_steps": len(ratios), "idle_gap_s": gap}
+    kinds = [s.kind for s in steps]
+    prof.meta["fit"] = {"steps": len(steps), "decode_steps": kinds.count("decode"), "prefill_steps": kinds.count("prefill"),
+                        "mixed_steps": kinds.count("mixed"), "idle_gap_s": gap}
     return prof
 
 
