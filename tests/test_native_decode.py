@@ -205,9 +205,9 @@ def test_steps_the_c_kernels_carry_get_their_threads_and_torch_gets_the_rest(tmp
         heads: list[tuple[int, int, int]] = []  # (rows, torch threads, C threads) an LM head
         forward, compute_logits = model.forward, model.compute_logits
 
-        def record(input_ids, batch):
+        def record(input_ids, batch, between_layers=None):
             seen.append((input_ids.shape[0], batch.decode, torch.get_num_threads(), lib.pool_threads()))
-            return forward(input_ids, batch)
+            return forward(input_ids, batch, between_layers)
 
         def record_head(hidden):
             heads.append((hidden.shape[0], torch.get_num_threads(), lib.pool_threads()))
