@@ -6,7 +6,8 @@ Each ``tests/data/llama_cpp_agreement/SHAPE-TYPE.json`` holds, for 8 prompts, th
 and llama.cpp's own spread between the shape's F16 and Q8_0 files on the same sequences. The test
 writes the same file again (make-model's ``write_direct``, seed 0: the sha256 must match, else the
 stored outputs are stale), loads it as ``quanta serve`` does, computes each sequence as one prompt
-and checks, over 512 positions:
+and checks, over 512 positions (in float32 on every host: the tolerance below is derived for quanta's
+activations in fp32; a host with native bf16 serves in bf16 by default, which adds its own rounding):
 
 - ``|logprob difference|`` over llama.cpp's top 5: max and median at most llama.cpp's own spread
   between two files of the same weights. The tolerance, derived: the two engines compute a file's
@@ -36,6 +37,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from quanta.model.native import forms
 from quanta.tools import agreement
@@ -57,7 +59,7 @@ def tolerance(record: dict) -> dict:
 
 def check_file(record: dict, path: Path) -> dict:
     """quanta on ``path`` against ``record``'s llama.cpp outputs; returns the summary."""
-    loaded = agreement.load_as_served(path)
+    loaded = agreement.load_as_served(path, torch.float32)
     results = [agreement.compare(c["top"], agreement.position_logprobs(loaded, c["tokens"], c["first"]),
                                  tolerance(record)["max_diff"])
                for c in record["cases"]]

@@ -32,9 +32,10 @@ TOP = 5
 _BLOCK = 16
 
 
-def load_as_served(path: str | Path) -> LoadedModel:
-    """The model of ``path`` loaded as ``quanta serve`` loads it with its default flags."""
-    return load_model(str(path), resolve_dtype(None), "auto", True, "auto")
+def load_as_served(path: str | Path, dtype: torch.dtype | None = None) -> LoadedModel:
+    """The model of ``path`` loaded as ``quanta serve`` loads it with its default flags (``dtype``:
+    the compute dtype instead of the machine's default, bfloat16 on hosts with native bf16)."""
+    return load_model(str(path), dtype or resolve_dtype(None), "auto", True, "auto")
 
 
 def position_logprobs(loaded: LoadedModel, tokens: list[int], first: int) -> torch.Tensor:
