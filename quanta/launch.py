@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,12 +133,15 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
     t0 = time.monotonic()
-    cfg = _blocks_config(model_path, quantization, prompt_weights)
-    if cfg is not None:
-        model = load_block_model(model_path, cfg, dtype)
-    else:
-        cfg, model = _load_dequantized(model_path, dtype, quantization, prompt_weights)
-    tokenizer = Tokenizer.from_path(model_path)
+    # the tokenizer is built beside the weights: their repacking and file reads run in C without the GIL
+    with ThreadPoolExecutor(1, thread_name_prefix="quanta-tokenizer") as pool:
+        tokenizer_job = pool.submit(Tokenizer.from_path, model_path)
+        cfg = _blocks_config(model_path, quantization, prompt_weights)
+        if cfg is not None:
+            model = load_block_model(model_path, cfg, dtype)
+        else:
+            cfg, model = _load_dequantized(model_path, dtype, quantization, prompt_weights)
+        tokenizer = tokenizer_job.result()
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:
         decode += f"(threads={model.native.tuner})"
@@ -147,6 +152,23 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
              cpu_summary(), kernels)
     name = model_path.stem if model_path.is_file() else model_path.name
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
+
+
+def load_in_background(engine_cfg: EngineConfig) -> Future[LoadedModel]:
+    """:func:`load_model` of ``engine_cfg``'s model on a daemon thread, so that the caller imports the
+    server meanwhile (``quanta serve``: ~1 s of imports beside the C repacking); the future holds the
+    model or the load's exception. A daemon thread: Ctrl-C during the load does not wait for it."""
+    future: Future[LoadedModel] = Future()
+
+    def load() -> None:
+        try:
+            future.set_result(load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype), engine_cfg.quantization,
+                                         engine_cfg.native_decode, engine_cfg.prompt_weights))
+        except BaseException as exc:  # handed to the caller's result()
+            future.set_exception(exc)
+
+    threading.Thread(target=load, name="quanta-load", daemon=True).start()
+    return future
 
 
 def _blocks_config(path: Path, quantization: str, prompt_weights: str) -> ModelConfig | None:

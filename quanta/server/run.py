@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import uvicorn
@@ -15,7 +16,16 @@ from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.kv_budget import format_bytes
 from quanta.engine.model_executor import default_decode_threads
-from quanta.launch import build_engine, cpu_summary, kv_block_bytes, load_model, release_load_memory, resolve_dtype, return_freed_heap
+from quanta.launch import (
+    LoadedModel,
+    build_engine,
+    cpu_summary,
+    kv_block_bytes,
+    load_model,
+    release_load_memory,
+    resolve_dtype,
+    return_freed_heap,
+)
 from quanta.logs import uvicorn_log_config
 from quanta.server import DEFAULT_MAX_REQUEST_BYTES
 from quanta.server.access import AccessPolicy
@@ -65,7 +75,8 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
                  tool_call_parser: str | None = None, access: AccessPolicy | None = None,
                  max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
                  sampling: dict | None = None, chat_template: str | None = None,
-                 reasoning_parser: str | None = None, stream_keepalive: float = DEFAULT_KEEPALIVE_S) -> BuiltServer:
+                 reasoning_parser: str | None = None, stream_keepalive: float = DEFAULT_KEEPALIVE_S,
+                 loading: Future[LoadedModel] | None = None) -> BuiltServer:
     """Load the model, start the engine thread and build the app that serves it (``quanta serve``'s
     server, and each replica's under :mod:`quanta.cluster`).
 
@@ -80,12 +91,13 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`);
     ``chat_template``: Jinja text that replaces the model's chat template (``--chat-template``);
     ``stream_keepalive``: seconds of silence after which a streamed response gets a keep-alive
-    (0: none; :mod:`quanta.server.keepalive`).
+    (0: none; :mod:`quanta.server.keepalive`); ``loading``: the model already being loaded
+    (:func:`quanta.launch.load_in_background`), else it is loaded here.
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
-    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode,
-                        engine_cfg.prompt_weights)
+    loaded = loading.result() if loading is not None else load_model(
+        engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode, engine_cfg.prompt_weights)
     if chat_template is not None:  # before the server state reads it (the tool-call parser is chosen from it)
         loaded.tokenizer.hf.chat_template = chat_template
     engine = build_engine(loaded, engine_cfg, sched_cfg)
