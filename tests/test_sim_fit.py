@@ -95,7 +95,8 @@ def test_too_little_data_is_a_clear_error():
 def bench_file(tmp_path, traces) -> str:
     runs = [{"samples": [], "trace": t, "metrics": None} for t in traces]
     doc = output.document("sweep", "test", CALIBRATION, 1, [{"name": "c", "flags": [], "valid": True, "runs": runs,
-                                                              "applied": {"model": "m", "dtype": "bfloat16"}}], None)
+                                                              "applied": {"model": "m", "dtype": "bfloat16",
+                                                                                  "decode_threads": 3}}], None)
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(doc))
     return str(path)
@@ -104,8 +105,11 @@ def bench_file(tmp_path, traces) -> str:
 def test_profile_engine_from_bench_writes_a_loadable_profile(tmp_path, capsys):
     out = tmp_path / "fitted.json"
     assert cli.main(["profile-engine", "--from-bench", bench_file(tmp_path, calibration_traces()), "--out", str(out)]) == 0
-    assert "fitted" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fitted" in printed and "decode" in printed and "p90" in printed
     p = Profile.load(out)
+    assert p.step_model is not None and p.step_model.threads == {"decode_threads": 3}
+    assert {"prefill", "decode"} <= set(p.step_model.fit["residuals"])
     raw = json.loads(out.read_text())
     assert "fitted by quanta profile-engine --from-bench" in raw["source"] and raw["model"] == "m"
     assert raw["step_noise"]["factors"] == p.step_noise and "quantiles" in raw["step_noise"]["source"]
