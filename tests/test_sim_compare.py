@@ -18,7 +18,7 @@ from quanta import cli
 from quanta.bench import output
 from quanta.bench.workloads import Workload
 from quanta.sim import Profile
-from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, markdown_table, sched_config, summary
+from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, markdown_table, row, sched_config, summary
 from quanta.sim.run import Simulation, condition
 
 
@@ -88,6 +88,26 @@ def test_a_profile_twice_as_slow_doubles_itl_and_halves_the_rates():
     assert s["itl_p50"] == pytest.approx(1.0) and s["throughput"] == pytest.approx(0.5)
 
 
+def test_each_figure_is_checked_against_the_measured_spread():
+    keys = [k for k, _, _ in FIGURES]
+    measured = [{k: 1.0 for k in keys}, {k: 1.2 for k in keys}, {k: 1.1 for k in keys}]
+    sims = {"ttft_p50": 1.15, "ttft_p99": 1.25, "itl_p50": 1.0, "itl_p99": 0.995, "throughput": 2.0, "prefill_rate": 1.2}
+    r = row("m.json", "c", None, BURST, measured, [sims])
+    assert r["spread"]["ttft_p50"] == (1.0, 1.2)
+    assert r["outside"] == ["ttft_p99", "itl_p99", "throughput"]  # 1.25 > 1.2, 0.995 < 1.0, 2.0 > 1.2
+    assert r["misses"] == ["ttft_p99", "throughput"]  # 0.995 is within 10% of the median 1.1; 1.25 and 2.0 are not
+    table = markdown_table([r])
+    assert table.count("**miss**") == 2 and table.count(" out") == 1
+    assert summary([r])["misses"] == 2 and summary([r])["figures"] == 6
+
+
+def test_a_slower_profile_is_flagged_outside_the_spread():
+    rows = compare(prof(2.0), [("m.json", bench_doc(prof(), BURST))])
+    for r in rows:
+        assert {"itl_p50", "itl_p99", "throughput", "ttft_p50"} <= set(r["misses"])
+        assert r["rel_error"]["ttft_p50"] > 0.5
+
+
 def test_documents_that_are_not_bench_results_are_refused():
     with pytest.raises(CompareError, match="not a quanta bench result"):
         compare(prof(), [("x.json", {"kind": "sim-compare"})])
@@ -107,7 +127,8 @@ def test_cli_writes_the_comparison_report_with_a_second_profile(tmp_path, capsys
     assert cli.main(["simulate", "--profile", str(p1), "--compare", str(measured), "--also-profile", str(p2),
                      "--out", str(prefix)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("| condition | ITL p50 ms") and "Median absolute relative error: **0%**" in out
+    assert out.startswith("| condition | TTFT p50 ms") and "Median absolute relative error: **0%**" in out
+    assert f"0 of {6 * len(GRID)} figures are outside the measured min-max" in out
     doc = json.loads(prefix.with_suffix(".json").read_text())
     assert doc["kind"] == "sim-compare" and len(doc["rows"]) == len(GRID) == len(doc["also_rows"])
     assert doc["summary"]["all"] == pytest.approx(0.0, abs=1e-4)  # the JSON rounds times to microseconds

@@ -14,14 +14,17 @@ from before the block pool: the pool its serve flags give,
 :mod:`quanta.sim.pool`); a cluster (``quanta serve --replicas N``, whose
 ``/v1/config`` has ``cluster``) on N simulated replicas behind its router
 (:mod:`quanta.sim.replicas`), each with that pool. It then reports, per
-condition, the measured median (IQR over repeats) and the simulated median of
-each figure and the relative error ``(simulated - measured) / measured``.
+condition, the measured median and spread (min-max over repeats) and the
+simulated median of each figure and the relative error
+``(simulated - measured) / measured``, and which figures fall outside the
+measured spread (``outside``) and of those which are also more than
+:data:`TOLERANCE` from the measured median (``misses``).
 
-Figures: server-trace ITL p50 and p99 (seconds), throughput (output tok/s,
-first scheduled send to last response end) and trace prefill rate (prompt
-tok/s over the union of steps that carry prefill); the step counts (prefill
-calls, decode steps, mixed steps) are reported beside them to show whether
-the simulated schedule is the measured one.
+Figures: client TTFT p50 and p99, server-trace ITL p50 and p99 (seconds),
+throughput (output tok/s, first scheduled send to last response end) and the
+trace's prompt rate (prompt tok/s over the union of steps that carry
+prefill); the step counts (prefill calls, decode steps, mixed steps) are
+reported beside them to show whether the simulated schedule is the measured one.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from quanta.sim.profile import Profile
 from quanta.sim.run import Simulation
 
 #: (key, column header, display scale) of the compared figures
-FIGURES = [("itl_p50", "ITL p50 ms", 1e3), ("itl_p99", "ITL p99 ms", 1e3),
-           ("throughput", "throughput tok/s", 1.0), ("prefill_rate", "prefill rate tok/s", 1.0)]
+FIGURES = [("ttft_p50", "TTFT p50 ms", 1e3), ("ttft_p99", "TTFT p99 ms", 1e3), ("itl_p50", "ITL p50 ms", 1e3),
+           ("itl_p99", "ITL p99 ms", 1e3), ("throughput", "throughput tok/s", 1.0), ("prefill_rate", "prompt rate tok/s", 1.0)]
 STEPS = ("prefill_calls", "decode_steps", "mixed_steps")
+#: a simulated median outside the measured min-max is a miss only when it is this far from the measured median
+TOLERANCE = 0.10
 
 
 class CompareError(ValueError):
@@ -254,13 +259,24 @@ def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> li
 
 def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: list[dict], simulated: list[dict]) -> dict:
     """One comparison row from per-repeat figures (:func:`repeat_figures`) of both sides:
-    ``measured`` / ``simulated`` hold ``(median, p25, p75)`` per figure, ``rel_error`` the error of the medians."""
+    ``measured`` / ``simulated`` hold ``(median, p25, p75)`` per figure, ``rel_error`` the error of the medians,
+    ``spread`` the measured ``(min, max)``, ``outside`` the figures whose simulated median is outside it and
+    ``misses`` those of them also more than :data:`TOLERANCE` from the measured median."""
     keys = [k for k, _, _ in FIGURES] + list(STEPS)
     missing = (math.nan, math.nan, math.nan)  # a figure one side lacks (a cluster's run has no server trace)
     meas, sim = ({k: a.get(k, missing) for k in keys} for a in (aggregate(measured), aggregate(simulated)))
+    err = {k: rel_error(sim[k][0], meas[k][0]) for k, _, _ in FIGURES}
+    spread = {k: measured_spread(measured, k) for k, _, _ in FIGURES}
+    outside = [k for k, _, _ in FIGURES if not math.isnan(err[k]) and not spread[k][0] <= sim[k][0] <= spread[k][1]]
     return {"source": source, "condition": name, "flags": flags, "workload": w.describe(),
-            "measured": meas, "simulated": sim,
-            "rel_error": {k: rel_error(sim[k][0], meas[k][0]) for k, _, _ in FIGURES}}
+            "measured": meas, "simulated": sim, "rel_error": err, "spread": spread, "outside": outside,
+            "misses": [k for k in outside if abs(err[k]) > TOLERANCE]}
+
+
+def measured_spread(figures: list[dict], key: str) -> tuple[float, float]:
+    """``(min, max)`` of ``key`` over the measured repeats (NaN, NaN when none has it)."""
+    vals = [f[key] for f in figures if isinstance(f.get(key), (int, float)) and not math.isnan(f[key])]
+    return (min(vals), max(vals)) if vals else (math.nan, math.nan)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -270,15 +286,19 @@ def summary(rows: list[dict]) -> dict:
         return statistics.median(vals) if vals else math.nan
 
     return {"all": med([r["rel_error"][k] for r in rows for k, _, _ in FIGURES]),
-            **{k: med([r["rel_error"][k] for r in rows]) for k, _, _ in FIGURES}}
+            **{k: med([r["rel_error"][k] for r in rows]) for k, _, _ in FIGURES},
+            "misses": sum(len(r["misses"]) for r in rows),
+            "figures": sum(1 for r in rows for k, _, _ in FIGURES if not math.isnan(r["rel_error"][k]))}
 
 
 def _cell(row: dict, key: str, scale: float) -> str:
-    m, lo, hi = row["measured"][key]
+    m = row["measured"][key][0]
     s = row["simulated"][key][0]
     if math.isnan(m):
         return f"{s * scale:.1f} / -"
-    return f"{s * scale:.1f} / {m * scale:.1f} ({lo * scale:.1f}-{hi * scale:.1f}) {row['rel_error'][key]:+.0%}"
+    lo, hi = row["spread"][key]
+    mark = " **miss**" if key in row["misses"] else " out" if key in row["outside"] else ""
+    return f"{s * scale:.1f} / {m * scale:.1f} ({lo * scale:.1f}-{hi * scale:.1f}) {row['rel_error'][key]:+.0%}{mark}"
 
 
 def _steps(row: dict, which: str) -> str:
@@ -286,8 +306,10 @@ def _steps(row: dict, which: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per condition: simulated / measured median (IQR) and the relative error of each figure."""
-    head = "| condition | " + " | ".join(f"{h}: sim / meas (IQR) err" for _, h, _ in FIGURES) + " | steps p/d/m sim vs meas |"
+    """One line per condition: simulated / measured median (measured min-max) and the relative error of each
+    figure, ``out`` when the simulated median is outside the measured spread, ``**miss**`` when it is also
+    more than :data:`TOLERANCE` from the measured median."""
+    head = "| condition | " + " | ".join(f"{h}: sim / meas (min-max) err" for _, h, _ in FIGURES) + " | steps p/d/m sim vs meas |"
     lines = [head, "|---|" + "---|" * (len(FIGURES) + 1)]
     for r in rows:
         cells = [_cell(r, k, s) for k, _, s in FIGURES]
@@ -297,7 +319,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 def summary_lines(summ: dict) -> str:
     per = ", ".join(f"{h} {summ[k]:.0%}" for k, h, _ in FIGURES)
-    return f"Median absolute relative error: **{summ['all']:.0%}** over all figures; per figure: {per}."
+    misses = (f" {summ['misses']} of {summ['figures']} figures are outside the measured min-max and more than "
+              f"{TOLERANCE:.0%} from the measured median." if "misses" in summ else "")
+    return f"Median absolute relative error: **{summ['all']:.0%}** over all figures; per figure: {per}.{misses}"
 
 
 def _profile_line(label: str, path: str, p: Profile) -> str:
@@ -333,7 +357,9 @@ def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:
            _profile_line("profile", doc["profile"], profiles[doc["profile"]])]
     if "also_profile" in doc:
         out.append(_profile_line("second profile", doc["also_profile"], profiles[doc["also_profile"]]))
-    out += ["", "Each cell: simulated / measured median (measured IQR) relative error. Steps: prefill calls / decode "
+    out += ["", "Each cell: simulated / measured median (measured min-max over repeats) relative error; `out`: the "
+            "simulated median is outside the measured min-max, `**miss**`: and more than "
+            f"{TOLERANCE:.0%} from the measured median. Steps: prefill calls / decode "
             "steps / mixed steps (median over repeats), simulated vs measured.", "", markdown_table(doc["rows"]), "",
             summary_lines(doc["summary"])]
     if "also_profile" in doc:
