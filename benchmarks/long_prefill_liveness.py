@@ -11,8 +11,8 @@ messages, Responses; ``--protocols`` may add ``completions``) sends a streamed r
 - cold TTFT: seconds to the first output event (the whole cold prefill);
 - drop and retry (another fresh prompt of the same length): the client drops the stream after
   ``--drop-after`` seconds and at once sends the same request again; ``freed`` is the time
-  from the drop until ``/metrics`` counts the abort (the engine applied it: at the next step
-  boundary), ``retry TTFT`` the second request's time to its first output event, against
+  from the drop until ``/metrics`` counts the abort (the engine applied it: the running step of
+  only that request stops at its next decoder block), ``retry TTFT`` the second request's time to its first output event, against
   ``cold - drop`` (what is left of the cold prefill: the retry resumes from the prefix cache,
   whose ``cached`` tokens its usage reports).
 
