@@ -217,7 +217,8 @@ def test_openapi_documents_400_with_the_route_s_body_and_never_422(openapi):
             assert "422" not in responses, (path, responses)
             if "400" in responses:
                 ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
-                assert ref.endswith("AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"), (path, ref)
+                body = "AnthropicError" if path.startswith("/v1/messages") else "OllamaError" if path.startswith("/api/") else "OpenAIError"
+                assert ref.endswith(body), (path, ref)
                 documented += 1
     assert documented >= len(VALID)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
@@ -226,6 +227,8 @@ def test_openapi_documents_400_with_the_route_s_body_and_never_422(openapi):
     assert "HTTPValidationError" not in schemas
     assert set(schemas["OpenAIError"]["properties"]) == {"error"}
     assert set(schemas["AnthropicError"]["properties"]) == {"type", "error"}
+    assert schemas["OllamaError"]["properties"] == {"error": {"title": "Error", "type": "string"}}
+    assert "400" in openapi["paths"]["/api/chat"]["post"]["responses"]
 
 
 def _members(prop: dict) -> list[dict]:

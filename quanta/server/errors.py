@@ -90,6 +90,12 @@ class AnthropicError(BaseModel):
     error: AnthropicErrorDetail
 
 
+class OllamaError(BaseModel):
+    """Ollama's error body (its message names the field)."""
+
+    error: str
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's body (:class:`OpenAIError`)."""
     detail = OpenAIErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
@@ -249,10 +255,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
 
+def _error_model(path: str) -> type[BaseModel]:
+    if path.startswith(ANTHROPIC_PREFIX):
+        return AnthropicError
+    return OllamaError if path.startswith(OLLAMA_PREFIX) else OpenAIError
+
+
 def document_errors(app: FastAPI) -> None:
     """Make ``app.openapi()`` state the 400 rule: every operation's ``422`` response
     (FastAPI's default) becomes ``400`` with the route's error body
-    (:class:`OpenAIError`, or :class:`AnthropicError` under :data:`ANTHROPIC_PREFIX`)."""
+    (:class:`OpenAIError`, :class:`AnthropicError` under :data:`ANTHROPIC_PREFIX`,
+    :class:`OllamaError` under :data:`OLLAMA_PREFIX`)."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -260,12 +273,12 @@ def document_errors(app: FastAPI) -> None:
             return app.openapi_schema
         schema = build()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (OpenAIError, AnthropicError):
+        for model in (OpenAIError, AnthropicError, OllamaError):
             definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(definition.pop("$defs", {}))
             components[model.__name__] = definition
         for path, operations in schema.get("paths", {}).items():
-            body = AnthropicError if path.startswith(ANTHROPIC_PREFIX) else OpenAIError
+            body = _error_model(path)
             for operation in operations.values():
                 responses = operation.get("responses", {})
                 if responses.pop("422", None) is not None:
