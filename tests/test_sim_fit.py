@@ -56,6 +56,9 @@ def test_a_fitted_profile_predicts_the_steps_it_was_fitted_to():
     assert statistics.median(errs) < 0.02 and max(errs) < 0.2
     assert fitted.meta["fit"]["decode_steps"] > 100 and fitted.meta["fit"]["prefill_steps"] > 30
     assert fitted.step_noise is not None and statistics.median(fitted.step_noise) == pytest.approx(1.0, abs=0.02)
+    # batched alternates prefill and decode calls: no fused step, so no interference and no prefix hit is fitted
+    assert fitted.meta["fit"]["mixed_steps"] == 0 and fitted.step_model.interference_s_per_row == 0
+    assert fitted.step_model.prefix_hit_s_per_token == 0
 
 
 def test_a_fitted_profile_predicts_another_workload():

@@ -329,7 +329,15 @@ def _profile_line(label: str, path: str, p: Profile) -> str:
     pre = ", ".join(f"{n:g}: {t * 1e3:.2f}" for n, t in p.prefill_points)
     return (f"- {label} `{path}` ({p.meta.get('created', 'undated')}): overhead {p.overhead_s * 1e3:.1f} ms/call; decode "
             f"step net of overhead {dec}; prefill ms/token by chunk {pre}; context {p.prefill_ctx * 1e9:.1f} ns/token/pos "
-            f"(prefill), {p.decode_ctx * 1e9:.1f} ns/pos (decode)")
+            f"(prefill), {p.decode_ctx * 1e9:.1f} ns/pos (decode)" + _step_model_text(p))
+
+
+def _step_model_text(p: Profile) -> str:
+    m = p.step_model
+    if m is None:
+        return ""
+    return (f"; step model: interference {m.interference_s_per_row * 1e3:.2f} ms per decode row beside prompt rows, "
+            f"prefix hit {m.prefix_hit_s_per_token * 1e9:.1f} ns/token, threads {m.threads or 'unknown'}")
 
 
 def document(profile_path: str, rows: list[dict], command: str, also: tuple[str, list[dict]] | None = None) -> dict:
