@@ -21,6 +21,9 @@ from quanta.sim.run import simulate
 
 TRUE = Profile(prefill_points=[(8, 3e-3), (64, 1.5e-3), (256, 1e-3)], decode_points=[(1, 0.03), (4, 0.033), (8, 0.04)],
                overhead_s=0.005, prefill_ctx=1e-7, decode_ctx=1e-6)
+TRUE_SLOWER = Profile(**{**TRUE.__dict__, "prefill_points": [(x, 1.5 * y) for x, y in TRUE.prefill_points],
+                         "decode_points": [(x, 1.5 * y) for x, y in TRUE.decode_points], "overhead_s": 1.5 * TRUE.overhead_s,
+                         "prefill_ctx": 1.5 * TRUE.prefill_ctx, "decode_ctx": 1.5 * TRUE.decode_ctx})
 CALIBRATION = Workload(kind="poisson", rate=6.0, num_requests=40, prompt_words=150, max_tokens=24)
 
 
@@ -95,12 +98,12 @@ def test_too_little_data_is_a_clear_error():
         fit([[rec(i, [i], [10], [1], i * 0.1) for i in range(5)]])
 
 
-def bench_file(tmp_path, traces) -> str:
+def bench_file(tmp_path, traces, name: str = "cal.json") -> str:
     runs = [{"samples": [], "trace": t, "metrics": None} for t in traces]
     doc = output.document("sweep", "test", CALIBRATION, 1, [{"name": "c", "flags": [], "valid": True, "runs": runs,
                                                               "applied": {"model": "m", "dtype": "bfloat16",
                                                                                   "decode_threads": 3}}], None)
-    path = tmp_path / "cal.json"
+    path = tmp_path / name
     path.write_text(json.dumps(doc))
     return str(path)
 
@@ -116,6 +119,22 @@ def test_profile_engine_from_bench_writes_a_loadable_profile(tmp_path, capsys):
     raw = json.loads(out.read_text())
     assert "fitted by quanta profile-engine --from-bench" in raw["source"] and raw["model"] == "m"
     assert raw["step_noise"]["factors"] == p.step_noise and "quantiles" in raw["step_noise"]["source"]
+
+
+def test_profile_engine_checks_the_fit_on_runs_it_did_not_see(tmp_path, capsys):
+    fitted, other = bench_file(tmp_path, calibration_traces()), bench_file(tmp_path, calibration_traces(TRUE_SLOWER), "other.json")
+    out = tmp_path / "fitted.json"
+    assert cli.main(["profile-engine", "--from-bench", fitted, "--check-bench", other, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "runs of --check-bench (not fitted)" in printed
+    check = Profile.load(out).step_model.fit["check"]
+    assert check["sources"] == [other]
+    assert 0.25 < check["residuals"]["decode"]["median"] < 0.4  # every step of the other runs is 1.5x slower: 1/1.5 - 1
+    for argv, message in ((["--from-bench", fitted, "--check-bench", fitted], "is also fitted"),
+                          (["--check-bench", other], "--check-bench needs --from-bench")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["profile-engine", *argv, "--out", str(out)])
+        assert info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content, message", [("{", "not a readable quanta bench result"),

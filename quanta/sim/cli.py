@@ -107,6 +107,9 @@ def add_commands(sub, register_once) -> None:
     prof.add_argument("--from-bench", action="append", metavar="BENCH_JSON",
                       help="fit the profile to the server-trace steps of this quanta bench result instead of timing "
                            "the executor in-process (no model is loaded); repeatable")
+    prof.add_argument("--check-bench", action="append", metavar="BENCH_JSON",
+                      help="with --from-bench: also report the fitted model's residuals on the server-trace steps of "
+                           "this quanta bench result (runs not fitted); repeatable")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
@@ -131,6 +134,8 @@ def _profile_engine(args, parser) -> int:
     writable_prefix(args.out, parser)
     if args.from_bench:
         return _from_bench(args, parser)
+    if args.check_bench:
+        parser.error("--check-bench needs --from-bench")
     from quanta.launch import load_model, resolve_dtype
     from quanta.sim.measure import measure
 
@@ -149,40 +154,10 @@ def _profile_engine(args, parser) -> int:
 
 
 def _from_bench(args, parser) -> int:
-    """``profile-engine --from-bench``: fit a profile to the bench results' server traces (:mod:`quanta.sim.fit`)."""
-    from quanta.sim.fit import FitError, bench_traces, fit
-    from quanta.sim.profile import ProfileError
+    """``profile-engine --from-bench``: fit a profile to the bench results' server traces (:mod:`quanta.sim.from_bench`)."""
+    from quanta.sim.from_bench import from_bench
 
-    if len(set(args.from_bench)) != len(args.from_bench):
-        parser.error("--from-bench: the same file is given twice")
-    traces, applied, machine = [], {}, {}
-    for path in args.from_bench:
-        try:
-            t, a, m = bench_traces(path)
-        except ValueError as exc:
-            parser.error(f"--from-bench: {exc}")
-        traces += t
-        applied, machine = applied or a, machine or m
-    if not traces:
-        parser.error("--from-bench: the results hold no server trace (was the server quanta?)")
-    meta = {"name": Path(args.out).stem,
-            "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
-                       + ", ".join(args.from_bench) + " (quanta.sim.fit: step model by non-negative least squares, residual quantiles)"),
-            "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
-    try:
-        prof = fit(traces, meta, threads={k: applied[k] for k in ("decode_threads", "prefill_threads") if k in applied})
-        prof.validate()
-    except (FitError, ProfileError) as exc:
-        parser.error(f"--from-bench: {exc}")
-    except (KeyError, TypeError, AttributeError) as exc:
-        parser.error(f"--from-bench: malformed trace record ({type(exc).__name__}: {exc})")
-    prof.save(args.out)
-    f = prof.meta["fit"]
-    print(f"fitted {f['steps']} steps ({f['decode_steps']} decode, {f['prefill_steps']} prefill, {f['mixed_steps']} fused) "
-          f"of {len(traces)} runs; wrote {args.out}")
-    for kind, r in prof.step_model.fit["residuals"].items():
-        print(f"  {kind:8s} {r['steps']:6d} steps: |predicted / measured - 1| median {r['median']:.1%}, p90 {r['p90']:.1%}")
-    return 0
+    return from_bench(args, parser)
 
 
 def _sched_config(args, parser, profile):

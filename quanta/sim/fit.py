@@ -43,7 +43,6 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
 
@@ -162,6 +161,26 @@ def residuals(model: StepModel, steps: list[Step]) -> dict:
     return out
 
 
+def trace_steps(traces: list[list[dict]]) -> tuple[list[Step], float]:
+    """The steps of ``traces`` (one list of records per run) timed ``end - start`` plus the median idle gap
+    between back-to-back steps, and that gap; broken records (end <= start, NaN) are left out."""
+    steps, gaps = [], []
+    for records in traces:
+        s, g = steps_from_trace(records)
+        steps += [x for x in s if math.isfinite(x.t) and x.t > 0]
+        gaps += g
+    gap = statistics.median(gaps) if gaps else 0.0
+    for s in steps:
+        s.t += gap
+    return steps, gap
+
+
+def check(model: StepModel, traces: list[list[dict]]) -> dict:
+    """:func:`residuals` of ``model`` on the steps of ``traces`` (runs it was not fitted to, for an
+    out-of-sample check)."""
+    return residuals(model, trace_steps(traces)[0])
+
+
 def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None = None,
         without: tuple[str, ...] = ()) -> Profile:
     """A :class:`Profile` with a step model fitted to the step records of ``traces`` (one list per run;
@@ -170,14 +189,7 @@ def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None
     Raises:
         FitError: too few steps with prompt or decode rows to fit.
     """
-    steps, gaps = [], []
-    for records in traces:
-        s, g = steps_from_trace(records)
-        steps += [x for x in s if math.isfinite(x.t) and x.t > 0]  # a broken record (end <= start, NaN) says nothing
-        gaps += g
-    gap = statistics.median(gaps) if gaps else 0.0
-    for s in steps:
-        s.t += gap
+    steps, gap = trace_steps(traces)
     model = fit_step_model(steps, without=without)
     model.threads = dict(threads or {})
     prof = Profile(prefill_points=list(zip(model.prefill_knots, model.prefill_s_per_row)),
@@ -194,26 +206,3 @@ def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None
     prof.meta["fit"] = {"steps": len(steps), "decode_steps": kinds.count("decode"), "prefill_steps": kinds.count("prefill"),
                         "mixed_steps": kinds.count("mixed"), "idle_gap_s": gap}
     return prof
-
-
-def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
-    """The server traces of every measured run of a bench result, its first applied config and machine.
-
-    Raises:
-        ValueError: not a readable, measured quanta bench result.
-    """
-    import json
-
-    from quanta.sim.compare import CompareError, check_measured
-
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-        check_measured(path, doc)
-        conds = [c for c in doc["conditions"] if c.get("valid", True)]
-        traces = [r["trace"] for c in conds for r in c.get("runs") or [] if r.get("trace")]
-        applied = next((c.get("applied") for c in conds if c.get("applied")), None) or {}
-    except CompareError as exc:
-        raise ValueError(str(exc)) from exc
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path} is not a readable quanta bench result ({type(exc).__name__}: {exc})") from exc
-    return traces, applied, doc.get("machine", {})

@@ -1,0 +1,87 @@
+"""``quanta profile-engine --from-bench``: fit a profile to ``quanta bench`` results' server traces.
+
+The fit itself is :mod:`quanta.sim.fit`; this module reads the bench
+results, names the profile's sources, prints the fit's residuals per step
+kind and, with ``--check-bench``, the residuals on runs the fit did not see.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quanta.sim.fit import FitError, check, fit
+from quanta.sim.profile import ProfileError
+
+
+def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
+    """The server traces of every measured run of a bench result, its first applied config and machine.
+
+    Raises:
+        ValueError: not a readable, measured quanta bench result.
+    """
+    from quanta.sim.compare import CompareError, check_measured
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        check_measured(path, doc)
+        conds = [c for c in doc["conditions"] if c.get("valid", True)]
+        traces = [r["trace"] for c in conds for r in c.get("runs") or [] if r.get("trace")]
+        applied = next((c.get("applied") for c in conds if c.get("applied")), None) or {}
+    except CompareError as exc:
+        raise ValueError(str(exc)) from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a readable quanta bench result ({type(exc).__name__}: {exc})") from exc
+    return traces, applied, doc.get("machine", {})
+
+
+def _read(paths: list[str], flag: str, parser) -> tuple[list[list[dict]], dict, dict]:
+    if len(set(paths)) != len(paths):
+        parser.error(f"{flag}: the same file is given twice")
+    traces, applied, machine = [], {}, {}
+    for path in paths:
+        try:
+            t, a, m = bench_traces(path)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+        traces += t
+        applied, machine = applied or a, machine or m
+    if not traces:
+        parser.error(f"{flag}: the results hold no server trace (was the server quanta?)")
+    return traces, applied, machine
+
+
+def _print_residuals(title: str, residuals: dict) -> None:
+    print(title)
+    for kind, r in residuals.items():
+        print(f"  {kind:8s} {r['steps']:6d} steps: |predicted / measured - 1| median {r['median']:.1%}, p90 {r['p90']:.1%}")
+
+
+def from_bench(args, parser) -> int:
+    """Fit ``args.from_bench``'s traces, write ``args.out``; check on ``args.check_bench`` (exit 2 on bad input)."""
+    checked = args.check_bench or []
+    if overlap := set(checked) & set(args.from_bench):
+        parser.error(f"--check-bench: {sorted(overlap)[0]} is also fitted (--from-bench); check on other runs")
+    traces, applied, machine = _read(args.from_bench, "--from-bench", parser)
+    others = _read(checked, "--check-bench", parser)[0] if checked else []
+    meta = {"name": Path(args.out).stem,
+            "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
+                       + ", ".join(args.from_bench) + " (quanta.sim.fit: step model by non-negative least squares, residual quantiles)"),
+            "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
+    try:
+        prof = fit(traces, meta, threads={k: applied[k] for k in ("decode_threads", "prefill_threads") if k in applied})
+        prof.validate()
+        if others:
+            prof.step_model.fit["check"] = {"sources": list(checked), "residuals": check(prof.step_model, others)}
+    except (FitError, ProfileError) as exc:
+        parser.error(f"--from-bench: {exc}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"--from-bench: malformed trace record ({type(exc).__name__}: {exc})")
+    prof.save(args.out)
+    f = prof.meta["fit"]
+    print(f"fitted {f['steps']} steps ({f['decode_steps']} decode, {f['prefill_steps']} prefill, {f['mixed_steps']} fused) "
+          f"of {len(traces)} runs; wrote {args.out}")
+    _print_residuals("residuals on the fitted steps:", prof.step_model.fit["residuals"])
+    if others:
+        _print_residuals(f"residuals on the {len(others)} runs of --check-bench (not fitted):", prof.step_model.fit["check"]["residuals"])
+    return 0
