@@ -251,3 +251,17 @@ def test_a_cluster_condition_is_replayed_on_replicas_behind_its_router():
     applied["cluster"]["replicas"] = "two"
     with pytest.raises(CompareError, match="cluster settings"):
         simulate_condition(prof(), cond, w, 3600.0)
+
+
+def test_a_cancelled_stream_takes_its_prompt_length_from_the_trace_cached_prefix_included():
+    from quanta.sim.compare import prompt_lengths
+
+    trace = [{"step": 0, "kind": "prefill", "start": 0.0, "end": 0.1, "seq_ids": [0], "num_new_tokens": [50],
+              "num_emitted": [1], "positions": [0]},
+             {"step": 1, "kind": "prefill", "start": 0.2, "end": 0.3, "seq_ids": [1], "num_new_tokens": [80],
+              "num_emitted": [1], "positions": [320]}]
+    run = {"samples": [{"id": 0, "prompt_tokens": 50, "sent": 0.0}, {"id": 1, "prompt_tokens": None, "sent": 0.1}],
+           "trace": trace}
+    assert prompt_lengths(run) == [50, 400]
+    old = [{k: v for k, v in r.items() if k != "positions"} for r in trace]  # a trace without positions
+    assert prompt_lengths({**run, "trace": old}) == [50, 80]

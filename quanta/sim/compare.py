@@ -77,15 +77,17 @@ def sched_config(flags: list[str], applied: dict | None = None) -> SchedulerConf
 
 
 def trace_prompt_lengths(records: list[dict]) -> list[int]:
-    """Prompt tokens of every sequence whose prefill the trace holds (tokens computed up to its first
-    emitted token), in order of first appearance."""
+    """Prompt tokens of every sequence whose prefill the trace holds (its position after the step that
+    emitted its first token: the record's ``positions`` where recorded, so a cached prefix counts), in
+    order of first appearance."""
     first: dict[int, int] = {}
     length: dict[int, int] = {}
-    for _, row in trace_entries(records):
-        for sid, pos, n, is_decode, emitted in row:
+    for r, row in trace_entries(records):
+        recorded = r.get("positions")
+        for i, (sid, pos, n, is_decode, emitted) in enumerate(row):
             first.setdefault(sid, len(first))
             if emitted and not is_decode:
-                length[sid] = pos + n
+                length[sid] = (pos if recorded is None else recorded[i]) + n
     return [length[sid] for sid in sorted(first, key=first.get) if sid in length]
 
 
