@@ -3,6 +3,8 @@
 The fit itself is :mod:`quanta.sim.fit`; this module reads the bench
 results, names the profile's sources, prints the fit's residuals per step
 kind and, with ``--check-bench``, the residuals on runs the fit did not see.
+The thread counts the server reported in its ``/v1/config`` (every ``*_threads``
+key: ``decode_threads``, ``prefill_threads``) are kept with the step model.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def from_bench(args, parser) -> int:
                        + ", ".join(args.from_bench) + " (quanta.sim.fit: step model by non-negative least squares, residual quantiles)"),
             "machine": machine, "model": applied.get("model", "unknown"), "dtype": applied.get("dtype", "unknown")}
     try:
-        prof = fit(traces, meta, threads={k: applied[k] for k in ("decode_threads", "prefill_threads") if k in applied})
+        prof = fit(traces, meta, threads={k: v for k, v in applied.items() if k.endswith("_threads")})
         prof.validate()
         if others:
             prof.step_model.fit["check"] = {"sources": list(checked), "residuals": check(prof.step_model, others)}
