@@ -42,9 +42,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quanta.config import KV_CACHE_DTYPES
-from quanta.sim.step_model import StepModel
+
+if TYPE_CHECKING:  # the step model needs numpy, which commands that load no profile do not import
+    from quanta.sim.step_model import StepModel
 
 FORMAT = "quanta-cost-profile/1"
 #: element formats a profile's ``kv`` block may name (``--kv-cache-dtype``'s, less ``auto``)
@@ -97,7 +100,7 @@ class Profile:
                                    "step_model")},
                 step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
                 step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
-                step_model=StepModel.from_dict(d["step_model"]) if d.get("step_model") is not None else None,
+                step_model=_step_model(d.get("step_model")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed cost profile: {exc!r}") from exc
@@ -243,3 +246,11 @@ def _interp_lin(points: list[tuple[float, float]], x: float) -> float:
     i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return max(0.0, y0 + (x - x0) * (y1 - y0) / (x1 - x0))
+
+
+def _step_model(d: dict | None) -> StepModel | None:
+    if d is None:
+        return None
+    from quanta.sim.step_model import StepModel
+
+    return StepModel.from_dict(d)
