@@ -24,6 +24,7 @@ import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -40,6 +41,7 @@ class FrontDeployment:
     """The ingress deployment's class: builds a :class:`~quanta.cluster.front.Front` over the replicas' handles."""
 
     def __init__(self, handles: list, settings: dict) -> None:
+        started = time.monotonic()
         from quanta.cluster.front import Front
         from quanta.cluster.prompts import RoutingPrompts
         from quanta.cluster.routing import make_router
@@ -56,6 +58,7 @@ class FrontDeployment:
         self.front = Front([_replica_call(h) for h in handles], router,
                            RoutingPrompts(tokenizer, settings["max_model_len"]), settings["max_num_seqs"],
                            settings["max_request_bytes"], settings["routing"])
+        log.info("front ready in %.1f s", time.monotonic() - started)
 
     async def __call__(self, request):
         return await self.front(request)
@@ -192,6 +195,8 @@ def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict
 
     _on_stop_signals()  # Ctrl-C and SIGTERM: the finally below stops what this process started
     started = time.monotonic()
+    native = threading.Thread(target=build_native_once, name="quanta-native-build", daemon=True)
+    native.start()  # while Ray starts (mostly waiting on its processes), not in every replica at once after
     try:
         try:
             start_ray(args.ray_address, args.replicas, args.replica_cpus)
@@ -199,8 +204,11 @@ def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict
             raise RayStartError(f"Ray could not start{' at ' + args.ray_address if args.ray_address else ''}: "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         _on_stop_signals()  # again: ray.init installs a SIGTERM handler of its own, which dumps a stack and exits
+        log.info("Ray %s in %.1f s", "joined" if args.ray_address else "started", time.monotonic() - started)
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config=serve_logging(args.log_level, args.log_format))
+        log.info("Ray Serve's controller and proxy up at %.1f s", time.monotonic() - started)
+        native.join()
         serve.run(build_application(args, engine_cfg, sched_cfg, options), name="quanta", route_prefix="/")
         log.info("serving %d replicas (routing %s) on http://%s:%d, %.1f s after start", args.replicas, args.routing,
                  args.host, args.port, time.monotonic() - started)
@@ -211,6 +219,21 @@ def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict
     finally:
         _stop(args, ray, serve)
     return 0
+
+
+def build_native_once() -> None:
+    """Build quanta's C kernels for this machine if its cache has no copy yet, so that the replicas on this
+    node load the one library rather than each compiling it (on a first run, two replicas compiling at
+    once added about 10 s to each one's start here). A failure is left to the replicas to report."""
+    from quanta.model.native import NativeUnavailable, build
+
+    t0 = time.monotonic()
+    try:
+        lib = build()
+    except NativeUnavailable:
+        return
+    if time.monotonic() - t0 > 1.0:
+        log.info("built the C kernels for this machine in %.1f s: %s", time.monotonic() - t0, lib.name)
 
 
 def _on_stop_signals() -> None:

@@ -9,11 +9,15 @@ makes it a deployment (:mod:`quanta.cluster.app`); it imports nothing of Ray.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 
 from quanta.cluster.forward import HTTPRequest, ResponseStart, call_app
+
+log = logging.getLogger("quanta.cluster")
 
 
 class ReplicaServer:
@@ -30,6 +34,7 @@ class ReplicaServer:
 
     def __init__(self, index: int, engine_cfg, sched_cfg, options: dict, threads: int = 1,
                  stats_interval: float = 0.0, log_level: str = "info", log_format: str = "text") -> None:
+        started = time.monotonic()
         os.environ["QUANTA_NATIVE_THREADS"] = str(threads)  # read when the model's C kernels load
         import torch
 
@@ -37,9 +42,13 @@ class ReplicaServer:
         from quanta.server.run import build_server
 
         configure_logging(log_level, log_format)
+        imported = time.monotonic()
         torch.set_num_threads(threads)
         self.built = build_server(engine_cfg, sched_cfg, **options)
         self.built.app.state.quanta.config["replica"] = {"index": index, "pid": os.getpid(), "host": socket.gethostname()}
+        done = time.monotonic()
+        log.info("replica %d ready in %.1f s (imports %.1f s, model and engine %.1f s)", index, done - started,
+                 imported - started, done - imported)
         self.stats_interval = stats_interval
         self._stats: asyncio.Task | None = None
 
