@@ -34,8 +34,10 @@ A server not healthy within ``--timeout`` seconds (e.g. quanta refusing the file
 killing it for memory), or one that fails a workload, is a row "failed: <last log line>" for that
 round; its other rounds still count.
 
+``--load-only`` stops each server at its first ``/health`` (the load time and peak memory rows only).
+
 Usage (never in CI): ``python benchmarks/peer_gguf.py [--model PATH.gguf] [--rounds 3] [--ctx 4096]
-[--timeout 600] [--out NAME]``; ``--out NAME`` writes ``benchmarks/results/NAME.md`` and ``.json``
+[--timeout 600] [--load-only] [--out NAME]``; ``--out NAME`` writes ``benchmarks/results/NAME.md`` and ``.json``
 (a NAME with a ``/`` is used as the path prefix). ``llama-server`` is ``peer_llama_cpp.py``'s cached
 build (or ``--llama-server PATH``).
 """
@@ -151,8 +153,10 @@ def workload(url: str, flags: list[str], out: Path) -> dict:
     return run
 
 
-def one_round(cmd: list[str], port: int, log: Path, timeout: float, bench_flags: list[str], tag: Path) -> dict:
-    """One server's figures (:data:`ROWS` keys, plus the memory readings); ``failed`` where it failed."""
+def one_round(cmd: list[str], port: int, log: Path, timeout: float, bench_flags: list[str], tag: Path,
+              load_only: bool = False) -> dict:
+    """One server's figures (:data:`ROWS` keys, plus the memory readings; ``load_only``: the load rows
+    alone); ``failed`` where it failed."""
     row: dict = {}
     t0 = time.monotonic()
     try:
@@ -164,6 +168,8 @@ def one_round(cmd: list[str], port: int, log: Path, timeout: float, bench_flags:
     try:
         row["memory_at_load"] = tree_memory(proc.pid)
         row["load_peak_mib"] = row["memory_at_load"]["VmHWM"]
+        if load_only:
+            return row
         url = f"http://127.0.0.1:{port}"
         client = workload(url, [*PREFILL, *bench_flags], Path(f"{tag}-ttft"))["metrics"]["client"]
         row["ttft_ms"], row["prompt_tokens"] = client["ttft"]["p50"] * 1e3, client["prompt_tokens"]
@@ -201,6 +207,7 @@ def main() -> int:
     ap.add_argument("--llama-args", default="", help="extra flags for llama-server")
     ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary instead of the cached build")
     ap.add_argument("--out", default=None, help="write benchmarks/results/NAME.md and .json (a NAME with / is a path prefix)")
+    ap.add_argument("--load-only", action="store_true", help="only the load rows: each server is stopped at its first /health")
     args = ap.parse_args()
     if args.rounds < 1 or args.ctx < 1:
         ap.error("--rounds and --ctx must be positive")
@@ -218,7 +225,8 @@ def main() -> int:
     for rnd in range(args.rounds):
         for server in SERVERS if rnd % 2 == 0 else SERVERS[::-1]:  # alternate who goes first
             log = workdir / f"{server}-r{rnd}.log"
-            row = one_round(cmds[server], ports[server], log, args.timeout, bench_flags, workdir / f"{server}-r{rnd}")
+            row = one_round(cmds[server], ports[server], log, args.timeout, bench_flags, workdir / f"{server}-r{rnd}",
+                            args.load_only)
             rounds[server].append(row)
             shown = {k: round(v, 2) for k, v in row.items() if k in ROWS}
             print(f"  round {rnd + 1} {server}: {shown}" + (f" failed: {row['failed']}" if "failed" in row else ""),
