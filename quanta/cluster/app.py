@@ -205,6 +205,8 @@ def serve_cluster(args: argparse.Namespace, engine_cfg, sched_cfg, options: dict
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         _on_stop_signals()  # again: ray.init installs a SIGTERM handler of its own, which dumps a stack and exits
         log.info("Ray %s in %.1f s", "joined" if args.ray_address else "started", time.monotonic() - started)
+        if args.log_level != "debug":  # "Connecting to existing Serve app ... will not be applied" (serve.run's own
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)  # start, after ours): quanta's lines say what started
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config=serve_logging(args.log_level, args.log_format))
         log.info("Ray Serve's controller and proxy up at %.1f s", time.monotonic() - started)
