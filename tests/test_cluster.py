@@ -216,6 +216,17 @@ def test_ray_prints_plain_lines_when_stderr_is_not_a_terminal():
     assert kept.stdout.split() == ["1", "0"], kept.stderr
 
 
+def test_ray_serve_logging_config_is_ray_valid_without_access_log():
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[cluster]')")
+    from ray.serve.schema import LoggingConfig
+
+    from quanta.cluster.app import serve_logging
+
+    json_logs = LoggingConfig(**serve_logging("debug", "json"))
+    assert (json_logs.enable_access_log, json_logs.encoding, json_logs.log_level) == (False, "JSON", "DEBUG")
+    assert LoggingConfig(**serve_logging("info", "text")).encoding == "TEXT"
+
+
 def test_an_unreachable_ray_address_is_refused_before_ray_waits_on_it():
     from quanta.cluster.app import check_reachable
 
