@@ -226,3 +226,84 @@ def test_tiny_qwen3_moe_file(tmp_path) -> None:
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == \
         ("qwen3_moe", 16, 4, 192, True)
     assert cfg.qk_norm and not cfg.tie_word_embeddings and cfg.dense_layers == []
+
+
+def test_k_quant_blocks_decode_to_their_fields() -> None:
+    """Q4_K / Q6_K blocks packed from fields over their whole ranges (6-bit scales and mins, signed int8
+    scales) decode, by the ``gguf`` package's port of ggml's dequantize, to the weights the fields mean."""
+    from quanta.tools import kquant_blocks as kb
+
+    rng = np.random.default_rng(7)
+    n = 40
+    d, dmin = (rng.normal(0, 0.01, n).astype(np.float16) for _ in range(2))
+    sc, mins, q = rng.integers(0, 64, (n, 8)), rng.integers(0, 64, (n, 8)), rng.integers(0, 16, (n, 256))
+    blocks = kb.pack_q4_k(d, dmin, sc, mins, q)
+    assert blocks.shape == (n, 144)
+    decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(n, 256)
+    np.testing.assert_array_equal(decoded, kb.q4_k_values(d, dmin, sc, mins, q))
+    sc6, q6 = rng.integers(-128, 128, (n, 16)), rng.integers(0, 64, (n, 256))
+    blocks = kb.pack_q6_k(d, sc6, q6)
+    assert blocks.shape == (n, 210)
+    decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K).reshape(n, 256)
+    np.testing.assert_array_equal(decoded, kb.q6_k_values(d, sc6, q6))
+
+
+def test_random_k_quant_blocks_have_the_requested_spread() -> None:
+    from quanta.tools import kquant_blocks as kb
+
+    for block_type in ("Q4_K", "Q6_K"):
+        blocks = kb.random_blocks(block_type, (300, 512), 0.05, np.random.default_rng(1), zero_from=250)
+        values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[block_type])
+        assert values.shape == (300, 512)
+        assert values[:250].std() == pytest.approx(0.05, rel=0.02) and abs(values[:250].mean()) < 0.002
+        assert (values[250:] == 0).all()
+        assert len(np.unique(values[:250])) > 200, block_type  # codes times sub-block scales (and mins)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kb.random_blocks("Q4_K", (4, 96), 0.05, np.random.default_rng(1))
+
+
+def test_q4_k_m_tensor_types_are_llama_quantizes() -> None:
+    """The Q6_K tensors of Llama-3.2-1B's Q4_K_M as llama-quantize writes it (tied token_embd, attn_v and
+    ffn_down of blocks 0, 1, 4, 7, 10, 13, 14, 15), every other matrix Q4_K."""
+    from quanta.tools import kquant_blocks as kb
+
+    cfg = mm.shape_config("llama-3.2-1b")
+    types = {name: kb.tensor_type("Q4_K_M", name, shape, cfg) for name, shape, _, dtype in mm.tensor_plan(cfg)
+             if dtype == np.float16}
+    six = {f"blk.{i}.{t}.weight" for i in (0, 1, 4, 7, 10, 13, 14, 15) for t in ("attn_v", "ffn_down")}
+    assert {n for n, t in types.items() if t == "Q6_K"} == six | {"token_embd.weight"}
+    assert set(types.values()) == {"Q4_K", "Q6_K"}
+    assert kb.tensor_type("Q6_K", "blk.0.attn_q.weight", (256, 256), cfg) == "Q6_K"
+    assert kb.tensor_type("Q4_K_M", "blk.3.attn_q.weight", (64, 96), cfg) == "Q5_0"  # rows not of 256: llama-quantize's fallback
+
+
+def test_direct_q4_k_m_file(tmp_path) -> None:
+    """tiny-llama3 in Q4_K_M written directly: the file type, Q6_K where llama-quantize puts it, the weights'
+    spread, zero reserved rows, and quanta loads it."""
+    path = mm.write_direct("tiny-llama3", tmp_path / "q4km.gguf", "Q4_K_M", progress=lambda _: None)
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    tensors = {t.name: t for t in reader.tensors}
+    q6 = {n for n, t in tensors.items() if t.tensor_type == gguf.GGMLQuantizationType.Q6_K}
+    assert q6 == {"token_embd.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight"}
+    assert tensors["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_K
+
+    def values(name):
+        return gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+
+    assert values("blk.0.ffn_down.weight").std() == pytest.approx(768 ** -0.5, rel=0.03)
+    assert values("blk.1.ffn_down.weight").std() == pytest.approx(768 ** -0.5, rel=0.03)
+    embedding = values("token_embd.weight")
+    assert embedding[:49152].std() == pytest.approx(mm.EMBEDDING_STD, rel=0.02) and (embedding[49152:] == 0).all()
+    assert load_config(path).hidden_size == 256
+
+
+@pytest.mark.skipif(not (mm.llama_cpp_source() / "build" / "bin" / "llama-quantize").exists(), reason="llama-quantize not built")
+def test_direct_k_quant_types_match_llama_quantize(tmp_path) -> None:
+    for qtype in ("Q4_K_M", "Q6_K"):
+        direct = mm.write_direct("tiny-llama3", tmp_path / f"{qtype}.gguf", qtype, progress=lambda _: None)
+        made = mm.make_gguf("tiny-llama3", tmp_path / f"{qtype}-quantized.gguf", qtype, progress=lambda _: None)
+        readers = gguf.GGUFReader(direct), gguf.GGUFReader(made)
+        types = [{t.name: t.tensor_type for t in r.tensors} for r in readers]  # llama-quantize reorders the tensors
+        assert types[0] == types[1], qtype
+        assert direct.stat().st_size == made.stat().st_size

@@ -43,7 +43,9 @@ tensor held is the embedding). ``--type F32`` widens the F16 values; other ``--t
 the F16 file next to ``--out``, run llama.cpp's own ``llama-quantize`` on it (see
 :func:`llama_quantize_binary`) and delete it. :func:`write_direct` also writes Q8_0 / Q5_x / Q4_x
 files without llama.cpp (every matrix quantized by the ``gguf`` package; the test files of
-``tests/test_agreement_llama_cpp.py``).
+``tests/test_agreement_llama_cpp.py``), and Q6_K / Q4_K_M files of random K-quant blocks with each
+tensor's type as llama-quantize picks it (:mod:`quanta.tools.kquant_blocks`: the same spread as the
+float weights and zero reserved rows, but not the F16 file's values; no F16 file is written).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quanta.tools import gemma_shapes, phi3_shapes
+from quanta.tools import gemma_shapes, kquant_blocks, phi3_shapes
 from quanta.tools.model_shapes import (  # noqa: F401  (re-exported: make-model's shapes)
     SHAPES,
     gguf_arch,
@@ -82,7 +84,9 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0
          "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K")
 
 #: types make-model writes itself (:func:`write_direct`; all the others go through ``llama-quantize``)
-DIRECT_TYPES = ("F32", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+DIRECT_TYPES = ("F32", "F16", "Q8_0", "Q6_K", "Q5_1", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0")
+#: file types whose matrices are random K-quant blocks (:mod:`quanta.tools.kquant_blocks`), tensor types by llama-quantize's rules
+K_TYPES = ("Q6_K", "Q4_K_M")
 
 
 def _file_types() -> dict[str, Any]:
@@ -262,11 +266,12 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
     """Write shape ``name`` with random weights to ``out``, every matrix in ``qtype`` (one of
     :data:`DIRECT_TYPES`), one tensor at a time (a partial file is removed). The matrices' values
     are the F16 file's: kept (``F16``), widened (``F32``) or quantized by the ``gguf`` package (its
-    numpy port of ggml's reference quantizers), so a file depends on the shape, ``seed``, ``layers``
-    and ``qtype`` only.
+    numpy port of ggml's reference quantizers); for :data:`K_TYPES` the Q4_K / Q6_K matrices are random
+    blocks of the same spread instead. A file depends on the shape, ``seed``, ``layers`` and ``qtype`` only.
 
     Raises:
-        ValueError: unknown shape or type, or a vocabulary below the embedded tokenizer's.
+        ValueError: unknown shape or type, a vocabulary below the embedded tokenizer's, or a K-quant
+            file needing a type not written here (Q5_K).
     """
     import gguf
     import numpy as np
@@ -274,15 +279,15 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
 
     if qtype not in DIRECT_TYPES:
         raise ValueError(f"{qtype} is not written directly; choose one of: {', '.join(DIRECT_TYPES)}")
-    cfg, out, ggml_type = shape_config(name, layers), Path(out), gguf.GGMLQuantizationType[qtype]
-    plan = [(tensor_name, shape, kind, dtype, _stored_bytes(shape, dtype, ggml_type))
+    cfg, out = shape_config(name, layers), Path(out)
+    plan = [(tensor_name, shape, kind, dtype, _matrix_type(qtype, tensor_name, shape, dtype, cfg))
             for tensor_name, shape, kind, dtype in tensor_plan(cfg)]
+    plan = [(*row, _stored_bytes(row[1], row[3], row[4])) for row in plan]
     writer = gguf.GGUFWriter(out, gguf_arch(cfg))
     _add_metadata(writer, name, cfg, _file_types()[qtype])
-    for tensor_name, shape, _, dtype, nbytes in plan:
-        typed = dtype == np.float16  # a weight matrix (or stacked experts): stored in qtype
-        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32) if typed else dtype, nbytes,
-                               ggml_type if typed else None)
+    for tensor_name, shape, _, dtype, ggml_type, nbytes in plan:
+        typed = ggml_type is not None  # a weight matrix (or stacked experts): stored in its file type
+        writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32) if typed else dtype, nbytes, ggml_type)
     total = sum(nbytes for *_, nbytes in plan)
     report = _progress_printer(total, "wrote", progress) if total >= _PROGRESS_BYTES else lambda _: None
     try:
@@ -290,9 +295,12 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         written = 0
-        for tensor_name, shape, kind, dtype, nbytes in plan:
-            values = _random_tensor(tensor_name, shape, kind, getattr(torch, dtype.name), cfg, seed, torch)
-            if dtype == np.float16 and qtype != "F16":
+        for tensor_name, shape, kind, dtype, ggml_type, nbytes in plan:
+            if ggml_type is not None and ggml_type.name in ("Q4_K", "Q6_K"):
+                values = _random_blocks(tensor_name, shape, kind, ggml_type.name, cfg, seed)
+            else:
+                values = _random_tensor(tensor_name, shape, kind, getattr(torch, dtype.name), cfg, seed, torch)
+            if ggml_type is not None and ggml_type.name not in ("F16", "Q4_K", "Q6_K"):
                 values = gguf.quants.quantize(values.astype(np.float32), ggml_type)
             writer.write_tensor_data(values)
             written += nbytes
@@ -305,13 +313,23 @@ def write_direct(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, 
     return out
 
 
+def _matrix_type(qtype: str, name: str, shape: tuple[int, ...], dtype: Any, cfg: dict) -> Any:
+    """The ggml type of tensor ``name`` in a ``qtype`` file: None for a float32 one (vector, router), else
+    ``qtype``'s, or for :data:`K_TYPES` the tensor's type as llama-quantize picks it."""
+    import gguf
+
+    if dtype.itemsize == 4:
+        return None
+    return gguf.GGMLQuantizationType[kquant_blocks.tensor_type(qtype, name, shape, cfg) if qtype in K_TYPES else qtype]
+
+
 def _stored_bytes(shape: tuple[int, ...], dtype: Any, ggml_type: Any) -> int:
     """Bytes of a tensor in the file: a float32 one (vector, router) in float32, a float16 one in ``ggml_type``."""
     import math
 
     import gguf
 
-    if dtype.itemsize == 4:
+    if ggml_type is None:
         return math.prod(shape) * dtype.itemsize
     return math.prod(gguf.quants.quant_shape_to_byte_shape(shape, ggml_type))
 
@@ -333,8 +351,23 @@ def _random_tensor(name: str, shape: tuple[int, ...], kind: str, dtype: Any, cfg
         return values.numpy()
     if kind == "router":
         return torch.empty(shape, dtype=dtype).normal_(0.0, ROUTER_LOGIT_STD * shape[-1] ** -0.5, generator=gen).numpy()
-    std = shape[-1] ** -0.5 if kind == "weight" else cfg["hidden_size"] ** -0.5
-    return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen).numpy()
+    return torch.empty(shape, dtype=dtype).normal_(0.0, _matrix_std(kind, shape, cfg), generator=gen).numpy()
+
+
+def _matrix_std(kind: str, shape: tuple[int, ...], cfg: dict) -> float:
+    """Std of a projection's (``weight``) or a bias's values; see the module docstring."""
+    if kind in ("embedding", "output"):
+        return EMBEDDING_STD
+    return shape[-1] ** -0.5 if kind == "weight" else cfg["hidden_size"] ** -0.5
+
+
+def _random_blocks(name: str, shape: tuple[int, ...], kind: str, block_type: str, cfg: dict, seed: int) -> Any:
+    """Matrix ``name`` as random ``block_type`` blocks with :func:`_random_tensor`'s std and zero rows."""
+    import numpy as np
+
+    rng = np.random.default_rng(zlib.crc32(f"{seed}:{name}".encode()))
+    zero_from = tokenizer_size() if kind in ("embedding", "output") else None
+    return kquant_blocks.random_blocks(block_type, shape, _matrix_std(kind, shape, cfg), rng, zero_from)
 
 
 def quantize(src: str | Path, out: str | Path, qtype: str, progress: Progress = print) -> None:
