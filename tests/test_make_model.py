@@ -307,3 +307,12 @@ def test_direct_k_quant_types_match_llama_quantize(tmp_path) -> None:
         types = [{t.name: t.tensor_type for t in r.tensors} for r in readers]  # llama-quantize reorders the tensors
         assert types[0] == types[1], qtype
         assert direct.stat().st_size == made.stat().st_size
+
+
+def test_direct_flag(tmp_path, capsys) -> None:
+    out = tmp_path / "q6k.gguf"
+    assert cli.main(["make-model", "--shape", "tiny-llama3", "--layers", "1", "--type", "Q6_K", "--direct", "--out", str(out)]) == 0
+    assert {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} == {"F32", "Q6_K"}
+    assert [p.name for p in tmp_path.iterdir()] == ["q6k.gguf"]
+    assert cli.main(["make-model", "--shape", "tiny-llama3", "--type", "Q4_K_S", "--direct", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert "--direct writes" in capsys.readouterr().err

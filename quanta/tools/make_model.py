@@ -45,7 +45,8 @@ the F16 file next to ``--out``, run llama.cpp's own ``llama-quantize`` on it (se
 files without llama.cpp (every matrix quantized by the ``gguf`` package; the test files of
 ``tests/test_agreement_llama_cpp.py``), and Q6_K / Q4_K_M files of random K-quant blocks with each
 tensor's type as llama-quantize picks it (:mod:`quanta.tools.kquant_blocks`: the same spread as the
-float weights and zero reserved rows, but not the F16 file's values; no F16 file is written).
+float weights and zero reserved rows, but not the F16 file's values; no F16 file is written);
+``--direct`` makes make-model write any of :data:`DIRECT_TYPES` that way (a real-size Q4_K_M at ~15 ns a weight).
 """
 
 from __future__ import annotations
@@ -396,12 +397,13 @@ def quantize(src: str | Path, out: str | Path, qtype: str, progress: Progress = 
 
 
 def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, layers: int | None = None,
-              progress: Progress = print) -> Path:
-    """Shape ``name`` as a ``qtype`` GGUF at ``out`` (F16 / F32 written directly; other types through an F16
-    file beside ``out`` and ``llama-quantize``, the F16 file removed afterwards).
+              progress: Progress = print, direct: bool = False) -> Path:
+    """Shape ``name`` as a ``qtype`` GGUF at ``out`` (F16 / F32, or with ``direct`` any of :data:`DIRECT_TYPES`,
+    written directly; other types through an F16 file beside ``out`` and ``llama-quantize``, the F16 file
+    removed afterwards).
 
     Raises:
-        ValueError: unknown shape or type, ``out`` exists, or a bad layer count.
+        ValueError: unknown shape or type, ``direct`` with a type not written directly, ``out`` exists, or a bad layer count.
         FileNotFoundError: a quantized type and ``llama-quantize`` is not built (checked first).
         RuntimeError: ``llama-quantize`` failed.
     """
@@ -411,7 +413,9 @@ def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, lay
     if out.exists():
         raise ValueError(f"{out} exists; remove it or choose another --out")
     shape_config(name, layers)
-    if qtype in ("F16", "F32"):
+    if direct and qtype not in DIRECT_TYPES:
+        raise ValueError(f"--direct writes {', '.join(DIRECT_TYPES)}, not {qtype}")
+    if direct or qtype in ("F16", "F32"):
         return write_direct(name, out, qtype, seed, layers, progress)
     llama_quantize_binary()
     f16 = out.with_name(f".{out.stem}.f16-{os.getpid()}.gguf")
@@ -427,11 +431,14 @@ def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, lay
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """``make-model``'s ``--type`` and ``--layers`` (``--shape`` is added beside ``--preset``)."""
+    """``make-model``'s ``--type``, ``--layers`` and ``--direct`` (``--shape`` is added beside ``--preset``)."""
     parser.add_argument("--type", type=str.upper, choices=TYPES, metavar="TYPE",
                         help="with --shape: weight type, F16 and F32 written directly, the others by llama.cpp's llama-quantize: "
                         "%(choices)s (default F16)")
     parser.add_argument("--layers", type=int, help="with --shape: decoder blocks, instead of the shape's own count")
+    parser.add_argument("--direct", action="store_true",
+                        help=f"with --shape: write --type without llama-quantize ({', '.join(DIRECT_TYPES)}; Q4_K_M and Q6_K as "
+                        "random K-quant blocks in llama-quantize's tensor types, no F16 file)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -439,7 +446,8 @@ def main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     qtype = args.type or "F16"
     try:
-        out = make_gguf(args.shape, args.out, qtype, args.seed, args.layers, lambda line: print(line, flush=True))
+        out = make_gguf(args.shape, args.out, qtype, args.seed, args.layers, lambda line: print(line, flush=True),
+                        getattr(args, "direct", False))
     except RuntimeError as exc:
         print(f"quanta make-model: error: {exc}", file=sys.stderr)
         return 1
