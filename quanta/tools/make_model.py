@@ -80,7 +80,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 SYNTHETIC_LABEL = "random weights of the {name} shape (quanta make-model --shape {name}); outputs are meaningless"
 
 
-#: ``--type`` values: F16 and F32 are written directly, the others by ``llama-quantize`` (those needing an imatrix left out)
+#: ``--type`` values: F16 and F32 are written directly, the others by ``llama-quantize`` or ``--direct`` (those needing an imatrix left out)
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
          "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K")
 
@@ -433,7 +433,7 @@ def make_gguf(name: str, out: str | Path, qtype: str = "F16", seed: int = 0, lay
 def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """``make-model``'s ``--type``, ``--layers`` and ``--direct`` (``--shape`` is added beside ``--preset``)."""
     parser.add_argument("--type", type=str.upper, choices=TYPES, metavar="TYPE",
-                        help="with --shape: weight type, F16 and F32 written directly, the others by llama.cpp's llama-quantize: "
+                        help="with --shape: weight type, F16 and F32 written directly, the others by llama-quantize (or --direct): "
                         "%(choices)s (default F16)")
     parser.add_argument("--layers", type=int, help="with --shape: decoder blocks, instead of the shape's own count")
     parser.add_argument("--direct", action="store_true",
