@@ -265,7 +265,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="seconds between stats lines (throughput, running, waiting, KV slots, prefix-cache hits) while "
                             f"requests run or wait; 0: none (default {DEFAULT_STATS_INTERVAL_S:g})")
     serve.add_argument("--stream-keepalive", type=keepalive_seconds, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
-                       help="streamed responses send a keep-alive (an SSE comment; Anthropic's ping event) after this "
+                       help="streamed responses send a keep-alive (an empty chunk, Responses' in_progress, Anthropic's ping) after this "
                             "many seconds without an event, e.g. while a long prompt is computed; 0: none "
                             f"(default {DEFAULT_KEEPALIVE_S:g})")
     serve.add_argument("--no-prefix-cache", action=_OnceTrue,

@@ -93,15 +93,25 @@ def sse_blocks(writes) -> list[tuple[float, str]]:
 
 
 def kind(route: str, block: str) -> str:
-    """``keepalive``, ``opening`` (the route's opening events) or ``output`` (anything after them)."""
-    if block.startswith(":") or block.startswith("event: ping\n"):
+    """``keepalive``, ``opening`` (the route's opening events) or ``output`` (anything after them).
+
+    A keep-alive is an event the protocol's clients parse (not an SSE comment, which they skip): a
+    chat chunk with an empty delta, a completions chunk of empty text, Responses'
+    ``response.in_progress`` (also sent once at once, after ``response.created``), Anthropic's ping."""
+    assert not block.startswith(":"), "an SSE comment: clients skip it, so it keeps no event-timed client"
+    if block.startswith("event: ping\n"):
         return "keepalive"
     event = json.loads(block.split("data: ", 1)[1]) if "data: {" in block else {}
-    if route == "chat" and event.get("choices") and event["choices"][0]["delta"].get("role") == "assistant":
+    choice = (event.get("choices") or [{}])[0]
+    if route == "chat" and choice.get("delta") == {} and choice.get("finish_reason") is None:
+        return "keepalive"
+    if route == "completions" and choice.get("text") == "" and choice.get("finish_reason") is None:
+        return "keepalive"
+    if route == "responses" and event.get("type") == "response.in_progress":
+        return "keepalive"
+    if route == "chat" and choice.get("delta", {}).get("role") == "assistant":
         return "opening"
-    if route == "messages" and event.get("type") == "message_start":
-        return "opening"
-    if route == "responses" and event.get("type") in ("response.created", "response.in_progress"):
+    if route in ("messages", "responses") and event.get("type") in ("message_start", "response.created"):
         return "opening"
     return "output"
 
@@ -112,7 +122,7 @@ def _before_output(route: str, writes) -> list[tuple[float, str]]:
     return kinds[:first]
 
 
-OPENINGS = {"chat": 1, "completions": 0, "messages": 1, "responses": 2}
+OPENINGS = {"chat": 1, "completions": 0, "messages": 1, "responses": 1}
 
 
 def _official_stream(route: str, base: str, model: str, text: str) -> tuple[str, list]:
@@ -136,12 +146,16 @@ def _parsed(route: str, base: str, model: str, text: str, http) -> str:
         chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
                                                      max_tokens=3, stream=True))
         assert chunks[0].choices[0].delta.role == "assistant"
+        empty = [c for c in chunks[1:] if c.choices and c.choices[0].delta.content is None and not c.choices[0].finish_reason]
+        assert len(empty) >= 2, "the client yields the keep-alives (event-timed clients count them)"
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     if route == "completions":
         chunks = list(client.completions.create(model=model, prompt=text, max_tokens=3, stream=True))
+        assert sum(c.choices[0].text == "" and not c.choices[0].finish_reason for c in chunks) >= 2
         return "".join(c.choices[0].text for c in chunks)
     events = list(client.responses.create(model=model, input=text, max_output_tokens=16, stream=True))
-    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e.type for e in events[:3]] == ["response.created", "response.in_progress", "response.in_progress"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # keep-alives take their numbers in order
     assert events[-1].type in ("response.completed", "response.incomplete")
     return "".join(e.delta for e in events if e.type == "response.output_text.delta")
 

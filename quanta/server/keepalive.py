@@ -5,11 +5,17 @@ A cold prefill of a long context takes minutes on a CPU, and agents drop a
 stream that has been silent for a few minutes (then send the request again).
 :func:`with_keepalive` wraps any route's SSE event generator: it reads the
 next event on a task and, each time ``interval`` seconds pass with no event,
-yields the route's keep-alive instead: an SSE comment line
-(:data:`SSE_COMMENT`) on OpenAI's routes, which every SSE parser skips, and
-Anthropic's ``ping`` event on ``/v1/messages``. A keep-alive never cancels the
-read it waits for; a client that goes away cancels it (the request's stream
-then aborts the request, :class:`quanta.engine.async_engine.RequestStream`).
+yields the route's keep-alive instead. A keep-alive is an event the
+protocol's own clients parse and hand on, because some agents time a stream
+by the events their SDK yields, not by the bytes (Qwen Code 0.24.4 drops a
+stream after 240 s without a chunk; SSE comments, which every parser skips,
+did not keep it): on chat completions a chunk whose ``delta`` is empty, on
+completions a chunk of empty ``text``, on Responses ``response.in_progress``
+again (its snapshot carries no output, which the official client merges as
+no change), Anthropic's ``ping`` on ``/v1/messages``. A keep-alive never
+cancels the read it waits for; a client that goes away cancels it (the
+request's stream then aborts the request,
+:class:`quanta.engine.async_engine.RequestStream`).
 
 The interval is ``quanta serve --stream-keepalive SECONDS`` (default
 :data:`DEFAULT_KEEPALIVE_S`; 0: none), kept in the server config under
@@ -20,15 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 #: ``--stream-keepalive`` default, seconds.
 DEFAULT_KEEPALIVE_S = 10.0
 #: the server config's key for the interval (``/v1/config`` shows it).
 CONFIG_KEY = "stream_keepalive_s"
-#: the keep-alive of OpenAI's routes: an SSE comment.
-SSE_COMMENT = ": keep-alive\n\n"
-
 _END = object()
 
 
@@ -44,8 +47,10 @@ async def _next(events: AsyncIterator[str]):
         return _END
 
 
-async def with_keepalive(events: AsyncIterator[str], interval: float, keepalive: str) -> AsyncIterator[str]:
-    """``events``, with ``keepalive`` yielded after each ``interval`` seconds without one (0: none)."""
+async def with_keepalive(events: AsyncIterator[str], interval: float,
+                         keepalive: str | Callable[[], str]) -> AsyncIterator[str]:
+    """``events``, with ``keepalive`` (or what it returns, called each time: an event that carries a
+    sequence number) yielded after each ``interval`` seconds without one (0: none)."""
     if interval <= 0:
         async for event in events:
             yield event
@@ -55,7 +60,7 @@ async def with_keepalive(events: AsyncIterator[str], interval: float, keepalive:
         while True:
             pending = asyncio.ensure_future(_next(events))
             while not (await asyncio.wait({pending}, timeout=interval))[0]:
-                yield keepalive
+                yield keepalive() if callable(keepalive) else keepalive
             event, pending = pending.result(), None
             if event is _END:
                 return

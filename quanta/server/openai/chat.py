@@ -18,8 +18,9 @@ constraints, and the response shapes (JSON and SSE).
   ``max_tokens``, EOS) keeps ``stop`` or ``length`` (its streamed call's
   ``arguments`` are incomplete), streamed or not.
 - Streams open at admission (chat's role chunk before the prompt is
-  computed) and get an SSE comment every ``--stream-keepalive`` seconds with
-  no chunk (:mod:`quanta.server.keepalive`).
+  computed) and get a keep-alive chunk (empty ``delta``; completions: empty
+  ``text``) every ``--stream-keepalive`` seconds with no chunk
+  (:mod:`quanta.server.keepalive`).
 - Reasoning the model writes before its answer (``<think>``, harmony's
   analysis channel; :mod:`quanta.server.tool_formats`) is the message's
   ``reasoning_content``, streamed as ``delta.reasoning_content``.
@@ -42,7 +43,7 @@ from quanta.engine.sampling import SamplingParams, TokenLogprob
 from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.errors import APIError, stream_error_event
 from quanta.server.field_rule import log_fields
-from quanta.server.keepalive import SSE_COMMENT, keepalive_interval, with_keepalive
+from quanta.server.keepalive import keepalive_interval, with_keepalive
 from quanta.server.limits import PromptError
 from quanta.server.live_log import label_request
 from quanta.server.openai.logprobs import LogprobFormatter
@@ -146,7 +147,8 @@ async def _serve(state, request: Request, body, prompt: list[int], fmt: _Format,
     label_request(state.metrics.live, stream, fmt.meta.id, request.url.path)
     records = made[0].logprob_records if body.num_logprobs is not None else None
     if body.stream:
-        events = with_keepalive(_sse(fmt, stream, body.include_usage, records), keepalive_interval(state.config), SSE_COMMENT)
+        events = with_keepalive(_sse(fmt, stream, body.include_usage, records), keepalive_interval(state.config),
+                                _event(fmt.keepalive(), body.include_usage))
         return StreamingResponse(events, media_type="text/event-stream")
     return await until_disconnect(request, _collect(fmt, stream, records), stream)
 
@@ -177,11 +179,16 @@ def _error_event(message: str) -> str:
     return stream_error_event("/v1/chat/completions", message)
 
 
+def _event(payload: dict, include_usage: bool) -> str:
+    """One chunk's SSE event (``usage: null`` on each when the final chunk carries usage)."""
+    if include_usage:
+        payload["usage"] = None
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 async def _chunks(fmt: _Format, stream: RequestStream, include_usage: bool, records: list | None):
     def event(payload: dict) -> str:
-        if include_usage:
-            payload["usage"] = None
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return _event(payload, include_usage)
 
     seen = 0
     for opening in fmt.opening():
@@ -226,6 +233,10 @@ class _Format:
     def usage_chunk(self, out: RequestOutput) -> dict:
         return {**self.envelope(self.chunk_object, []), "usage": usage(out)}
 
+    def keepalive(self) -> dict:
+        """A chunk that says nothing: the stream's keep-alive (:mod:`quanta.server.keepalive`)."""
+        raise NotImplementedError
+
 
 class CompletionFormat(_Format):
     prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
@@ -243,6 +254,9 @@ class CompletionFormat(_Format):
         finish = out.finish_reason if out.finished else None
         choice = {"index": 0, "text": out.text, "logprobs": self._lp(records), "finish_reason": finish}
         return [self.envelope(self.chunk_object, [choice])]
+
+    def keepalive(self) -> dict:
+        return self.envelope(self.chunk_object, [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}])
 
 
 class ChatFormat(_Format):
@@ -274,6 +288,9 @@ class ChatFormat(_Format):
                 finish = _tool_finish(finish)
         choice = {"index": 0, "message": message, "logprobs": self._lp(records), "finish_reason": finish}
         return {**self.envelope(self.object, [choice]), "usage": usage(last)}
+
+    def keepalive(self) -> dict:
+        return self._chunk({})
 
     def _chunk(self, delta: dict, finish: str | None = None, records: list | None = None) -> dict:
         return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": self._lp(records), "finish_reason": finish}])

@@ -24,8 +24,8 @@ Streaming sends the API's events, each with a ``sequence_number``:
 ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens``
 cut it), or ``error`` if the engine failed mid-stream. ``response.created``
 and ``response.in_progress`` go out at admission, before the prompt is
-computed; an SSE comment follows every ``--stream-keepalive`` seconds with no
-event (:mod:`quanta.server.keepalive`).
+computed; ``response.in_progress`` again (numbered in sequence) follows every
+``--stream-keepalive`` seconds with no event (:mod:`quanta.server.keepalive`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from quanta.engine.async_engine import RequestStream
 from quanta.server.defaults import output_cap, served_model, with_defaults
 from quanta.server.field_rule import log_fields
-from quanta.server.keepalive import SSE_COMMENT, keepalive_interval, with_keepalive
+from quanta.server.keepalive import keepalive_interval, with_keepalive
 from quanta.server.live_log import label_request
 from quanta.server.openai.chat import chat_prompt, constrain
 from quanta.server.responses.requests import NamedChoice, ResponsesRequest, request_grammar
@@ -143,9 +143,8 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.n - 1, **payload}, ensure_ascii=False)}\n\n"
 
 
-def _stream(b: _Builder, stream: RequestStream, tools: ToolStream | None):
-    """The response's events; a failure mid-stream ends them with an ``error`` event."""
-    ev = _Events()
+def _stream(b: _Builder, stream: RequestStream, tools: ToolStream | None, ev: _Events):
+    """The response's events, numbered by ``ev``; a failure mid-stream ends them with an ``error`` event."""
     return ending_in_error(_events(ev, b, stream, tools), stream,
                            lambda message: ev("error", {"code": "server_error", "message": message, "param": None}))
 
@@ -294,8 +293,10 @@ def router(state: ServerState) -> APIRouter:
         builder = _Builder(body, tools)
         label_request(state.metrics.live, stream, builder.id, "/v1/responses")
         if body.stream:
-            events = with_keepalive(_stream(builder, stream, parser.stream() if parser else None),
-                                    keepalive_interval(state.config), SSE_COMMENT)
+            ev = _Events()  # the keep-alive, response.in_progress again, takes its number in the same sequence
+            events = with_keepalive(_stream(builder, stream, parser.stream() if parser else None, ev),
+                                    keepalive_interval(state.config),
+                                    lambda: ev("response.in_progress", {"response": builder.response([], None, "in_progress")}))
             return StreamingResponse(events, media_type="text/event-stream")
         return await until_disconnect(request, _collect(builder, stream, parser), stream)
 
