@@ -38,6 +38,7 @@ the log holds the traceback, never the raw exception text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -63,6 +64,14 @@ class QueueFullError(RuntimeError):
 class RequestFailed(RuntimeError):
     """The request failed inside the engine; ``str()`` is a short message for the
     client naming the error id that the server log carries with the traceback."""
+
+    status = 500
+
+
+class ShuttingDown(RequestFailed):
+    """The server is stopping: the request was ended before its answer (HTTP 503)."""
+
+    status = 503
 
 
 class AsyncEngine:
@@ -98,6 +107,8 @@ class AsyncEngine:
         self._aborts_queued = 0  # abort commands not applied yet
         #: seq ids of the requests whose abort is queued: a running step of only those stops early
         self._cancelling: set[int] = set()
+        #: set by :meth:`shut_down`: every request added later is refused with it
+        self._stopping_requests: RequestFailed | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -106,6 +117,15 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(None)
         self._thread.join(timeout=30)
+
+    def shut_down(self) -> None:
+        """End every request with :class:`ShuttingDown` (streams get their error event, waiting
+        callers their 503) and refuse new ones; applied between steps (a step of only those
+        requests stops at its next decoder block). For a server that is stopping: its handlers then
+        finish at once instead of being cancelled mid-answer."""
+        with self._admission:
+            self._cancelling.update(self._routes)
+        self._commands.put(("shut_down", None))
 
     @property
     def alive(self) -> bool:
@@ -245,7 +265,7 @@ class AsyncEngine:
             self.error = exc
             failure = RequestFailed(f"the engine stopped (error id {error_id}; details are in the server log)")
             for sub in list(self._routes.values()):
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failure)
+                _post(sub, failure)
             self._refuse_pending(failure)
 
     def _refuse_pending(self, failure: RequestFailed) -> None:
@@ -258,7 +278,7 @@ class AsyncEngine:
                 return
             if cmd is not None and cmd[0] == "add":
                 cmd[1].error = failure
-                cmd[1].loop.call_soon_threadsafe(accepted, cmd[1])
+                _on_loop(cmd[1].loop, accepted, cmd[1])
 
     def _step(self) -> None:
         """One engine step; a failing step fails only the requests resident in it."""
@@ -275,7 +295,7 @@ class AsyncEngine:
                 self.engine.abort(seq.seq_id)
                 sub = self._routes.pop(seq.seq_id, None)
                 if sub is not None:
-                    sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failure)
+                    _post(sub, failure)
             return
         finally:
             self._step_started = None
@@ -299,6 +319,8 @@ class AsyncEngine:
             try:
                 with self._admission:  # the request moves from preparing to waiting at once
                     try:
+                        if self._stopping_requests is not None:
+                            raise self._stopping_requests
                         if arg.reservation is None or not arg.reservation.held:
                             self._check_queue()
                         seq = self.engine.add_request(arg.prompt_token_ids, arg.params, length_checked=arg.length_checked)
@@ -309,7 +331,9 @@ class AsyncEngine:
                 self._routes[seq.seq_id] = arg
             except Exception as exc:  # reported to the caller, engine keeps going
                 arg.error = exc
-            arg.loop.call_soon_threadsafe(accepted, arg)
+            _on_loop(arg.loop, accepted, arg)
+        elif verb == "shut_down":
+            self._end_all(ShuttingDown("the server is shutting down; send the request again to another server or later"))
         elif verb == "abort":
             with self._admission:
                 self._aborts_queued -= 1
@@ -323,6 +347,18 @@ class AsyncEngine:
             self._routes.pop(arg.seq_id, None)
             if out is not None and self.on_output is not None:
                 self.on_output(out)
+
+    def _end_all(self, failure: RequestFailed) -> None:
+        """Abort every resident request with ``failure`` and refuse any added later."""
+        self._stopping_requests = failure
+        for seq_id, sub in list(self._routes.items()):
+            seq = self.engine.sequences.get(seq_id)
+            if seq is not None:
+                self._note_abort("shutdown", seq)
+                self.engine.abort(seq_id)
+            self._routes.pop(seq_id, None)
+            _post(sub, failure)
+        self._cancelling.clear()
 
     def _note_abort(self, cause: str, seq: Sequence) -> None:
         if self.on_abort is None:
@@ -364,7 +400,18 @@ class AsyncEngine:
         if out.finished:
             del self._routes[out.seq_id]
         item = RequestFailed(out.error) if out.error is not None else out
-        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
+        _post(sub, item)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    """``fn(*args)`` on ``loop``; nothing if the loop has closed (the server stopped: its caller is gone)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _post(sub: Submission, item) -> None:
+    """Hand ``item`` (an output or a failure) to ``sub``'s caller."""
+    _on_loop(sub.loop, sub.outputs.put_nowait, item)
 
 
 def abort_phase(seq: Sequence) -> str:

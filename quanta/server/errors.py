@@ -241,7 +241,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailed)
     async def _failed(request: Request, exc: RequestFailed) -> JSONResponse:
-        return respond(request, 500, str(exc))  # already logged under its id by the engine
+        return respond(request, exc.status, str(exc))  # already logged under its id by the engine; 503 when shutting down
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

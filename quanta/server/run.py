@@ -64,7 +64,7 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
                                            http=guarded_protocol(built.connections),
                                            log_config=uvicorn_log_config(log_format)))
     try:
-        uvloop.run(_serve(server, built.live, stats_interval))
+        uvloop.run(_serve(server, built, stats_interval))
     finally:
         built.async_engine.stop()
     return 0
@@ -159,11 +159,25 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     return BuiltServer(app, async_engine, live, connections)
 
 
-async def _serve(server: uvicorn.Server, live: LiveLog, stats_interval: float) -> None:
+async def _serve(server: uvicorn.Server, built: BuiltServer, stats_interval: float) -> None:
     asyncio.get_running_loop().set_exception_handler(quiet_accept_errors)
-    stats = asyncio.create_task(live.run(stats_interval)) if stats_interval > 0 else None
+    stats = asyncio.create_task(built.live.run(stats_interval)) if stats_interval > 0 else None
+    ending = asyncio.create_task(_end_requests_on_exit(server, built.async_engine))
     try:
         await server.serve()
     finally:
+        ending.cancel()
         if stats is not None:
             stats.cancel()
+
+
+async def _end_requests_on_exit(server: uvicorn.Server, engine: AsyncEngine) -> None:
+    """Once uvicorn is told to stop (Ctrl-C, SIGTERM), end the requests in flight with the server's
+    503 / error event, so their handlers finish within uvicorn's graceful shutdown instead of being
+    cancelled mid-answer (a traceback per request, a cut stream, a bare 500)."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    in_flight = engine.num_running + engine.num_waiting
+    if in_flight:
+        log.info("shutting down: ending %d request(s) in flight with 503 / an error event", in_flight)
+    engine.shut_down()
