@@ -118,11 +118,11 @@ def _main(argv: list[str] | None) -> int:
             parser.error(f"--mixed-prefill-quantum auto: {exc}")
     from quanta.cluster.app import RayStartError
     from quanta.engine.kv_budget import KVBudgetError
-    from quanta.launch import PromptWeightsError
+    from quanta.launch import ModelLoadError, PromptWeightsError
 
     try:
         return _run(args, engine_cfg, sched_cfg, chat_template)
-    except (KVBudgetError, RayStartError, PromptWeightsError) as exc:  # known after the load: still one line
+    except (KVBudgetError, RayStartError, PromptWeightsError, ModelLoadError) as exc:  # known at or after the load: one line
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 

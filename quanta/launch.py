@@ -110,6 +110,10 @@ class PromptWeightsError(ValueError):
     """``--prompt-weights form`` where the loaded model has no q4_1 / q8_0 form to keep."""
 
 
+class ModelLoadError(ValueError):
+    """The model's file or directory cannot be read into a model (its message names the path and why)."""
+
+
 def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none", native_decode: bool = True,
                prompt_weights: str = "reference") -> LoadedModel:
     """Load weights and tokenizer from a GGUF file or HF directory (None: embedded SmolLM2).
@@ -125,23 +129,22 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: an unsupported architecture, checkpoint layout or tensor type, an unknown
-            quantization, ``blocks`` where the file cannot be read so, or ``form`` where no
-            projection has a q4_1 / q8_0 form.
+        ModelLoadError: the file cannot be read into a model: truncated or malformed, an
+            unsupported architecture, checkpoint layout or tensor type, an unknown quantization,
+            ``blocks`` where the file cannot be read so (the message names the path).
+        PromptWeightsError: ``form`` where no projection has a q4_1 / q8_0 form.
     """
     model_path = Path(path) if path else embedded_model_path()
     if not model_path.exists():
         raise FileNotFoundError(f"model path {model_path} does not exist")
     t0 = time.monotonic()
-    # the tokenizer is built beside the weights: their repacking and file reads run in C without the GIL
-    with ThreadPoolExecutor(1, thread_name_prefix="quanta-tokenizer") as pool:
-        tokenizer_job = pool.submit(Tokenizer.from_path, model_path)
-        cfg = _blocks_config(model_path, quantization, prompt_weights)
-        if cfg is not None:
-            model = load_block_model(model_path, cfg, dtype)
-        else:
-            cfg, model = _load_dequantized(model_path, dtype, quantization, prompt_weights)
-        tokenizer = tokenizer_job.result()
+    try:
+        cfg, model, tokenizer = _read_model(model_path, dtype, quantization, prompt_weights)
+    except PromptWeightsError:
+        raise
+    except (ValueError, OSError) as exc:  # the file's own fault (truncated, unsupported): one line
+        why = str(exc) if str(exc).startswith(str(model_path)) else f"{model_path}: {exc}"
+        raise ModelLoadError(f"--model {why}") from exc
     decode = model.enable_native_decode() if native_decode else "torch (--native-decode off)"
     if model.native is not None:
         decode += f"(threads={model.native.tuner})"
@@ -152,6 +155,19 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
              cpu_summary(), kernels)
     name = model_path.stem if model_path.is_file() else model_path.name
     return LoadedModel(model, tokenizer, cfg, model_path, name, kernels)
+
+
+def _read_model(path: Path, dtype: torch.dtype, quantization: str, prompt_weights: str) -> tuple:
+    """``(config, model, tokenizer)`` of ``path``; the tokenizer is built beside the weights (their
+    repacking and file reads run in C without the GIL)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="quanta-tokenizer") as pool:
+        tokenizer_job = pool.submit(Tokenizer.from_path, path)
+        cfg = _blocks_config(path, quantization, prompt_weights)
+        if cfg is not None:
+            model = load_block_model(path, cfg, dtype)
+        else:
+            cfg, model = _load_dequantized(path, dtype, quantization, prompt_weights)
+        return cfg, model, tokenizer_job.result()
 
 
 def load_in_background(engine_cfg: EngineConfig) -> Future[LoadedModel]:

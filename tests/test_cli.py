@@ -355,3 +355,18 @@ def test_ctrl_c_while_loading_ends_with_one_line():
     # 130, or death by SIGINT where the interpreter re-raises it at exit (a shell shows 130 for both)
     assert proc.returncode in (130, -signal.SIGINT), out
     assert "Traceback" not in out and out.strip().splitlines()[-1] == "quanta: interrupted", out
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_model_file_that_fails_at_load_is_one_line_and_exit_2(tmp_path, command):
+    """A file that passes the checks before the load (GGUF magic) but cannot be read into a model."""
+    from quanta.model.loader import embedded_model_path
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(embedded_model_path().read_bytes()[:200_000])
+    args = ["--port", "0"] if command == "serve" else ["hi"]
+    proc = run_cli(command, *args, "--model", str(cut))
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if " INFO " not in ln]
+    assert errors == [f"quanta {command}: error: --model {cut}: truncated GGUF header: the file (200000 bytes) "
+                      "ends within key 'tokenizer.ggml.tokens'"], proc.stderr

@@ -63,7 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quanta.tools import gemma_shapes, kquant_blocks, phi3_shapes
+from quanta.tools import gemma_shapes, phi3_shapes
 from quanta.tools.model_shapes import (  # noqa: F401  (re-exported: make-model's shapes)
     SHAPES,
     gguf_arch,
@@ -321,6 +321,8 @@ def _matrix_type(qtype: str, name: str, shape: tuple[int, ...], dtype: Any, cfg:
 
     if dtype.itemsize == 4:
         return None
+    from quanta.tools import kquant_blocks  # numpy: imported only where a file is written
+
     return gguf.GGMLQuantizationType[kquant_blocks.tensor_type(qtype, name, shape, cfg) if qtype in K_TYPES else qtype]
 
 
@@ -368,6 +370,8 @@ def _random_blocks(name: str, shape: tuple[int, ...], kind: str, block_type: str
 
     rng = np.random.default_rng(zlib.crc32(f"{seed}:{name}".encode()))
     zero_from = tokenizer_size() if kind in ("embedding", "output") else None
+    from quanta.tools import kquant_blocks  # numpy: imported only where a file is written
+
     return kquant_blocks.random_blocks(block_type, shape, _matrix_std(kind, shape, cfg), rng, zero_from)
 
 
