@@ -228,8 +228,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 
     register_once(serve)
     add_engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--max-queue", type=int, help="waiting requests before HTTP 429 (default: unbounded)")
     serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                        help="model id(s) clients send, as vLLM takes them: --served-model-name ID ALIAS... "
@@ -313,8 +313,8 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
     register_once(gen)
     add_engine_flags(gen)
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
