@@ -208,3 +208,18 @@ def test_an_anthropic_schema_error_is_one_sentence_naming_its_field(server):
     assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
     message = resp.json()["error"]["message"]
     assert message.startswith("output_config.format: ") and "Invalid type: strin" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize(("path", "field", "named"), [
+    ("/v1/responses", "max_tokens", "max_output_tokens"),
+    ("/v1/responses", "response_format", "text.format"),
+    ("/v1/messages", "stop", "stop_sequences"),
+    ("/v1/messages", "max_completion_tokens", "max_tokens"),
+])
+def test_another_protocols_name_for_a_field_is_a_400_naming_this_ones(server, path, field, named):
+    """The request would otherwise run ignoring it (a Responses request with max_tokens ran to the default cap)."""
+    body = {"input": "hi"} if path == "/v1/responses" else {"messages": USER, "max_tokens": 4}
+    resp = _post(server, path, {**body, field: 16 if "tokens" in field else ["x"] if field == "stop" else {"type": "text"}})
+    assert resp.status_code == 400, resp.text
+    message = _message(path, resp.json())
+    assert message.startswith(f"{field}: ") and named in message, message

@@ -15,6 +15,8 @@
   else than what was asked: ``n`` > 1, ``echo``, ``logit_bias``, stored state
   (``previous_response_id``, ``conversation``, ``store: true``,
   ``background``), a forced hosted tool.
+- Another protocol's name for one of the route's fields (:attr:`FieldRule.RENAMED`: ``max_tokens``
+  on Responses, ``stop`` on Messages) is a 400 naming the route's own.
 - An undocumented field within edit distance 1 of a field the route knows,
   once case, ``_`` and ``-`` are ignored (``max_token``, ``maxTokens``,
   ``temprature``), is a 400 naming the field it resembles: a typo of
@@ -129,6 +131,9 @@ class FieldRule(BaseModel):
     model_config = ConfigDict(extra="allow")
     DOCUMENTED: ClassVar[frozenset[str]] = frozenset()
     NO_EFFECT: ClassVar[frozenset[str]] = frozenset()
+    #: another protocol's name for one of this route's fields -> this route's name: a 400 naming both
+    #: (the request would otherwise run ignoring it: ``max_tokens`` on Responses is ``max_output_tokens``)
+    RENAMED: ClassVar[dict[str, str]] = {}
     _ignored: list[str] = PrivateAttr(default_factory=list)
     _unknown: list[str] = PrivateAttr(default_factory=list)
 
@@ -139,6 +144,8 @@ class FieldRule(BaseModel):
             if name in self.DOCUMENTED:
                 self._ignored.append(name)
                 continue
+            if name in self.RENAMED:
+                raise field_error(name, f"not a field of this API; its name here is {self.RENAMED[name]}")
             near = None if name in ENGINE_EXTENSIONS else resembles(name, known)
             if near is not None:
                 raise field_error(name, f"unknown field (did you mean {near}?)")

@@ -89,6 +89,8 @@ class CountTokensRequest(FieldRule, NullMeansDefault):
     """``POST /v1/messages/count_tokens``."""
 
     DOCUMENTED = ANTHROPIC_MESSAGES
+    RENAMED = {"max_completion_tokens": "max_tokens", "max_output_tokens": "max_tokens", "stop": "stop_sequences",
+               "response_format": "output_config.format"}
     #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
     model: str | None = None
     messages: turns(Message)

@@ -143,6 +143,8 @@ class ResponsesRequest(FieldRule, NoEffect):
     """``POST /v1/responses`` (see the module docstring)."""
 
     DOCUMENTED = OPENAI_RESPONSES
+    RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+               "response_format": "text.format"}
     NO_EFFECT = NO_EFFECT_FIELDS | {"include", "reasoning"}
     #: None (left out): the served model, as vLLM and llama-server default to it (:func:`quanta.server.defaults.served_model`)
     model: str | None = None
