@@ -135,14 +135,11 @@ def _run(args, engine_cfg, sched_cfg, chat_template):
 
             log.info("starting %d replicas of %s on Ray ...", args.replicas, engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
             return serve_cluster(args, engine_cfg, sched_cfg, options)
-        from quanta.launch import load_in_background
+        from quanta.server.run import serve
 
         log.info("loading %s ...", engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
-        loading = load_in_background(engine_cfg)
-        from quanta.server.run import serve  # imported while the weights load
-
         return serve(engine_cfg, sched_cfg, args.host, args.port, log_level=args.log_level, log_format=args.log_format,
-                     stats_interval=args.stats_interval, loading=loading, **options)
+                     stats_interval=args.stats_interval, **options)
     from quanta.generate import generate_cli
 
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,23 +167,6 @@ def _read_model(path: Path, dtype: torch.dtype, quantization: str, prompt_weight
         else:
             cfg, model = _load_dequantized(path, dtype, quantization, prompt_weights)
         return cfg, model, tokenizer_job.result()
-
-
-def load_in_background(engine_cfg: EngineConfig) -> Future[LoadedModel]:
-    """:func:`load_model` of ``engine_cfg``'s model on a daemon thread, so that the caller imports the
-    server meanwhile (``quanta serve``: ~1 s of imports beside the C repacking); the future holds the
-    model or the load's exception. A daemon thread: Ctrl-C during the load does not wait for it."""
-    future: Future[LoadedModel] = Future()
-
-    def load() -> None:
-        try:
-            future.set_result(load_model(engine_cfg.model, resolve_dtype(engine_cfg.dtype), engine_cfg.quantization,
-                                         engine_cfg.native_decode, engine_cfg.prompt_weights))
-        except BaseException as exc:  # handed to the caller's result()
-            future.set_exception(exc)
-
-    threading.Thread(target=load, name="quanta-load", daemon=True).start()
-    return future
 
 
 def _blocks_config(path: Path, quantization: str, prompt_weights: str) -> ModelConfig | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import uvicorn
@@ -17,7 +16,6 @@ from quanta.engine.async_engine import AsyncEngine
 from quanta.engine.kv_budget import format_bytes
 from quanta.engine.model_executor import default_decode_threads
 from quanta.launch import (
-    LoadedModel,
     build_engine,
     cpu_summary,
     kv_block_bytes,
@@ -75,8 +73,7 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
                  tool_call_parser: str | None = None, access: AccessPolicy | None = None,
                  max_connections: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
                  sampling: dict | None = None, chat_template: str | None = None,
-                 reasoning_parser: str | None = None, stream_keepalive: float = DEFAULT_KEEPALIVE_S,
-                 loading: Future[LoadedModel] | None = None) -> BuiltServer:
+                 reasoning_parser: str | None = None, stream_keepalive: float = DEFAULT_KEEPALIVE_S) -> BuiltServer:
     """Load the model, start the engine thread and build the app that serves it (``quanta serve``'s
     server, and each replica's under :mod:`quanta.cluster`).
 
@@ -91,13 +88,12 @@ def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str
     checkpoint's ``generation_config.json`` (:mod:`quanta.server.defaults`);
     ``chat_template``: Jinja text that replaces the model's chat template (``--chat-template``);
     ``stream_keepalive``: seconds of silence after which a streamed response gets a keep-alive
-    (0: none; :mod:`quanta.server.keepalive`); ``loading``: the model already being loaded
-    (:func:`quanta.launch.load_in_background`), else it is loaded here.
+    (0: none; :mod:`quanta.server.keepalive`).
     """
     connections = connection_cap(max_connections, raise_fd_limit())
     dtype = resolve_dtype(engine_cfg.dtype)
-    loaded = loading.result() if loading is not None else load_model(
-        engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode, engine_cfg.prompt_weights)
+    loaded = load_model(engine_cfg.model, dtype, engine_cfg.quantization, engine_cfg.native_decode,
+                        engine_cfg.prompt_weights)
     if chat_template is not None:  # before the server state reads it (the tool-call parser is chosen from it)
         loaded.tokenizer.hf.chat_template = chat_template
     engine = build_engine(loaded, engine_cfg, sched_cfg)
