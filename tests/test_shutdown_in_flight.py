@@ -47,3 +47,4 @@ def test_ctrl_c_ends_requests_in_flight_with_their_error_and_no_traceback(launch
     log = live.log()
     assert "Traceback" not in log and "Event loop is closed" not in log, log[-4000:]
     assert "timeout graceful shutdown exceeded" not in log, log[-4000:]
+    assert log.count("finish abort") == 2, log[-4000:]  # each request still gets its line

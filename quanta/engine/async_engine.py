@@ -355,8 +355,10 @@ class AsyncEngine:
             seq = self.engine.sequences.get(seq_id)
             if seq is not None:
                 self._note_abort("shutdown", seq)
-                self.engine.abort(seq_id)
+            out = self.engine.abort(seq_id)
             self._routes.pop(seq_id, None)
+            if out is not None and self.on_output is not None:
+                self.on_output(out)  # its metrics and request line, as any abort's
             _post(sub, failure)
         self._cancelling.clear()
 
