@@ -146,7 +146,7 @@ def test_with_blocks_to_spare_every_policy_plans_exactly_as_without_a_pool(name,
 
 
 def _unchecked(ex: BlockCheckingExecutor):
-    def execute(plan):
+    def execute(plan, interrupt=None):
         return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
     return execute
 
