@@ -5,9 +5,11 @@ two KV slots of the full length), then for each protocol (chat completions, Anth
 messages, Responses; ``--protocols`` may add ``completions``) sends a streamed request of a
 ``--tokens``-token prompt that no earlier request shares (a fresh first block), and measures:
 
-- first bytes: seconds from the request to the first write of the response;
+- first bytes: seconds from the request to the first write of the response (the larger of the
+  cold stream's and the retry's);
 - max gap: the longest silence until the first output token (from the request to the first
-  write, then between consecutive writes): at most ``--stream-keepalive`` plus scheduling;
+  write, then between consecutive writes), over the cold stream and the retry: at most
+  ``--stream-keepalive`` plus scheduling;
 - cold TTFT: seconds to the first output event (the whole cold prefill);
 - drop and retry (another fresh prompt of the same length): the client drops the stream after
   ``--drop-after`` seconds and at once sends the same request again; ``freed`` is the time
@@ -20,8 +22,13 @@ Prints the machine's CPU (model name and the server's kernel flags) and one row 
 Never run in CI: at the defaults (60,000 tokens, drop after 60 s) each protocol costs two cold
 prefills of minutes. A reduced run: ``--tokens 8000 --max-model-len 9000 --drop-after 10``.
 
+``--cold`` and ``--drop`` split the protocols: ``--cold chat --drop messages`` streams two
+protocols through a full prefill each for the price of two prefills, the retry held against the
+chat cold run (the prefill is the same work on every protocol).
+
 Usage: ``python benchmarks/long_prefill_liveness.py [--tokens 60000] [--max-model-len 65536]
-[--drop-after 60] [--stream-keepalive 10] [--protocols chat,messages,responses]``
+[--drop-after 60] [--stream-keepalive 10] [--protocols chat,messages,responses]
+[--cold P,..] [--drop P,..]``
 """
 
 from __future__ import annotations
@@ -155,18 +162,40 @@ def _cpu_model() -> str:
     return "?"
 
 
+async def _cold(base: str, model: str, protocol: str, tokens: int) -> dict:
+    path, body = _request(protocol, model, _prompt_text(base, tokens))
+    return await _stream(base, path, body)
+
+
+async def _dropped(base: str, model: str, protocol: str, args) -> dict:
+    path, body = _request(protocol, model, _prompt_text(base, args.tokens))
+    return await _drop_and_retry(base, path, body, args.drop_after)
+
+
+def _row(protocol: str, cold: dict | None, reference: dict | None, dr: dict | None) -> list[str]:
+    """One protocol's figures; ``reference`` is the cold run its retry is held against."""
+    cold, dr = cold or {}, dr or {}
+    retry = dr.get("retry") or {}
+    ref_ttft = (reference or {}).get("ttft")
+    left = ref_ttft - dr["drop"] if ref_ttft is not None and dr.get("drop") is not None else None
+    gaps = [g for g in (cold.get("max_gap"), retry.get("max_gap")) if g is not None]
+    firsts = [f for f in (cold.get("first_bytes"), retry.get("first_bytes")) if f is not None]
+    return [protocol, _fmt(max(firsts), 3) if firsts else "-", _fmt(max(gaps)) if gaps else "-",
+            _fmt(cold.get("ttft"), 1), _fmt(dr.get("drop"), 1), _fmt(dr.get("freed")),
+            _fmt(retry.get("ttft"), 1), _fmt(left, 1), _fmt(retry.get("cached"))]
+
+
 async def _run(base: str, model: str, args) -> list[list[str]]:
+    """Cold prefills on ``--cold`` protocols, drop-and-retry on ``--drop`` ones; a retry is held
+    against its own protocol's cold run, else the first one measured (the prefill is the same work)."""
+    colds: dict[str, dict] = {}
     rows = []
-    for protocol in args.protocols.split(","):
-        path, body = _request(protocol, model, _prompt_text(base, args.tokens))
-        cold = await _stream(base, path, body)
-        path, body = _request(protocol, model, _prompt_text(base, args.tokens))
-        dr = await _drop_and_retry(base, path, body, args.drop_after)
-        retry = dr["retry"] or {}
-        left = cold["ttft"] - dr["drop"] if cold["ttft"] is not None and dr["drop"] is not None else None
-        rows.append([protocol, _fmt(cold["first_bytes"], 3), _fmt(cold["max_gap"]), _fmt(cold["ttft"], 1),
-                     _fmt(dr["drop"], 1), _fmt(dr["freed"]), _fmt(retry.get("ttft"), 1), _fmt(left, 1),
-                     _fmt(retry.get("cached"))])
+    for protocol in dict.fromkeys(args.cold + args.drop):
+        if protocol in args.cold:
+            colds[protocol] = await _cold(base, model, protocol, args.tokens)
+        dr = await _dropped(base, model, protocol, args) if protocol in args.drop else None
+        reference = colds.get(protocol) or next(iter(colds.values()), None)
+        rows.append(_row(protocol, colds.get(protocol), reference, dr))
         print("  " + " | ".join(rows[-1]), flush=True)
     return rows
 
@@ -177,8 +206,13 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=65536)
     parser.add_argument("--drop-after", type=float, default=60.0)
     parser.add_argument("--stream-keepalive", type=float, default=10.0)
-    parser.add_argument("--protocols", default="chat,messages,responses")
+    parser.add_argument("--protocols", default="chat,messages,responses",
+                        help="protocols that get both a cold run and a drop-and-retry")
+    parser.add_argument("--cold", help="protocols that get a cold run (default: --protocols)")
+    parser.add_argument("--drop", help="protocols that get a drop-and-retry (default: --protocols)")
     args = parser.parse_args()
+    args.cold = (args.cold or args.protocols).split(",")
+    args.drop = (args.drop or args.protocols).split(",")
     flags = ["--max-model-len", str(args.max_model_len), "--stream-keepalive", str(args.stream_keepalive),
              "--max-num-seqs", "2", "--kv-cache-tokens", str(2 * args.max_model_len)]
     server = start(flags, Path(tempfile.mkdtemp(prefix="liveness-")), timeout=300)
