@@ -4,8 +4,7 @@
   outside it, at module level or inside a function.
 - No import cycle among quanta's modules, counting the imports that run when a module is loaded
   (module level, ``try``/``if`` blocks and class bodies; not function bodies, not ``if TYPE_CHECKING``).
-- No cycle either counting every import (inside functions and for type checkers too), but for the
-  few listed in :data:`KNOWN_CYCLES`.
+- No cycle either counting every import (inside functions and for type checkers too).
 
 An import names a module: ``from quanta.x import y`` is ``quanta.x.y`` where that is a module, else
 ``quanta.x``. A package's ``__init__`` is its own module (``quanta.sim``); importing a submodule is not
@@ -19,18 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "quanta"
-
-#: cycles through function-level or type-checking imports left for now: space-separated module
-#: prefixes -> why; a cycle is known when each of its modules starts with one of a key's prefixes.
-#: Keep it short: an entry is a debt, and one that matches no cycle any more fails the test.
-KNOWN_CYCLES = {
-    "quanta.server.tool_formats": "inside one package: the tool-call parsers' base and stream "
-                                  "(tool_formats/base.py, stream.py) and the formats built on them call each "
-                                  "other inside functions",
-    "quanta.engine.async_engine quanta.engine.request_stream": "for type checkers only: request_stream names "
-                          "AsyncEngine in its annotations, and async_engine is built on request_stream",
-}
-
 
 @dataclass(frozen=True)
 class Import:
@@ -157,19 +144,12 @@ def test_no_import_cycle_among_quantas_modules():
     assert not found, "import cycles (module-level imports):\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
-def _known(cycle: list[str], key: str) -> bool:
-    return all(any(m.startswith(p) for p in key.split()) for m in cycle)
-
-
-def test_no_import_cycle_through_lazy_imports_but_the_known_ones():
+def test_no_import_cycle_through_lazy_imports_either():
     graph = import_graph(module_files())
     edges = {name: {imp.target for imp in imps} for name, imps in graph.items()}
     found = cycles(edges)
-    new = [c for c in found if not any(_known(c, k) for k in KNOWN_CYCLES)]
-    assert not new, "import cycles (counting imports in functions and for type checkers):\n" + \
-        "\n".join(" <-> ".join(c) for c in new)
-    stale = [k for k in KNOWN_CYCLES if not any(_known(c, k) for c in found)]
-    assert not stale, f"KNOWN_CYCLES entries that match no cycle any more (drop them): {stale}"
+    assert not found, "import cycles (counting imports in functions and for type checkers):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_the_reader_sees_every_kind_of_import(tmp_path):
@@ -189,3 +169,5 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
     assert [(i.target, i.at_load) for i in graph["quanta.model.mid"]] == [("quanta.model.low", True), ("quanta.launch", False)]
     edges = {n: {i.target for i in imps if i.at_load} for n, imps in graph.items()}
     assert cycles(edges) == [["quanta.model.low", "quanta.model.mid"]]
+    every = {n: {i.target for i in imps} for n, imps in graph.items()}
+    assert cycles(every) == [["quanta.launch", "quanta.model.low", "quanta.model.mid"]]

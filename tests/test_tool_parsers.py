@@ -6,12 +6,8 @@ import json
 
 import pytest
 
-from quanta.server.tool_formats.base import (
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-    choose_parser,
-)
+from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser
+from quanta.server.tool_formats.registry import choose_parser
 from quanta.server.tool_formats.templates import render_for_template, template_reads_tools
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser, ToolCall
+from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser
+from quanta.server.tool_formats.calls import ToolCall
 from quanta.server.tool_formats.stream import ArgumentsDelta, CallClosed, CallOpened, TextDelta, tool_stream
 
 HERMES_OUTPUTS = [

@@ -184,7 +184,7 @@ class AsyncEngine:
         with self._admission:
             self._check_queue()
             self._preparing += 1
-        return Reservation(self)
+        return Reservation(self._release)
 
     def _release(self, reservation: Reservation) -> None:
         with self._admission:
@@ -230,7 +230,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sub = Submission(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), True, reservation)
         self._commands.put(("add", sub))
-        stream = RequestStream(self, sub)
+        stream = RequestStream(self._abort, sub)
         if wait:
             await stream.accepted()
         return stream

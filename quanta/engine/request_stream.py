@@ -1,6 +1,8 @@
 """The caller's side of one request of :class:`quanta.engine.async_engine.AsyncEngine`:
 its submission (what the engine thread reads), its place in the queue while it is
-prepared (:class:`Reservation`) and its outputs (:class:`RequestStream`).
+prepared (:class:`Reservation`) and its outputs (:class:`RequestStream`). Each calls
+back into the engine through the function it was given (release the place, abort
+the request), so this module does not know the engine's class.
 
 A stream may come back before the engine thread accepted the request
 (``AsyncEngine.submit(wait=False)``): its first read waits for the acceptance
@@ -14,13 +16,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from quanta.engine.output import RequestOutput
 from quanta.engine.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from quanta.engine.async_engine import AsyncEngine
 
 
 @dataclass
@@ -43,14 +41,17 @@ class Submission:
 
 class Reservation:
     """A request's place in the queue while it is prepared (:meth:`AsyncEngine.reserve`);
-    a context manager that releases it unless the engine took it over."""
+    a context manager that releases it unless the engine took it over.
 
-    def __init__(self, owner: AsyncEngine) -> None:
-        self._owner = owner
+    ``release``: the engine's function that gives the place back (a no-op once it is not held).
+    """
+
+    def __init__(self, release: Callable[[Reservation], None]) -> None:
+        self._release = release
         self.held = True
 
     def release(self) -> None:
-        self._owner._release(self)
+        self._release(self)
 
     def __enter__(self) -> Reservation:
         return self
@@ -70,10 +71,11 @@ def accepted(sub: Submission) -> None:
 
 
 class RequestStream:
-    """The outputs of one accepted request; closing it early aborts the request."""
+    """The outputs of one accepted request; closing it early aborts the request
+    (``abort``: the engine's function that cancels a submission)."""
 
-    def __init__(self, owner: AsyncEngine, sub: Submission) -> None:
-        self._owner, self._sub = owner, sub
+    def __init__(self, abort: Callable[[Submission], None], sub: Submission) -> None:
+        self._abort, self._sub = abort, sub
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -137,4 +139,4 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._sub.abort_cause = cause
-            self._owner._abort(self._sub)
+            self._abort(self._sub)

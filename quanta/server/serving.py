@@ -24,9 +24,9 @@ from quanta.server.access import TENANT_STATE, AccessPolicy, tenant_salt
 from quanta.server.errors import APIError, internal_error_message, log_internal_error, quoted
 from quanta.server.limits import DEFAULT_MAX_REQUEST_BYTES, RESERVATION, BuildTimeout, PromptWork
 from quanta.server.metrics import EngineMetrics
-from quanta.server.tool_formats.base import ToolParser, choose_parser
+from quanta.server.tool_formats.base import ToolParser
 from quanta.server.tool_formats.reasoning import ReasoningSyntax
-from quanta.server.tool_formats.registry import choose_reasoning
+from quanta.server.tool_formats.registry import choose_parser, choose_reasoning
 
 
 @dataclass

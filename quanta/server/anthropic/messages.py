@@ -68,7 +68,7 @@ from quanta.server.live_log import label_request
 from quanta.server.openai.chat import constrain
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
 from quanta.server.system_turns import prompt_ids
-from quanta.server.tool_formats.base import ToolCall
+from quanta.server.tool_formats.calls import ToolCall
 from quanta.server.tool_formats.registry import forced_grammar, parser_params, request_parser, schema_grammar
 from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 from quanta.server.tool_formats.templates import template_input

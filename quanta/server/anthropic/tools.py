@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quanta.server.field_rule import field_error
-from quanta.server.tool_formats.base import ToolCall
+from quanta.server.tool_formats.calls import ToolCall
 
 #: content blocks of a reasoning model's earlier turns: ``thinking`` is the assistant message's
 #: ``reasoning_content`` (the chat template writes or drops it), ``redacted_thinking`` is dropped

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 
 from quanta.engine.output import RequestOutput
 from quanta.server.openai.logprobs import LogprobFormatter
-from quanta.server.tool_formats.base import ToolCall, parse_json
+from quanta.server.tool_formats.calls import ToolCall, parse_json
 from quanta.server.tool_formats.stream import CallClosed, Event, ReasoningDelta, TextDelta, ToolStream
 
 

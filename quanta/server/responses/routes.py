@@ -46,7 +46,7 @@ from quanta.server.live_log import label_request
 from quanta.server.openai.chat import chat_prompt, constrain
 from quanta.server.responses.requests import NamedChoice, ResponsesRequest, request_grammar
 from quanta.server.serving import ServerState, check_model, ending_in_error, submit, until_disconnect
-from quanta.server.tool_formats.base import ToolCall
+from quanta.server.tool_formats.calls import ToolCall
 from quanta.server.tool_formats.registry import parser_params, request_parser
 from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, Event, ReasoningDelta, TextDelta, ToolStream
 

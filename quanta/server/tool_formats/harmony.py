@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quanta.server.tool_formats.base import Parsed, ToolParser, parse_json
+from quanta.server.tool_formats.base import ToolParser
+from quanta.server.tool_formats.calls import Parsed, parse_json
 from quanta.server.tool_formats.marked import MarkedStream, ModeMachine, Pieces, Sink, first_marker, held_tail, run_sink
 
 MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"

@@ -25,9 +25,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from quanta.server.tool_formats.base import Parsed, ToolCall, ToolParser, _content, in_order, parse_json, partial_suffix, unused_id
+from quanta.server.tool_formats.base import ToolParser
+from quanta.server.tool_formats.calls import Parsed, ToolCall, in_order, joined_content, parse_json, unused_id
 from quanta.server.tool_formats.params import ParamReader, ParamSyntax, param_schemas
-from quanta.server.tool_formats.scan import ObjectScanner
+from quanta.server.tool_formats.scan import ObjectScanner, partial_suffix
 from quanta.server.tool_formats.stream import ArgumentsDelta, CallOpened, ReasoningDelta, ToolStream
 
 
@@ -311,7 +312,7 @@ def parsed_of(pieces: list[str | ToolCall], broken: bool, reasoning: str | None 
     texts = [p for p in pieces if isinstance(p, str)]
     if not calls:
         return Parsed("".join(texts) or None, [], broken, reasoning=reasoning)
-    return Parsed(_content(texts), calls, broken, in_order(pieces), reasoning)
+    return Parsed(joined_content(texts), calls, broken, in_order(pieces), reasoning)
 
 
 def run_sink(machine, sink: Pieces, text: str) -> Parsed:

@@ -23,7 +23,7 @@ import ast
 import json
 from dataclasses import dataclass, field
 
-from quanta.server.tool_formats.base import parse_json
+from quanta.server.tool_formats.calls import parse_json
 
 
 @dataclass(frozen=True)

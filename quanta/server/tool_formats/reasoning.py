@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from quanta.server.tool_formats.base import Parsed, ToolParser, partial_suffix
+from quanta.server.tool_formats.base import ToolParser
+from quanta.server.tool_formats.calls import Parsed
+from quanta.server.tool_formats.scan import partial_suffix
 from quanta.server.tool_formats.stream import ReasoningDelta, ToolStream
 
 

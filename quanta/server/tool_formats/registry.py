@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser, Parsed, ToolParser
+from quanta.server.tool_formats.base import HermesParser, Llama3JsonParser, MistralParser, ToolParser
+from quanta.server.tool_formats.calls import Parsed
 from quanta.server.tool_formats.families import FAMILIES
 from quanta.server.tool_formats.harmony import HarmonyParser
 from quanta.server.tool_formats.lark import Lark, Marks, special_markers
 from quanta.server.tool_formats.reasoning import REASONING, ReasoningParser, ReasoningSyntax, prompt_opens
+from quanta.server.tool_formats.stream import PlainStream, ToolStream
 
 if TYPE_CHECKING:
     from quanta.engine.grammar import Grammar
@@ -88,9 +90,7 @@ class PlainParser(ToolParser):
     def parse(self, text: str) -> Parsed:
         return Parsed(text or None, [])
 
-    def stream(self):
-        from quanta.server.tool_formats.stream import PlainStream
-
+    def stream(self) -> ToolStream:
         return PlainStream(self)
 
 

@@ -1,7 +1,8 @@
 """Where a JSON object, and a Hermes ``<tool_call>`` block, end in model output
 read piece by piece: the scanners :class:`quanta.server.tool_formats.base.HermesParser`
 and :mod:`quanta.server.tool_formats.stream` share, so the parser and the stream
-agree on every block's end.
+agree on every block's end; and how much of a text's tail could still begin a
+marker (:func:`partial_suffix`).
 """
 
 from __future__ import annotations
@@ -81,3 +82,11 @@ class BlockScanner:
                 self.held = 0
                 return i + 1
         return None
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -30,15 +30,16 @@ stream and the parser: a ``</tool_call>`` inside a JSON string of the call
 is data; a repeated key keeps its first value (``name`` included); text
 after the call object, before ``</tool_call>``, is dropped in both.
 :class:`quanta.server.tool_formats.base.HermesParser` reports that same raw text as the
-call's arguments. Blocks of another shape (``arguments`` first, or a JSON
-string) are sent whole when their ``</tool_call>`` arrives, as are invalid
+call's arguments (both read a block with
+:func:`quanta.server.tool_formats.calls.hermes_call`). Blocks of another shape
+(``arguments`` first, or a JSON string) are sent whole when their ``</tool_call>`` arrives, as are invalid
 ones (as content). What cannot be taken back: once a call's name is sent,
 an output that then ends inside the call (a stop string, ``max_tokens``,
 EOS) or whose JSON breaks has streamed a call with incomplete
 ``arguments``, ended by a ``CallClosed`` with ``complete=False``, while the
 non-streamed answer keeps such text as content. Both then agree on the
 finish reason: such a call sets :attr:`ToolStream.broken` (and
-:attr:`quanta.server.tool_formats.base.Parsed.broken`), so ``made_calls`` is False and
+:attr:`quanta.server.tool_formats.calls.Parsed.broken`), so ``made_calls`` is False and
 the finish reason is the engine's (``stop`` / ``length``), never
 ``tool_calls`` (``tool_use``).
 
@@ -53,9 +54,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
-from quanta.server.tool_formats.base import HERMES_HEAD, HermesParser, ToolCall, ToolParser, hermes_call, partial_suffix, unused_id
-from quanta.server.tool_formats.scan import BlockScanner, ObjectScanner
+from quanta.server.tool_formats.calls import HERMES_END, HERMES_HEAD, HERMES_START, Parsed, ToolCall, hermes_call, unused_id
+from quanta.server.tool_formats.scan import BlockScanner, ObjectScanner, partial_suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +96,30 @@ class CallClosed:
 Event = TextDelta | ReasoningDelta | CallOpened | ArgumentsDelta | CallClosed
 
 
-def tool_stream(parser: ToolParser) -> ToolStream:
-    """A fresh stream for one output in ``parser``'s format (:meth:`ToolParser.stream`)."""
+class CallFormat(Protocol):
+    """What a stream reads its output with: a tool-call format
+    (:class:`quanta.server.tool_formats.base.ToolParser` and the formats built on it)."""
+
+    name: str
+
+    def parse(self, text: str) -> Parsed: ...
+
+    def call_start(self, text: str) -> int: ...
+
+    def safe_end(self, text: str) -> int: ...
+
+    def stream(self) -> ToolStream: ...
+
+
+def tool_stream(parser: CallFormat) -> ToolStream:
+    """A fresh stream for one output in ``parser``'s format (its ``stream()``)."""
     return parser.stream()
 
 
 class ToolStream:
     """Turns one output's text deltas into :data:`Event` lists (see the module docstring)."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: CallFormat) -> None:
         self.parser = parser  # the format; its parse() gives the non-streamed answer
         self.calls: list[ToolCall] = []  # the calls closed so far (complete or not)
         self.broken = False  # a call that did not end as one was sent (see the module docstring)
@@ -177,9 +194,9 @@ class HermesStream(ToolStream):
     ``</tool_call>``).
     """
 
-    START, END = HermesParser.start, HermesParser.end
+    START, END = HERMES_START, HERMES_END
 
-    def __init__(self, parser: HermesParser) -> None:
+    def __init__(self, parser: CallFormat) -> None:
         super().__init__(parser)
         self._mode = "text"
         self._buf = ""  # text after the current block (or all of it, in text mode) not yet consumed
@@ -273,7 +290,7 @@ class WholeCallStream(ToolStream):
     """Content streamed up to the call marker; the calls sent whole at the end
     (the fallback for formats that do not stream, see the module docstring)."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: CallFormat) -> None:
         super().__init__(parser)
         self.text = ""
         self._released = 0

@@ -31,7 +31,7 @@ import jinja2.meta
 
 from quanta.model.tokenizer import Tokenizer
 from quanta.server.chat_render import request_template, takes_string_arguments
-from quanta.server.tool_formats.base import parse_json
+from quanta.server.tool_formats.calls import parse_json
 
 
 def template_input(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
