@@ -10,6 +10,7 @@ installed or cannot start. Without ``--replicas`` nothing imports Ray.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -32,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
 from quanta.bench.server import start
-from quanta.cluster.forward import HTTPRequest, ResponseStart, call_app
+from quanta.cluster.forward import HTTPRequest, ResponseEnd, ResponseStart, call_app
 from quanta.cluster.metrics import merge
 from quanta.cluster.prompts import RoutingPrompts
 
@@ -203,6 +204,71 @@ def test_access_line_names_method_route_status_reason_and_replica(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "quanta.access"]
     assert re.fullmatch(r"POST /v1/nothing\?x=1 404 Not Found \d+\.\d ms replica=0", lines[0]), lines
     assert re.fullmatch(r"GET /health 503 Service Unavailable \d+\.\d ms", lines[1]), lines
+
+
+def _left_after_body(front, path: str) -> bytes:
+    """A client that reads ``path``'s body from ``front`` until it holds what the replica sent, then
+    leaves (the proxy cancels the response) while the replica's stream has not ended yet."""
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def ask() -> bytes:
+        scope = {"type": "http", "method": "GET", "path": path, "query_string": b"", "headers": [], "client": None}
+        response = await front(Request(scope, receive))
+        got = bytearray()
+
+        async def read():
+            async for chunk in response.body_iterator:
+                got.extend(chunk)
+        reader = asyncio.create_task(read())
+        for _ in range(500):
+            if bytes(got).endswith(b"]}"):
+                break
+            await asyncio.sleep(0.01)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        return bytes(got)
+    return asyncio.run(ask())
+
+
+def test_access_line_of_a_whole_response_is_its_status_when_the_client_leaves_before_the_stream_ends(caplog):
+    """Ray's stream of a replica's answer ends a moment after its last part: a client that has the whole
+    body may close first. The access line says the status; "client disconnected" only for a client that
+    left before the body's end."""
+    body = b'{"object": "list", "data": []}'
+
+    async def whole_then_slow(incoming):  # the body's last part, then the stream's end late
+        yield ResponseStart(200, ((b"content-type", b"application/json"),))
+        yield ResponseEnd(body)
+        await asyncio.Event().wait()
+
+    async def cut(incoming):  # part of the body, the rest never comes
+        yield ResponseStart(200, ((b"content-type", b"application/json"),))
+        yield body[:-2]
+        yield b"]}"
+        await asyncio.Event().wait()
+
+    with caplog.at_level(logging.INFO, logger="quanta.access"):
+        assert _left_after_body(_front([whole_then_slow]), "/v1/models") == body
+        assert _left_after_body(_front([cut]), "/v1/models") == body
+    lines = [r.getMessage() for r in caplog.records if r.name == "quanta.access"]
+    assert re.fullmatch(r"GET /v1/models 200 OK \d+\.\d ms replica=0", lines[0]), lines
+    assert re.fullmatch(r"GET /v1/models 200 OK \d+\.\d ms replica=0 \(client disconnected\)", lines[1]), lines
+
+
+def test_call_app_ends_with_the_bodys_last_part():
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": []}
+
+    async def main() -> list:
+        return [part async for part in call_app(app, HTTPRequest("GET", "/v1/models", b"", (), b""))]
+
+    start_part, *rest = asyncio.run(main())
+    assert start_part.status == 200 and rest == [ResponseEnd(b'{"object":"list","data":[]}')]
 
 
 def test_ray_prints_plain_lines_when_stderr_is_not_a_terminal():

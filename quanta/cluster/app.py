@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from quanta.cluster.forward import HTTPRequest, ResponseStart
+from quanta.cluster.forward import HTTPRequest, Part
 
 log = logging.getLogger("quanta.cluster")
 
@@ -68,7 +68,7 @@ def _replica_call(handle):
     """A :data:`quanta.cluster.front.Replica` over a deployment handle (the stream is cancelled if left unread)."""
     streaming = handle.options(stream=True)
 
-    async def call(request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
+    async def call(request: HTTPRequest) -> AsyncIterator[Part]:
         parts = streaming.forward.remote(request)
         finished = False
         try:

@@ -4,7 +4,9 @@ The front of a cluster (:mod:`quanta.cluster.front`) hands a replica the
 request it received as an :class:`HTTPRequest`; the replica runs it through
 its own quanta app (:func:`call_app`) and streams back a
 :class:`ResponseStart` (status and headers), then the body's chunks as
-bytes, one per ASGI send (one SSE event each for a streamed generation). So
+bytes, one per ASGI send (one SSE event each for a streamed generation), the
+last one as :class:`ResponseEnd`: once that is passed on the response is whole,
+though the stream that carries it may end a little later. So
 every route, key check, limit and error body of a replica is the single
 server's own code. When the consumer stops reading (the client went away),
 the app's next ``receive`` is ``http.disconnect``, as under uvicorn, and the
@@ -48,12 +50,24 @@ class ResponseStart:
     headers: tuple[tuple[bytes, bytes], ...]
 
 
-async def call_app(app: Callable[..., Awaitable[None]], request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
-    """Run ``request`` through the ASGI ``app``: its :class:`ResponseStart`, then its body chunks.
+@dataclass(frozen=True)
+class ResponseEnd:
+    """The last part :func:`call_app` yields: the body's last chunk (empty if the app's last send had none)."""
 
-    Nothing follows the start when the app ends without a body; nothing at
-    all when it ends without a response (an app that raised past its own
-    error handlers).
+    body: bytes = b""
+
+
+#: one part of a forwarded response
+Part = ResponseStart | bytes | ResponseEnd
+
+
+async def call_app(app: Callable[..., Awaitable[None]], request: HTTPRequest) -> AsyncIterator[Part]:
+    """Run ``request`` through the ASGI ``app``: its :class:`ResponseStart`, its body chunks, the last
+    one as :class:`ResponseEnd`.
+
+    Nothing at all comes when the app ends without a response (an app that
+    raised past its own error handlers), and no :class:`ResponseEnd` when it
+    stops before its body's last part.
     """
     sent: asyncio.Queue[dict | None] = asyncio.Queue()
     gone = asyncio.Event()
@@ -81,9 +95,11 @@ async def call_app(app: Callable[..., Awaitable[None]], request: HTTPRequest) ->
             if message["type"] == "http.response.start":
                 yield ResponseStart(message["status"], tuple((bytes(k), bytes(v)) for k, v in message.get("headers", [])))
                 continue
-            if message.get("body"):
-                yield bytes(message["body"])
+            body = bytes(message.get("body", b""))
             if not message.get("more_body", False):
+                yield ResponseEnd(body)
                 return
+            if body:
+                yield body
     finally:
         gone.set()  # the app's next receive() is the disconnect: a stream still running aborts its request

@@ -42,7 +42,7 @@ from http import HTTPStatus
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from quanta.cluster.forward import HTTPRequest, ResponseStart
+from quanta.cluster.forward import HTTPRequest, Part, ResponseEnd
 from quanta.cluster.metrics import merge
 from quanta.cluster.prompts import RoutingPrompts
 from quanta.cluster.routing import PrefixRouter, ReplicaLoad, Router, least_loaded
@@ -52,7 +52,7 @@ log = logging.getLogger("quanta.cluster")
 access_log = logging.getLogger("quanta.access")
 
 #: one replica: a request in, its response's parts out (:func:`quanta.cluster.forward.call_app`'s stream)
-Replica = Callable[[HTTPRequest], AsyncIterator[ResponseStart | bytes]]
+Replica = Callable[[HTTPRequest], AsyncIterator[Part]]
 
 #: response header naming the replica that answered a forwarded request
 REPLICA_HEADER = b"x-quanta-replica"
@@ -150,19 +150,24 @@ class Front:
 
     async def _body(self, replica: int, parts: AsyncIterator, incoming: HTTPRequest, status: int, started: float,
                     sse: bool) -> AsyncIterator[bytes]:
-        events, ending = 0, ""
+        events, ending, whole = 0, "", False
         try:
-            async for chunk in parts:
-                events += chunk.count(b"\n\n")
-                yield chunk
+            async for part in parts:
+                chunk = part.body if isinstance(part, ResponseEnd) else part
+                if chunk:
+                    events += chunk.count(b"\n\n")
+                    yield chunk
+                # the last chunk passed on: the client may leave before the stream's own end arrives
+                whole = whole or isinstance(part, ResponseEnd)
         except Exception as exc:  # the replica died or was cut off mid-response
             error_id = log_internal_error(f"replica {replica} stream", exc)
-            ending = f"replica stopped mid-response, error id {error_id}"
-            if sse:
-                message = f"replica {replica} stopped mid-stream; " + internal_error_message(error_id)
-                yield stream_error_event(incoming.path, message, events).encode()
+            if not whole:
+                ending = f"replica stopped mid-response, error id {error_id}"
+                if sse:
+                    message = f"replica {replica} stopped mid-stream; " + internal_error_message(error_id)
+                    yield stream_error_event(incoming.path, message, events).encode()
         except BaseException:  # the client went away (the proxy cancels the response)
-            ending = "client disconnected"
+            ending = "" if whole else "client disconnected"
             raise
         finally:
             self.in_flight[replica] -= 1
@@ -184,7 +189,7 @@ class Front:
         parts = aiter(self.replicas[replica](incoming))
         try:
             start = await anext(parts)
-            body = b"".join([chunk async for chunk in parts])
+            body = b"".join([part.body if isinstance(part, ResponseEnd) else part async for part in parts])
         finally:
             await parts.aclose()
         return Answer(start.status, start.headers, body)

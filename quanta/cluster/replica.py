@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 
-from quanta.cluster.forward import HTTPRequest, ResponseStart, call_app
+from quanta.cluster.forward import HTTPRequest, Part, call_app
 
 log = logging.getLogger("quanta.cluster")
 
@@ -52,7 +52,7 @@ class ReplicaServer:
         self.stats_interval = stats_interval
         self._stats: asyncio.Task | None = None
 
-    async def forward(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
+    async def forward(self, request: HTTPRequest) -> AsyncIterator[Part]:
         """The app's response to ``request``, part by part."""
         if self._stats is None and self.stats_interval > 0:
             self._stats = asyncio.create_task(self.built.live.run(self.stats_interval))
