@@ -240,7 +240,7 @@ class Sender:
         system = [{"type": "text", "text": t} for _, t in segs[:head]]
         msgs = [{"role": r if r in ("user", "assistant", "system") else "user", "content": t} for r, t in segs[head:]]
         return await self.anthropic.messages.create(model=self.model, system=system or anthropic.NOT_GIVEN,
-                                                    messages=msgs, max_tokens=n, temperature=0.0, stream=True)
+                                                    messages=msgs, max_tokens=n, stream=True, extra_body={"temperature": 0.0})
 
     def _read(self, api: str, obj, attempt: Attempt) -> None:
         """First token and usage from one SDK object."""
