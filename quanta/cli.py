@@ -9,6 +9,7 @@ Configuration is validated before the model loads.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 
@@ -66,6 +67,18 @@ def _deepest_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser = subparsers.choices[chosen]
 
 
+def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """The error for flags ``parser`` does not know, with the closest flag it does know for each
+    misspelled one (``--max-num-seq`` -> ``did you mean --max-num-seqs?``)."""
+    known = list(parser._option_string_actions)
+    guesses = []
+    for arg in unknown:
+        if arg.startswith("-") and len(arg) > 2:
+            guesses += difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.75)
+    hint = f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; Ctrl-C (or SIGINT) ends it with one line and status 130, not a traceback."""
     try:
@@ -80,7 +93,8 @@ def _main(argv: list[str] | None) -> int:
     args, unknown = root.parse_known_args(argv)
     parser = _command_parser(root, args.command)
     if unknown:  # the subcommand's error, not the root's: its flags are what --help should show
-        _deepest_parser(root, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+        deepest = _deepest_parser(root, args)
+        deepest.error(unrecognized(deepest, unknown))
     if args.command == "bench":
         from quanta.bench.cli import run_bench
 

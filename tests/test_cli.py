@@ -82,6 +82,21 @@ def test_a_parse_error_is_one_line_naming_the_command(argv, command, fragment, c
     assert err.startswith(f"{command}: error:") and fragment in err and f"(see {command} --help)" in err, err
 
 
+@pytest.mark.parametrize("argv,error", [
+    (["serve", "--max-num-seq", "4"], "quanta serve: error: unrecognized arguments: --max-num-seq 4; did you mean --max-num-seqs?"),
+    (["serve", "--max-num-seq=4"], "quanta serve: error: unrecognized arguments: --max-num-seq=4; did you mean --max-num-seqs?"),
+    (["serve", "--prefil-cap", "8", "--max-num-seq", "2"],
+     "quanta serve: error: unrecognized arguments: --prefil-cap 8 --max-num-seq 2; did you mean --prefill-cap or --max-num-seqs?"),
+    (["generate", "hi", "--temprature", "0"],
+     "quanta generate: error: unrecognized arguments: --temprature 0; did you mean --temperature?"),
+    (["serve", "--nope"], "quanta serve: error: unrecognized arguments: --nope"),  # nothing close: no guess
+], ids=["serve", "equals", "two", "generate", "no-guess"])
+def test_a_misspelled_flag_is_one_line_with_the_closest_flag(argv, error, capsys, no_model_load):
+    code, err = main_exit(argv, capsys)
+    command = error.split(": error:")[0]
+    assert code == 2 and err.splitlines() == [f"{error} (see {command} --help)"], err
+
+
 @pytest.mark.parametrize(
     "argv,flag",
     [
