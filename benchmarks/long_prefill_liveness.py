@@ -75,14 +75,20 @@ def _events(writes: list[tuple[float, bytes]]) -> list[tuple[float, str]]:
 
 
 def _is_output(block: str) -> bool:
-    """Whether an SSE block carries output (not a keep-alive, ping or opening event)."""
+    """Whether an SSE block carries output: not a keep-alive (a comment, ``ping``, an empty chat
+    delta or completion text, ``response.in_progress``), nor an opening event or the role chunk."""
     if block.startswith(":") or block.startswith("event: ping") or "data: [DONE]" in block:
         return False
     data = json.loads(block.split("data: ", 1)[1]) if "data: {" in block else {}
     if data.get("type") in ("message_start", "response.created", "response.in_progress"):
         return False
     choices = data.get("choices")
-    return not (choices and choices[0].get("delta", {}).get("role") == "assistant")
+    if not choices:
+        return bool(data) and "usage" not in data
+    choice = choices[0]
+    delta = choice.get("delta", {})
+    said = choice.get("text") or any(v for k, v in delta.items() if k != "role")
+    return bool(said or choice.get("finish_reason"))
 
 
 def _cached(blocks: list[tuple[float, str]]) -> int | None:
