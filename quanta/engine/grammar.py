@@ -53,7 +53,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
@@ -251,6 +250,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance.hf  # imports transformers (~1.5 s): left to the first grammar
+
         with self._lock:
             if self._ll is None:
                 self._ll = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos or None)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from quanta.model.gguf_vocab import load_gguf_tokenizer
+if TYPE_CHECKING:  # transformers takes ~1.5 s to import: loaded by from_path, on the thread that builds the tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 #: What a byte-level decoder yields for an incomplete UTF-8 sequence.
 _REPLACEMENT_CHAR = "\ufffd"
@@ -64,8 +65,12 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer at {path}")
         if path.is_dir():
+            from transformers import AutoTokenizer
+
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         elif path.suffix == ".gguf":
+            from quanta.model.gguf_vocab import load_gguf_tokenizer
+
             hf = load_gguf_tokenizer(path)
         else:
             raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face directory")

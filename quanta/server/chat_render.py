@@ -21,8 +21,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from transformers.utils.chat_template_utils import render_jinja_template
-
 from quanta.model.tokenizer import Tokenizer
 
 
@@ -78,6 +76,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | 
 
 
 def _render(template: str, special: dict, messages: list[dict], tools: list[dict] | None) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template  # loaded by the tokenizer by then
+
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     rendered, _ = render_jinja_template([chat], tools=tools, chat_template=template, add_generation_prompt=True, **special)
     return rendered[0]

@@ -305,8 +305,20 @@ def too_many_messages(max_prompt_tokens: int) -> str:
 
 def max_token_chars(tokenizer: Tokenizer) -> int:
     """The most characters one token id decodes to, over the whole vocabulary
-    (special tokens included; a partial UTF-8 byte decodes to one character)."""
-    return max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
+    (special tokens included; a partial UTF-8 byte decodes to one character).
+
+    Where the Hugging Face tokenizer's ``decode`` only hands the ids to its Rust tokenizer (a fast
+    tokenizer whose class keeps transformers' ``decode`` and ``_decode``; ``tokenizer.decode`` turns
+    the clean-up off), the Rust tokenizer decodes each id itself: the same text in a third of the
+    time (~0.2 s instead of ~0.6 s for a 128k vocabulary, before the server answers ``/health``).
+    """
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    hf, decode = tokenizer.hf, tokenizer.decode
+    if type(hf).decode is PreTrainedTokenizerBase.decode and getattr(type(hf), "_decode", None) is TokenizersBackend._decode:
+        decode = hf.backend_tokenizer.decode
+    return max(len(decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
 
 
 def _check_surrogates(text: str, param: str) -> None:

@@ -1,0 +1,53 @@
+"""What ``quanta serve`` does before it answers ``/health``: the modules it imports before the model
+loads, and the vocabulary bound the prompt checks take (``max_token_chars``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from quanta.model.gguf_vocab import GGUFTokenizerFast
+from quanta.model.loader import embedded_model_path
+from quanta.model.tokenizer import Tokenizer
+from quanta.server.limits import max_token_chars
+
+#: imported later than the server modules: transformers by the tokenizer (on the thread that builds it,
+#: beside the weights), llguidance's tokenizer bridge by the first grammar
+LATER = ("transformers", "llguidance.hf")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_path(embedded_model_path())
+
+
+def test_serve_imports_its_server_without_transformers():
+    """Behaviour, not timing (``benchmarks/cli_startup.py --serve-model`` times it): a lazy import turned
+    eager shows here; the tokenizer then imports transformers (so the check sees it when it is there)."""
+    code = ("import sys\nimport quanta.cli, quanta.launch, quanta.server.run\n"
+            f"print(sorted(m for m in {LATER!r} if m in sys.modules))\n"
+            "from quanta.model.loader import embedded_model_path\n"
+            "quanta.launch.Tokenizer.from_path(embedded_model_path())\n"
+            "print('transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-2:] == ["[]", "True"], proc.stdout + proc.stderr
+
+
+def test_max_token_chars_is_the_longest_decoded_token(tok):
+    each = [len(tok.decode([i], skip_special_tokens=False)) for i in range(tok.vocab_size)]
+    assert max_token_chars(tok) == max(each)
+
+
+class _Marked(GGUFTokenizerFast):
+    """A tokenizer class with its own decoding (as some of transformers' model tokenizers have)."""
+
+    def _decode(self, token_ids, **kwargs) -> str:
+        return super()._decode(token_ids, **kwargs) + "<<marked>>"
+
+
+def test_a_tokenizer_class_that_decodes_its_own_way_is_asked_itself(tok):
+    hf = Tokenizer.from_path(embedded_model_path()).hf
+    hf.__class__ = _Marked
+    assert max_token_chars(Tokenizer(hf)) == max_token_chars(tok) + len("<<marked>>")
