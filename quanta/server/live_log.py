@@ -76,6 +76,7 @@ class LiveLog:
         self._aborts: dict[str, int] = {}  # "cause/phase" -> requests aborted since the last stats line
         self._since = clock()
         self._queried = self._hits = 0  # prefix cache, since start, in prompt tokens
+        self._run = {"requests": 0, "aborted": 0, "prompt": 0, "generated": 0}  # finished requests, since start
         self._first: dict[int, float] = {}  # seq_id -> first token's time
         self._labels: dict[int, tuple[str, str]] = {}
         self._unlabeled: OrderedDict[int, _Finished] = OrderedDict()
@@ -115,6 +116,7 @@ class LiveLog:
         }
         overflow = None
         with self._lock:
+            self._count_run(out)
             label = self._labels.pop(out.seq_id, None)
             if label is None:
                 self._unlabeled[out.seq_id] = _Finished(fields)
@@ -123,6 +125,20 @@ class LiveLog:
             _write_request(label, fields)
         elif overflow is not None:
             _write_request(("-", "-"), overflow[1].fields)
+
+    def _count_run(self, out: RequestOutput) -> None:
+        run = self._run
+        run["requests"] += 1
+        run["aborted"] += out.finish_reason == "abort"
+        run["prompt"] += out.num_prompt_tokens
+        run["generated"] += out.num_output_tokens
+
+    def run_summary(self) -> str:
+        """The run's totals for the stop line: finished requests (aborted ones among them), their tokens."""
+        with self._lock:
+            run = dict(self._run)
+        return (f"{run['requests']} request(s) ({run['aborted']} aborted), "
+                f"{run['prompt']:,} prompt and {run['generated']:,} generated tokens")
 
     # ----------------------------------------------------------------- event loop
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import time
 from dataclasses import dataclass
 
@@ -58,14 +60,33 @@ def serve(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str, port:
     between stats lines (0: none; :mod:`quanta.server.live_log`, which also writes a line per finished request).
     """
     built = build_server(engine_cfg, sched_cfg, host, **options)
-    server = uvicorn.Server(uvicorn.Config(built.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+    started = time.monotonic()
+    server = _Server(uvicorn.Config(built.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                                            http=guarded_protocol(built.connections),
                                            log_config=uvicorn_log_config(log_format)))
     try:
         uvloop.run(_serve(server, built, stats_interval))
     finally:
         built.async_engine.stop()
+    if server.stopped_by:
+        log.info("stopped by %s after serving %.1f s: %s", "/".join(signal.Signals(s).name for s in server.stopped_by),
+                 time.monotonic() - started, built.live.run_summary())
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that, stopped by a signal (Ctrl-C, SIGTERM), returns instead of raising the signal
+    again: ``quanta serve`` then ends with its stop line and status 0, the engine thread stopped (uvicorn
+    re-raises it: a KeyboardInterrupt and status 130, or death by SIGTERM before the engine stops)."""
+
+    stopped_by: tuple[int, ...] = ()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self.stopped_by = tuple(self._captured_signals)
+            self._captured_signals.clear()
 
 
 def build_server(engine_cfg: EngineConfig, sched_cfg: SchedulerConfig, host: str,
