@@ -44,6 +44,7 @@ from quanta.engine.engine import Engine
 from quanta.engine.model_executor import ModelExecutor
 from quanta.engine.policies.batched import BatchedScheduler
 from quanta.engine.sampling import SamplingParams
+from quanta.model.cpu import cpu_summary
 from quanta.moe import formulas
 
 log = logging.getLogger("quanta")
@@ -100,13 +101,12 @@ def saturation_point(rows: list[dict], tolerance: float = SATURATION_TOLERANCE, 
 def machine_info() -> dict:
     """What the measurement ran on (CPU, cores, threads, memory, versions, load, date, commit)."""
     cpu = platform.processor()
-    flags = ""
     try:
         text = Path("/proc/cpuinfo").read_text()
         cpu = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), cpu)
-        flags = " ".join(sorted(f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f in text))
     except OSError:
         pass
+    flags = cpu_summary()
     mem_gib = None
     try:
         kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
