@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import gc
 import logging
 import sys
 
@@ -107,6 +108,27 @@ def _main(argv: list[str] | None) -> int:
         from quanta.sim import cli as sim_commands
 
         return sim_commands.main(args, parser, argv)
+    gc.disable()  # until the modules are imported (_collect_from_here)
+    try:
+        return _model_command(args, parser)
+    finally:  # the collector as it was, for a caller in the same process (tests)
+        gc.unfreeze()
+        gc.enable()
+
+
+def _collect_from_here() -> None:
+    """Turn the garbage collector back on, with every object that exists now (the imported modules:
+    ~250k objects that live as long as the process) left out of its collections.
+
+    ``serve`` and ``generate`` import torch, the server and the model's modules with the collector off:
+    its passes over those objects cost ~0.3 s of the start and free next to nothing; frozen, they are
+    not gone over again by later passes (the full one after the load: ~0.12 s -> ~0.01 s)."""
+    gc.freeze()
+    gc.enable()
+
+
+def _model_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``serve`` or ``generate``: configuration checked before the model loads, then :func:`_run`."""
     try:
         engine_cfg, sched_cfg = flags.configs_from_args(args)
         chat_template = None
@@ -147,15 +169,18 @@ def _run(args, engine_cfg, sched_cfg, chat_template):
         if args.replicas is not None:  # the only path that imports Ray
             from quanta.cluster.app import serve_cluster
 
+            _collect_from_here()
             log.info("starting %d replicas of %s on Ray ...", args.replicas, engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
             return serve_cluster(args, engine_cfg, sched_cfg, options)
         from quanta.server.run import serve
 
+        _collect_from_here()
         log.info("loading %s ...", engine_cfg.model or "the embedded SmolLM2-135M-Instruct")
         return serve(engine_cfg, sched_cfg, args.host, args.port, log_level=args.log_level, log_format=args.log_format,
                      stats_interval=args.stats_interval, **options)
     from quanta.generate import generate_cli
 
+    _collect_from_here()
     return generate_cli(engine_cfg, sched_cfg, args.prompt, args.max_tokens, args.temperature, args.chat)
 
 

@@ -51,3 +51,34 @@ def test_a_tokenizer_class_that_decodes_its_own_way_is_asked_itself(tok):
     hf = Tokenizer.from_path(embedded_model_path()).hf
     hf.__class__ = _Marked
     assert max_token_chars(Tokenizer(hf)) == max_token_chars(tok) + len("<<marked>>")
+
+
+def test_the_model_loads_with_the_collector_on_and_the_imports_frozen(monkeypatch, capsys):
+    """``quanta serve`` imports with the garbage collector off, turns it on with the imported objects
+    frozen before the load, and leaves the collector as it found it when the command ends."""
+    import gc
+
+    import quanta.server.run
+    from quanta import cli
+    from quanta.launch import ModelLoadError
+
+    seen = {}
+
+    def load_model(*args, **kwargs):
+        seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
+        raise ModelLoadError("--model: stopped by the test")
+
+    monkeypatch.setattr(quanta.server.run, "load_model", load_model)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--port", str(_free_port())])
+    assert info.value.code == 2 and "stopped by the test" in capsys.readouterr().err
+    assert seen["enabled"] and seen["frozen"] > 10_000, seen
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
