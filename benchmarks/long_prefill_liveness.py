@@ -215,10 +215,10 @@ def main() -> int:
     parser.add_argument("--protocols", default="chat,messages,responses",
                         help="protocols that get both a cold run and a drop-and-retry")
     parser.add_argument("--cold", help="protocols that get a cold run (default: --protocols)")
-    parser.add_argument("--drop", help="protocols that get a drop-and-retry (default: --protocols)")
+    parser.add_argument("--drop", help="protocols that get a drop-and-retry (default: --protocols; '' for none)")
     args = parser.parse_args()
-    args.cold = (args.cold or args.protocols).split(",")
-    args.drop = (args.drop or args.protocols).split(",")
+    args.cold = [p for p in (args.protocols if args.cold is None else args.cold).split(",") if p]
+    args.drop = [p for p in (args.protocols if args.drop is None else args.drop).split(",") if p]
     flags = ["--max-model-len", str(args.max_model_len), "--stream-keepalive", str(args.stream_keepalive),
              "--max-num-seqs", "2", "--kv-cache-tokens", str(2 * args.max_model_len)]
     server = start(flags, Path(tempfile.mkdtemp(prefix="liveness-")), timeout=300)
