@@ -12,7 +12,9 @@ import argparse
 import difflib
 import gc
 import logging
+import signal
 import sys
+import threading
 
 from quanta import __version__, flags
 from quanta.bench import record as record_command
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     root = Parser(prog="quanta", description="LLM serving engine with a tunable prefill quantum")
     root.add_argument("--version", action="version", version=f"quanta {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
-    flags.add_serve_flags(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    flags.add_serve_flags(sub.add_parser("serve", help="HTTP server: OpenAI, Anthropic, Responses and Ollama APIs"))
     flags.add_generate_flags(sub.add_parser("generate", help="generate a completion offline"))
     add_bench_parser(sub)
     record_command.add_parser(sub, flags.register_once)
@@ -81,12 +83,42 @@ def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; Ctrl-C (or SIGINT) ends it with one line and status 130, not a traceback."""
+    """Run the command; Ctrl-C (or SIGINT) ends it with one line and status 130, not a traceback,
+    and so does any error that follows it (an import the interrupt cut short leaves a module half
+    made, which the tokenizer's thread then fails on)."""
+    interrupted = threading.Event()
+    previous = _watch_interrupts(interrupted)
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("quanta: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        if not interrupted.is_set():
+            raise
+        print("quanta: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _watch_interrupts(interrupted: threading.Event):
+    """Python's own SIGINT behaviour (raise KeyboardInterrupt), noting that it happened; returns the
+    handler to restore, or None where SIGINT is not Python's default here (another thread, or a
+    handler someone else installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+
+    def on_interrupt(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    return previous
 
 
 def _main(argv: list[str] | None) -> int:

@@ -385,3 +385,36 @@ def test_a_model_file_that_fails_at_load_is_one_line_and_exit_2(tmp_path, comman
     errors = [ln for ln in proc.stderr.splitlines() if " INFO " not in ln]
     assert errors == [f"quanta {command}: error: --model {cut}: truncated GGUF header: the file (200000 bytes) "
                       "ends within key 'tokenizer.ggml.tokens'"], proc.stderr
+
+
+def _swallowed_interrupt_then(error: Exception):
+    """A command that is interrupted where the KeyboardInterrupt is lost (an import it cut short) and then
+    fails on what the interrupt left half made."""
+    import os
+    import signal
+    import time
+
+    def command(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass
+        raise error
+
+    return command
+
+
+def test_an_error_that_follows_an_interrupt_ends_with_the_interrupt_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_main", _swallowed_interrupt_then(AttributeError("module 'numpy' has no attribute 'matrix'")))
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err.strip() == "quanta: interrupted"
+
+
+def test_an_error_without_an_interrupt_is_not_called_one(monkeypatch):
+    def broken(argv):
+        raise AttributeError("a real bug")
+
+    monkeypatch.setattr(cli, "_main", broken)
+    with pytest.raises(AttributeError, match="a real bug"):
+        cli.main([])
