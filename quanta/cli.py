@@ -104,18 +104,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _watch_interrupts(interrupted: threading.Event):
-    """Python's own SIGINT behaviour (raise KeyboardInterrupt), noting that it happened; returns the
-    handler to restore, or None where SIGINT is not Python's default here (another thread, or a
-    handler someone else installed)."""
+    """SIGINT as it is handled now (Python's own handler raises KeyboardInterrupt), noting that it
+    came; returns the handler to restore, or None where there is none to wrap (not the main thread,
+    SIGINT ignored or left to the system)."""
     if threading.current_thread() is not threading.main_thread():
         return None
     previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
+    if not callable(previous):
         return None
 
     def on_interrupt(signum, frame):
         interrupted.set()
-        raise KeyboardInterrupt
+        previous(signum, frame)
 
     signal.signal(signal.SIGINT, on_interrupt)
     return previous
