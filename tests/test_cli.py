@@ -405,7 +405,17 @@ def _swallowed_interrupt_then(error: Exception):
     return command
 
 
-def test_an_error_that_follows_an_interrupt_ends_with_the_interrupt_line(monkeypatch, capsys):
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled as Python handles it by default (a test run from a background job has it ignored)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_error_that_follows_an_interrupt_ends_with_the_interrupt_line(monkeypatch, capsys, python_sigint):
     monkeypatch.setattr(cli, "_main", _swallowed_interrupt_then(AttributeError("module 'numpy' has no attribute 'matrix'")))
     assert cli.main([]) == 130
     assert capsys.readouterr().err.strip() == "quanta: interrupted"
