@@ -13,6 +13,7 @@ import copy
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +242,23 @@ def test_importing_quanta_shortens_openmp_spinning_unless_the_user_chose(given, 
     code = "import quanta, os, torch; print(os.environ['GOMP_SPINCOUNT'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == expected
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="the kernel's transparent huge pages are off")
+@pytest.mark.parametrize("given, huge", [(None, True), ("0", False)])
+def test_importing_quanta_puts_large_torch_buffers_in_huge_pages_unless_the_user_chose(given, huge):
+    """quanta/__init__.py sets THP_MEM_ALLOC_ENABLE before torch's first allocation, so a torch
+    buffer of 2 MiB or more is madvised for huge pages and a new 64 MiB tensor faults in huge
+    pages (the process's AnonHugePages); a user's 0 wins."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env |= {"THP_MEM_ALLOC_ENABLE": given} if given else {}
+    code = ("import quanta, re, torch\n"
+            "a = torch.ones(64 << 20, dtype=torch.uint8)\n"
+            "rollup = open('/proc/self/smaps_rollup').read()\n"
+            "print(int(re.search(r'AnonHugePages:\\s+(\\d+)', rollup).group(1)) >= 32 << 10)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(huge)

@@ -52,34 +52,69 @@
 #define ROW_TILE 4
 #endif
 
+/* 32 int32 in a0..a3 (k order) -> 32 bytes at dst, in order (values in [-128, 127]). packs work
+ * within 128-bit lanes, so the packed 4-byte groups come out a0 0-3, a1 0-3, a2 0-3, a3 0-3, a0 4-7,
+ * ...; the permute puts them back. */
+static inline void pack_bytes(__m256i a0, __m256i a1, __m256i a2, __m256i a3, int8_t *dst) {
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(a0, a1), _mm256_packs_epi32(a2, a3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst, b);
+}
+
+/* 16 int32 in a0, a1 -> 16 int16 at dst, in order */
+static inline void pack_words(__m256i a0, __m256i a1, int16_t *dst) {
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a0, a1), 0xd8);
+    _mm256_storeu_si256((__m256i *)dst, w);
+}
+
 /* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
  * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused); wide (with fine): p holds
- * a itself, int16 [rows, k], in the same bytes. */
+ * a itself, int16 [rows, k], in the same bytes. a = x * (1 / dx) rounded to nearest even (the
+ * vector conversion under the default rounding mode, as lrintf). */
 static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int wide, int8_t *p, float *xs) {
     float buf[QK];
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int r = 0; r < rows; r++) {
         int8_t *h = p + (int64_t)r * 2 * k, *l = h + k;
         int16_t *a16 = (int16_t *)p + (int64_t)r * k;
         for (int b = 0; b < k / QK; b++) {
             int64_t at = (int64_t)r * k + (int64_t)b * QK;
             load_row(x, io_bf16, at, QK, buf);
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(buf[j]));
-            float dx = amax / (fine ? AMAX : 127.0f), inv = dx > 0.0f ? 1.0f / dx : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < QK; j++) {
-                int a = (int)lrintf(buf[j] * inv);
-                int hi = fine ? (a + 64) >> 7 : a; /* arithmetic shift: floor */
-                if (wide) {
-                    a16[b * QK + j] = (int16_t)a;
-                } else {
-                    h[b * QK + j] = (int8_t)hi;
-                    if (fine) l[b * QK + j] = (int8_t)(a - 128 * hi);
-                }
-                sum += a;
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(buf + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
             }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            /* the divisions as written, whatever -ffast-math allows (GCC keeps divss builtins): a
+             * rewrite such as 1 / (amax / 16256) -> 16256 / amax would move a's rounding */
+            float dx = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(fine ? AMAX : 127.0f)));
+            float inv = dx > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_set_ss(dx))) : 0.0f;
+            __m256i a[4], hi[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+                sum = _mm256_add_epi32(sum, a[i]);
+                /* arithmetic shift: floor((a + 64) / 128) */
+                hi[i] = fine ? _mm256_srai_epi32(_mm256_add_epi32(a[i], _mm256_set1_epi32(64)), 7) : a[i];
+            }
+            if (wide) {
+                pack_words(a[0], a[1], a16 + b * QK);
+                pack_words(a[2], a[3], a16 + b * QK + 16);
+            } else {
+                pack_bytes(hi[0], hi[1], hi[2], hi[3], h + b * QK);
+                if (fine) {
+                    __m256i lo[4];
+                    for (int i = 0; i < 4; i++) lo[i] = _mm256_sub_epi32(a[i], _mm256_slli_epi32(hi[i], 7));
+                    pack_bytes(lo[0], lo[1], lo[2], lo[3], l + b * QK);
+                }
+            }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             xs[2 * (at / QK)] = dx;
-            xs[2 * (at / QK) + 1] = dx * (float)sum;
+            xs[2 * (at / QK) + 1] = dx * (float)_mm_cvtsi128_si32(s4);
         }
     }
 }
@@ -400,11 +435,12 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
     if (g0 >= g1) return;
     const void *qs = j->qs;
     const uint16_t *scales = j->scales;
+    float *sums = j->io_bf16 ? j->acc : (float *)j->out; /* float32 output: the sums go there directly */
     for (int r0 = 0; r0 < j->rows; r0 += ROW_TILE) {
         int R = j->rows - r0 < ROW_TILE ? j->rows - r0 : ROW_TILE;
         const int8_t *pr = j->p + (int64_t)r0 * 2 * k;
         const float *xr = j->xs + (int64_t)r0 * blocks * 2;
-        float *o = j->acc + (int64_t)r0 * n;
+        float *o = sums + (int64_t)r0 * n;
 #define ROWS_CASE(kind, F, R, rows) \
     case kind * 100 + F * 10 + R: rows(F, R, g0, g1, k, pr, xr, qs, scales, o, n); break;
 #define ROWS_CASES(kind, F, rows) \
@@ -417,15 +453,16 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
             ROWS_CASES(8, 1, q8_rows)
         }
     }
-    for (int r = 0; r < j->rows; r++)
-        store_row(j->out, j->io_bf16, (int64_t)r * n + g0 * 8, (g1 - g0) * 8, j->acc + (int64_t)r * n + g0 * 8);
+    if (j->io_bf16)
+        for (int r = 0; r < j->rows; r++)
+            store_row(j->out, 1, (int64_t)r * n + g0 * 8, (g1 - g0) * 8, j->acc + (int64_t)r * n + g0 * 8);
 }
 
 /* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
  * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
  * [n / 8, k / 32, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
- * acc float32 [rows, n]. fine: 15-bit activations, else 8-bit. The output columns are split
+ * acc float32 [rows, n] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
  * into chunks for the pool's threads (pool.c). */
 void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
