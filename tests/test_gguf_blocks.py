@@ -162,3 +162,19 @@ def test_prompt_steps_give_the_c_pool_all_its_threads():
     assert blocks.prompts_covered() and not reference.prompts_covered()
     assert blocks.claim_threads(False, 2) == 2 and blocks.lib.pool_threads() == blocks.threads
     assert reference.claim_threads(False, 2) == 2 and reference.lib.pool_threads() == 1
+
+
+def test_a_large_file_logs_its_loading_progress(tmp_path, monkeypatch, caplog):
+    """A file from PROGRESS_BYTES on logs 'loading NAME: i of N layers' lines while it loads (here
+    every layer, the thresholds lowered); a smaller one logs none."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path, "llama", {})
+    monkeypatch.setattr("quanta.model.gguf_blocks.PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger="quanta.model.gguf_blocks"):
+        load_block_model(path, load_config(path), torch.float32)
+    assert not [r for r in caplog.records if "layers" in r.getMessage()]
+    monkeypatch.setattr("quanta.model.gguf_blocks.PROGRESS_BYTES", 1)
+    with caplog.at_level("INFO", logger="quanta.model.gguf_blocks"):
+        load_block_model(path, load_config(path), torch.float32)
+    lines = [r.getMessage() for r in caplog.records if "layers" in r.getMessage()]
+    assert lines and lines[0].startswith(f"loading tiny.gguf: 1 of {LAYERS} layers (50%), ")

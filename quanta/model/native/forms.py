@@ -83,7 +83,8 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     n = data.shape[0] * 8
     out = torch.empty(rows, n, dtype=x.dtype)
     quantized = torch.empty(rows * 2 * k, dtype=torch.int8)  # the two bytes of each 15-bit activation
-    work = torch.empty(rows * (k // BLOCK) * 2 + rows * n, dtype=torch.float32)  # activation scales, then sums
+    sums = rows * n if x.dtype == torch.bfloat16 else 0  # float32 output takes the sums itself
+    work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)  # activation scales, then sums
     (lib or native.load()).block_matmul(
         4 if kind == "q4_1" else 8, int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
         scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
