@@ -8,12 +8,16 @@ Compiles two small C drivers (``benchmarks/native/matmul.c``, ``attention.c``) a
   the embedded model's 30 layers of projection shapes, at 1 / 2 / 4 / 8 rows (ms per pass);
 - attention_decode for the embedded model's head layout over 30 layers, each layer its own paged
   cache (so a pass reads the caches from memory, as a decode step does): 8 rows at 64 / 300 /
-  1,000 cached positions and 1 row at 8,192, float32, bf16 and q8_0 caches (ms per pass).
+  1,000 cached positions and 1 row at 8,192, float32, bf16 and q8_0 caches (ms per pass);
+- ``--prompt``: block_matmul at prompt sizes instead (``benchmarks/native/prompt.c``): Llama-3.2-1B's
+  projection shapes at 64 and 1,024 rows, 8-bit activations, on 1 and 2 threads, in multiply-adds a
+  second, beside the ceiling of the instructions its inner step issues (``peak``: the 8 ``maddubs``,
+  7 adds and one ``madd`` of 256 multiply-adds, from registers, on every thread).
 
 Each driver prints the best of 10-20 passes (the attention driver also a hash of its output, so
 two builds can be checked to agree bit for bit); the table gives the median (min-max) of those
 over the repeats, with the machine and CPU flags. Usage:
-``python benchmarks/native_kernels.py [--repeats 5] [--threads 1]``. To compare two versions,
+``python benchmarks/native_kernels.py [--repeats 5] [--threads 1] [--prompt]``. To compare two versions,
 run it on each checkout in turn (not in CI: it is a benchmark).
 """
 
@@ -37,6 +41,9 @@ HERE = Path(__file__).parent / "native"
 MATMUL = [("q4_1, 8-bit activations", ["4", "0"]), ("q8_0, 15-bit activations", ["8", "1"])]
 ATTENTION = ((8, 64), (8, 300), (8, 1000), (1, 8192))  # (rows, cached positions)
 CACHES = (("float32", 0), ("bf16", 1), ("q8_0", 3))
+#: Llama-3.2-1B's projections as a Q4_K_M file's forms hold them: (name, kind, n, k)
+PROMPT_SHAPES = (("qkv", "8", 3072, 2048), ("o", "4", 2048, 2048), ("gate_up", "4", 16384, 2048), ("down", "4", 2048, 8192))
+PROMPT_ROWS = (64, 1024)
 
 
 def build(driver: str, march: str, out: Path) -> Path:
@@ -49,13 +56,27 @@ def build(driver: str, march: str, out: Path) -> Path:
     return exe
 
 
-def times(cmd: list[str], repeats: int) -> list[list[float]]:
-    """Per repeat, the ms figures the driver prints (one per line: the number before ' ms')."""
+def times(cmd: list[str], repeats: int, unit: str = " ms") -> list[list[float]]:
+    """Per repeat, the figures the driver prints (one per line: the number after the last ': ' or
+    ', ' and before ``unit``)."""
     runs = []
     for _ in range(repeats):
         text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        runs.append([float(line.split(": ")[1].split(" ms")[0]) for line in text.splitlines()])
+        runs.append([float(line.split(unit)[0].replace(",", ":").split(": ")[-1]) for line in text.splitlines()])
     return runs
+
+
+def prompt_table(exe: Path, repeats: int) -> None:
+    """block_matmul's multiply-adds a second at prompt sizes, and the ceiling of its inner step."""
+    print("| projection (Llama-3.2-1B) | form | rows | 1 thread, GMAC/s | 2 threads, GMAC/s |")
+    print("|---|---|---|---|---|")
+    for name, kind, n, k in PROMPT_SHAPES:
+        for rows in PROMPT_ROWS:
+            cells = [cell([r[0] for r in times([str(exe), str(t), kind, str(rows), str(n), str(k)], repeats, " GMAC/s")])
+                     for t in (1, 2)]
+            print(f"| {name} {n} x {k} | {'q4_1' if kind == '4' else 'q8_0'} | {rows:,} | " + " | ".join(cells) + " |")
+    peaks = [cell([r[0] for r in times([str(exe), str(t), "peak"], repeats, " GMAC/s")]) for t in (1, 2)]
+    print("| ceiling: the inner step's instructions alone (maddubs x 8, add x 7, madd) | - | - | " + " | ".join(peaks) + " |")
 
 
 def cell(values: list[float]) -> str:
@@ -66,8 +87,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, choices=(1, 2), help="the C pool's threads (pool.c)")
+    ap.add_argument("--prompt", action="store_true", help="block_matmul at prompt sizes and its instruction ceiling instead")
     args = ap.parse_args()
     info = machine()
+    if args.prompt:
+        print(f"machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {cpu_summary()}; "
+              f"-march=native; median (min-max) of {args.repeats} runs, each the best of 5 passes\n")
+        with tempfile.TemporaryDirectory() as tmp:
+            prompt_table(build("prompt", "native", Path(tmp)), args.repeats)
+        return 0
     print(f"machine: {info['cpu']}, {info['logical_cores']} logical cores, flags: {cpu_summary()}; "
           f"C pool threads {args.threads}; median (min-max) of {args.repeats} runs, each the best of 15-20 passes, ms\n")
     with tempfile.TemporaryDirectory() as tmp:
