@@ -13,8 +13,8 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # torch reads THP_MEM_ALLOC_ENABLE at its first allocation: with it, every CPU buffer of 2 MiB or
-# more is 2 MiB-aligned and madvise(MADV_HUGEPAGE)d (where the kernel's transparent huge pages are
-# "madvise" or "always"). A fresh buffer then faults in 2 MiB at a time, not 4 KiB (a prompt's
+# more is madvise(MADV_HUGEPAGE)d (which the kernel's transparent huge pages follow in their
+# "madvise" mode; "always" gives them anyway, "never" none). A fresh buffer then faults in 2 MiB at a time, not 4 KiB (a prompt's
 # activations are fresh buffers of tens of MiB each layer; on the 2-core dev VM a 4 KiB fault costs
 # ~4 us: filling a new 64 MiB tensor 31-35 -> 7 ms), and the weights a decode step streams sit in
 # huge pages (fewer TLB misses). Measured in-process on the 2-core AMD EPYC (avx2 fma f16c), a
