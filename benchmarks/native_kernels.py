@@ -27,6 +27,7 @@ import quanta  # noqa: F401  first, as the other benchmarks (quanta/__init__.py)
 
 # isort: split
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -56,13 +57,13 @@ def build(driver: str, march: str, out: Path) -> Path:
     return exe
 
 
-def times(cmd: list[str], repeats: int, unit: str = " ms") -> list[list[float]]:
-    """Per repeat, the figures the driver prints (one per line: the number after the last ': ' or
-    ', ' and before ``unit``)."""
+def times(cmd: list[str], repeats: int, unit: str = "ms") -> list[list[float]]:
+    """Per repeat, the figures the driver prints (one per line: the first number followed by ``unit``)."""
+    figure = re.compile(rf"([0-9.]+) {re.escape(unit)}")
     runs = []
     for _ in range(repeats):
         text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        runs.append([float(line.split(unit)[0].replace(",", ":").split(": ")[-1]) for line in text.splitlines()])
+        runs.append([float(figure.search(line).group(1)) for line in text.splitlines()])
     return runs
 
 
@@ -72,10 +73,10 @@ def prompt_table(exe: Path, repeats: int) -> None:
     print("|---|---|---|---|---|")
     for name, kind, n, k in PROMPT_SHAPES:
         for rows in PROMPT_ROWS:
-            cells = [cell([r[0] for r in times([str(exe), str(t), kind, str(rows), str(n), str(k)], repeats, " GMAC/s")])
+            cells = [cell([r[0] for r in times([str(exe), str(t), kind, str(rows), str(n), str(k)], repeats, "GMAC/s")])
                      for t in (1, 2)]
             print(f"| {name} {n} x {k} | {'q4_1' if kind == '4' else 'q8_0'} | {rows:,} | " + " | ".join(cells) + " |")
-    peaks = [cell([r[0] for r in times([str(exe), str(t), "peak"], repeats, " GMAC/s")]) for t in (1, 2)]
+    peaks = [cell([r[0] for r in times([str(exe), str(t), "peak"], repeats, "GMAC/s")]) for t in (1, 2)]
     print("| ceiling: the inner step's instructions alone (maddubs x 8, add x 7, madd) | - | - | " + " | ".join(peaks) + " |")
 
 

@@ -79,10 +79,14 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
         int16_t *a16 = (int16_t *)p + (int64_t)r * k;
         for (int b = 0; b < k / QK; b++) {
             int64_t at = (int64_t)r * k + (int64_t)b * QK;
-            load_row(x, io_bf16, at, QK, buf);
+            const float *src = (const float *)x + at; /* float32 rows read in place, bf16 ones widened */
+            if (io_bf16) {
+                load_row(x, 1, at, QK, buf);
+                src = buf;
+            }
             __m256 v[4], m = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(buf + 8 * i);
+                v[i] = _mm256_loadu_ps(src + 8 * i);
                 m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
