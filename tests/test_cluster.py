@@ -354,6 +354,22 @@ def test_official_clients_keys_errors_and_metrics(cluster):
         assert wrong.json()["error"]["param"] == "replica"
 
 
+def test_bench_run_keeps_each_replicas_own_step_trace(cluster, monkeypatch):
+    from quanta.bench.client import Target
+    from quanta.bench.runner import measure
+    from quanta.bench.workloads import Workload
+
+    monkeypatch.setenv("QUANTA_API_KEY", KEY)
+    monkeypatch.setenv("QUANTA_ADMIN_KEY", ADMIN_KEY)
+    model = httpx.get(cluster.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    target = Target(cluster.base_url, model["data"][0]["id"], ignore_eos=True)
+    run = measure(target, Workload(kind="burst", num_requests=4, prompt_words=12, max_tokens=3), progress=False)
+    assert run["trace"] is None and len(run["replica_traces"]) == 2
+    emitted = [sum(sum(r["num_emitted"]) for r in t) for t in run["replica_traces"]]
+    assert sum(emitted) == 4 * 3 and all(emitted), emitted  # least-loaded spreads the burst; every token is in a trace
+    assert all(r["positions"] is not None for t in run["replica_traces"] for r in t)
+
+
 def test_front_renders_the_prompt_ids_the_replicas_compute(cluster):
     from quanta.model.loader import embedded_model_path
     from quanta.model.tokenizer import Tokenizer

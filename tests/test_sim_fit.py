@@ -7,6 +7,7 @@ profile's predictions can be checked against the true step costs.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
@@ -17,6 +18,7 @@ from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
 from quanta.sim import Profile
 from quanta.sim.fit import FitError, fit, steps_from_trace
+from quanta.sim.profile import ProfileError
 from quanta.sim.run import simulate
 
 TRUE = Profile(prefill_points=[(8, 3e-3), (64, 1.5e-3), (256, 1e-3)], decode_points=[(1, 0.03), (4, 0.033), (8, 0.04)],
@@ -91,6 +93,49 @@ def test_step_noise_is_fitted_from_the_spread_and_drawn_by_the_simulator():
     assert again == itl  # deterministic given the seed
 
 
+def test_step_noise_is_fitted_per_bin_of_predicted_cost(tmp_path):
+    # decode steps (30-40 ms) jitter by tens of percent, prefill calls (~0.2 s) by 2%: one pooled
+    # distribution would give the prefill calls the decode steps' spread
+    true = Profile(**{**TRUE.__dict__, "step_noise": [1.0], "step_noise_bins": [(0.05, [0.7, 1.0, 1.0, 1.6]),
+                                                                                 (math.inf, [0.98, 1.0, 1.02])]})
+    fitted = fit(calibration_traces(true))
+    (short, short_f), (long_, long_f) = fitted.step_noise_bins[0], fitted.step_noise_bins[-1]
+    assert short == 0.05 and long_ == math.inf
+    assert min(short_f) < 0.8 and max(short_f) > 1.4
+    assert short_f[89] - short_f[10] > 0.5 and long_f[89] - long_f[10] < 0.1  # the fit's own error widens the long bin a little
+    assert fitted.noise_factors(0.03) is short_f and fitted.noise_factors(2.0) is long_f
+    fitted.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").step_noise_bins == fitted.step_noise_bins
+    w = Workload(kind="burst", num_requests=8, prompt_words=150, max_tokens=4)
+    sim = simulate(fitted, SchedulerConfig("static", 8), w)
+    prefill = [r["end"] - r["start"] for r in sim["trace"] if r["kind"] == "prefill"]
+    exact = fitted.step_cost([(0, 150)] * 8, [])
+    assert all(abs(t / exact - 1) < 0.07 for t in prefill), (prefill, exact)  # drawn from the narrow bin
+
+
+@pytest.mark.parametrize("bins, message", [([{"up_to_s": 0.1, "factors": [1.0]}], "the last null"),
+                                           ([{"up_to_s": 0.1, "factors": [1.0]}, {"up_to_s": 0.05, "factors": [1.0]},
+                                             {"up_to_s": None, "factors": [1.0]}], "strictly ascending"),
+                                           ([{"up_to_s": None, "factors": []}], "non-empty list")])
+def test_bad_step_noise_bins_are_refused(bins, message):
+    raw = {**TRUE.to_dict(), "step_noise": {"factors": [1.0], "source": "", "by_cost": bins}}
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_dict(raw)
+
+
+def test_noise_bins_merge_a_bin_with_too_few_steps_into_its_neighbour():
+    from quanta.sim.fit import MIN_NOISE_STEPS, noise_bins
+
+    many, few = [(0.01, 1.0)] * MIN_NOISE_STEPS, [(1.0, 2.0)] * (MIN_NOISE_STEPS - 1)
+    middle, top = [(0.1, 1.0)] * MIN_NOISE_STEPS, [(1.0, 2.0)] * MIN_NOISE_STEPS
+    assert [b for b, _ in noise_bins(many + middle + top)] == [0.05, 0.5, math.inf]
+    assert [b for b, _ in noise_bins(many + top)] == [0.05, math.inf]  # the empty middle bin reaches up to the top's bound
+    assert [b for b, _ in noise_bins(many + few)] == [math.inf]  # too few at the top: they join the rest
+    bins = noise_bins(many + few[:1] + middle)
+    assert [b for b, _ in bins] == [0.05, math.inf] and max(bins[-1][1]) > 1.5  # one top step joins the middle
+    assert [b for b, _ in noise_bins(few)] == [math.inf]
+
+
 def test_too_little_data_is_a_clear_error():
     with pytest.raises(FitError, match="only 1 of the traces' steps have prompt rows; need at least 3"):
         fit([[rec(0, [1], [10], [1], 0.0)]])
@@ -135,6 +180,20 @@ def test_profile_engine_checks_the_fit_on_runs_it_did_not_see(tmp_path, capsys):
         with pytest.raises(SystemExit) as info:
             cli.main(["profile-engine", *argv, "--out", str(out)])
         assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profile_engine_from_bench_fits_each_replicas_trace_of_a_cluster_run(tmp_path):
+    traces = calibration_traces()
+    path = bench_file(tmp_path, [])
+    doc = json.loads(open(path).read())
+    half = len(traces) // 2
+    doc["conditions"][0]["runs"] = [{"samples": [], "trace": None, "metrics": None, "replica_traces": traces[:half]},
+                                    {"samples": [], "trace": None, "metrics": None, "replica_traces": [None, *traces[half:]]}]
+    open(path, "w").write(json.dumps(doc))
+    out = tmp_path / "fitted.json"
+    assert cli.main(["profile-engine", "--from-bench", path, "--out", str(out)]) == 0
+    both = Profile.load(out).step_model.fit["residuals"]
+    assert sum(r["steps"] for r in both.values()) == sum(len(t) for t in traces)  # every replica's steps, none twice
 
 
 @pytest.mark.parametrize("content, message", [("{", "not a readable quanta bench result"),

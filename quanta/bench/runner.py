@@ -118,11 +118,28 @@ class ServerProbe:
             return None
         return data["next_step"]
 
-    def trace(self, since: int) -> list[dict] | None:
-        """Every record from step ``since`` on, page by page (``/v1/trace`` pages by ``next_since``)."""
+    def replicas(self) -> int | None:
+        """The replica count of a cluster front (``quanta serve --replicas N``), None for one server."""
+        cluster = (self.config() or {}).get("cluster")
+        n = cluster.get("replicas") if isinstance(cluster, dict) else None
+        return n if isinstance(n, int) and n > 0 else None
+
+    def replica_next_steps(self, replicas: int) -> list[int | None]:
+        """Each replica's next step index (``/v1/trace?replica=I``), None for one that did not answer."""
+        out: list[int | None] = []
+        for i in range(replicas):
+            data = _get_json(self.client, f"{self.base}/v1/trace?replica={i}&since=0&limit=1")
+            step = data.get("next_step") if data else None
+            out.append(step if isinstance(step, int) else None)
+        return out
+
+    def trace(self, since: int, replica: int | None = None) -> list[dict] | None:
+        """Every record from step ``since`` on, page by page (``/v1/trace`` pages by ``next_since``);
+        ``replica``: that replica's trace, behind a cluster front."""
         records: list[dict] = []
+        where = "" if replica is None else f"replica={replica}&"
         while True:
-            data = _get_json(self.client, f"{self.base}/v1/trace?since={since}")
+            data = _get_json(self.client, f"{self.base}/v1/trace?{where}since={since}")
             recs = data.get("records") if data else None
             if not isinstance(recs, list):
                 return records or None
@@ -175,12 +192,16 @@ def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request
 
     Returns ``{"samples": [...], "trace": records | None, "scrapes": [...],
     "metrics": {"client", "client_busy", "trace", "scrape_overlap", "probe"?}, "load": (1-min loadavg
-    before, after)}``.
+    before, after)}``; behind a cluster front (``quanta serve --replicas N``) ``trace`` is None and
+    ``replica_traces`` holds each replica's own step trace of the run (None for one that did not answer).
     """
     sp = ServerProbe(target.base_url)
     load_before = os.getloadavg()[0]
+    replica_traces = None
     try:
-        since = sp.next_step()
+        replicas = sp.replicas()
+        since = sp.next_step() if replicas is None else None
+        replica_since = sp.replica_next_steps(replicas) if replicas else []
         samples, scrapes = asyncio.run(_measure(target, w, max_duration, request_timeout, scrape_every, progress, desc))
         if scrape_every:
             m = sp.metrics()
@@ -188,11 +209,16 @@ def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request
             if busy:
                 scrapes.append({"t": max(s.done or 0.0 for s in samples) if samples else 0.0, "busy": busy})
         trace = sp.trace(since) if since is not None else None
+        if replicas:
+            replica_traces = [sp.trace(s, replica=i) if s is not None else None for i, s in enumerate(replica_since)]
     finally:
         sp.close()
-    return {"samples": [s.to_dict() for s in samples], "trace": trace, "scrapes": scrapes,
-            "metrics": compute_metrics(samples, trace, scrapes, w.kind), "load": [load_before, os.getloadavg()[0]],
-            "finished_at": time.time()}
+    out = {"samples": [s.to_dict() for s in samples], "trace": trace, "scrapes": scrapes,
+           "metrics": compute_metrics(samples, trace, scrapes, w.kind), "load": [load_before, os.getloadavg()[0]],
+           "finished_at": time.time()}
+    if replica_traces is not None:
+        out["replica_traces"] = replica_traces
+    return out
 
 
 def compute_metrics(samples: list[RequestSample], trace: list[dict] | None, scrapes: list[dict], kind: str) -> dict:

@@ -32,7 +32,7 @@ class CostModelExecutor(Executor):
     (prompt done or a decode), else None; the step takes
     :meth:`Profile.step_cost` seconds of the virtual ``clock`` (prefix-hit tokens of the
     sequences it runs for the first time included), times a factor
-    drawn from ``profile.step_noise`` (seeded by ``seed``) when the profile has one.
+    drawn from ``profile.noise_factors(cost)`` (seeded by ``seed``) when the profile has step noise.
 
     It charges exactly the plan's chunks: a prompt admitted past its cached
     prefix starts there, and a preempted sequence's tokens come back as chunks
@@ -61,8 +61,9 @@ class CostModelExecutor(Executor):
     def execute(self, plan: StepPlan, interrupt: Callable[[], None] | None = None) -> StepResult:
         """Advance the virtual clock by the plan's predicted cost (``interrupt``: never called,
         a simulated step has no point inside it)."""
-        noise = self.rng.choice(self.profile.step_noise) if self.profile.step_noise else 1.0
-        self.clock.t += self.cost(plan) * noise
+        cost = self.cost(plan)
+        factors = self.profile.noise_factors(cost)
+        self.clock.t += cost * (self.rng.choice(factors) if factors else 1.0)
         for c in plan.chunks:
             start, end = c.seq.num_computed_tokens, c.seq.num_computed_tokens + c.num_new_tokens
             reached = self._reached.get(c.seq.seq_id, 0)

@@ -31,7 +31,11 @@ step, are reported per step kind (median and p90).
 ``step_noise``: the 100 quantiles (at (i + 0.5) / 100) of measured /
 predicted time over every step, so the simulator draws step times with the
 measured spread (a p99 ITL made of step-time jitter, not of stalls, needs it;
-with fixed step times the simulated p99 of a steady decode is its median).
+with fixed step times the simulated p99 of a steady decode is its median);
+and the same per bin of predicted cost (``by_cost``, :func:`noise_bins`): a
+10 ms decode step jitters by tens of percent where a 4 s prefill step varies
+by a few, so one pooled distribution would lengthen long steps on average
+(their simulated prompt rate came out ~8% low on a Mooncake window).
 The profile's ``prefill``/``decode`` points, overhead and context
 coefficients are the step model's own (read by tools that know no step
 model; they leave out interference and prefix hits).
@@ -56,6 +60,10 @@ BUSY_GAP_S = 0.005
 MIN_STEPS = 3
 #: at most this many knots on each curve
 MAX_KNOTS = 6
+#: bounds (predicted seconds) of the step-noise bins: a decode step's relative jitter is not a 4 s prefill's
+NOISE_BOUNDS_S = (0.05, 0.5)
+#: a step-noise bin needs at least this many steps, else it joins its neighbour
+MIN_NOISE_STEPS = 30
 #: terms a fit may leave out (fixed at 0)
 TERMS = SCALARS
 
@@ -181,6 +189,30 @@ def check(model: StepModel, traces: list[list[dict]]) -> dict:
     return residuals(model, trace_steps(traces)[0])
 
 
+def _quantiles(ratios: list[float]) -> list[float]:
+    return [float(x) for x in np.quantile(ratios, (np.arange(100) + 0.5) / 100)]
+
+
+def noise_bins(priced: list[tuple[float, float]]) -> list[tuple[float, list[float]]]:
+    """Step-noise factors per bin of predicted cost: ``priced`` holds ``(predicted s, measured / predicted)``
+    per step; bins are bounded by :data:`NOISE_BOUNDS_S` (the last unbounded), and a bin of fewer than
+    :data:`MIN_NOISE_STEPS` steps is merged into the one above it (the top one into the one below)."""
+    bounds = [*NOISE_BOUNDS_S, math.inf]
+    groups: list[list[float]] = [[] for _ in bounds]
+    for cost, ratio in priced:
+        groups[next(i for i, b in enumerate(bounds) if cost <= b)].append(ratio)
+    bins: list[tuple[float, list[float]]] = []
+    for bound, ratios in zip(bounds, groups, strict=True):
+        if bins and len(bins[-1][1]) < MIN_NOISE_STEPS:  # the bin below is too small: it reaches up to this bound
+            bins[-1] = (bound, bins[-1][1] + ratios)
+        else:
+            bins.append((bound, ratios))
+    if len(bins) > 1 and len(bins[-1][1]) < MIN_NOISE_STEPS:  # the top bin is too small: the one below takes it
+        top = bins.pop()
+        bins[-1] = (top[0], bins[-1][1] + top[1])
+    return [(bound, _quantiles(ratios)) for bound, ratios in bins]
+
+
 def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None = None,
         without: tuple[str, ...] = ()) -> Profile:
     """A :class:`Profile` with a step model fitted to the step records of ``traces`` (one list per run;
@@ -195,12 +227,14 @@ def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None
     prof = Profile(prefill_points=list(zip(model.prefill_knots, model.prefill_s_per_row)),
                    decode_points=list(zip(model.decode_knots, model.decode_s)), overhead_s=model.overhead_s,
                    prefill_ctx=model.prefill_ctx_s, decode_ctx=model.decode_ctx_s, meta=dict(meta or {}), step_model=model)
-    ratio = np.array([s.t / c for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0])
-    if not len(ratio):
+    priced = [(c, s.t / c) for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
+    if not priced:
         raise FitError("no step has a positive predicted cost to measure the step-time spread against")
-    prof.step_noise = [float(x) for x in np.quantile(ratio, (np.arange(100) + 0.5) / 100)]
-    prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(ratio)} "
-                              "fitted steps")
+    prof.step_noise = _quantiles([r for _, r in priced])
+    prof.step_noise_bins = noise_bins(priced)
+    prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(priced)} "
+                              f"fitted steps; by_cost: the same per bin of predicted cost (bounds {NOISE_BOUNDS_S} s, "
+                              f"a bin of fewer than {MIN_NOISE_STEPS} steps joins its neighbour)")
     prof.meta.setdefault("created", datetime.now(UTC).isoformat(timespec="seconds"))
     kinds = [s.kind for s in steps]
     prof.meta["fit"] = {"steps": len(steps), "decode_steps": kinds.count("decode"), "prefill_steps": kinds.count("prefill"),

@@ -17,7 +17,8 @@ from quanta.sim.profile import ProfileError
 
 
 def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
-    """The server traces of every measured run of a bench result, its first applied config and machine.
+    """The server traces of every measured run of a bench result (behind a cluster front, each replica's
+    own trace), its first applied config and machine.
 
     Raises:
         ValueError: not a readable, measured quanta bench result.
@@ -28,7 +29,8 @@ def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         check_measured(path, doc)
         conds = [c for c in doc["conditions"] if c.get("valid", True)]
-        traces = [r["trace"] for c in conds for r in c.get("runs") or [] if r.get("trace")]
+        runs = [r for c in conds for r in c.get("runs") or []]
+        traces = [t for r in runs for t in [r.get("trace"), *(r.get("replica_traces") or [])] if t]
         applied = next((c.get("applied") for c in conds if c.get("applied")), None) or {}
     except CompareError as exc:
         raise ValueError(str(exc)) from exc

@@ -20,8 +20,11 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
       "step_model": {...},                       # optional: the per-step cost model fitted to engine traces
                                                  # (quanta.sim.step_model); when present it alone prices a step
-      "step_noise": {"factors": [...], "source": "..."},  # optional: each simulated step's cost is
-                                                 # multiplied by a factor drawn uniformly from this list
+      "step_noise": {"factors": [...], "source": "...",   # optional: each simulated step's cost is
+                     "by_cost": [{"up_to_s": s, "factors": [...]}, ...]},  # multiplied by a factor drawn
+                                                 # uniformly from the factors of the first by_cost bin whose
+                                                 # up_to_s (null: no bound) is at least the step's predicted
+                                                 # cost, or from factors without by_cost
       "kv": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "bfloat16"},  # optional: the model's
                                                  # KV geometry and cache dtype (kv_geometry; quanta.sim.pool: --kv-cache-memory)
       "scheduler": {...},                        # knobs of the measured server (informative)
@@ -75,6 +78,9 @@ class Profile:
     #: per simulated step with the run's seed; None: every step takes exactly its predicted time
     step_noise: list[float] | None = None
     step_noise_source: str = ""
+    #: step_noise by predicted step cost: ``(up_to_s, factors)`` in ascending ``up_to_s``, the last ``inf``;
+    #: a step draws from the first bin whose bound is at least its cost (short steps jitter more, relatively)
+    step_noise_bins: list[tuple[float, list[float]]] | None = None
     #: the per-step cost model fitted to engine traces; when set, :meth:`step_cost` is its cost
     step_model: StepModel | None = None
 
@@ -100,6 +106,7 @@ class Profile:
                                    "step_model")},
                 step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
                 step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
+                step_noise_bins=_noise_bins((d.get("step_noise") or {}).get("by_cost")),
                 step_model=_step_model(d.get("step_model")),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -128,6 +135,12 @@ class Profile:
             raise ProfileError("prefill.moe needs integer num_experts and top_k >= 1")
         if self.step_noise is not None and (not self.step_noise or any(not (f > 0 and math.isfinite(f)) for f in self.step_noise)):
             raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
+        if self.step_noise_bins is not None:
+            bounds = [b for b, _ in self.step_noise_bins]
+            if not bounds or bounds != sorted(set(bounds)) or bounds[-1] != math.inf or bounds[0] <= 0:
+                raise ProfileError("step_noise.by_cost: up_to_s must be positive, strictly ascending, the last null")
+            if any(not fs or any(not (f > 0 and math.isfinite(f)) for f in fs) for _, fs in self.step_noise_bins):
+                raise ProfileError("step_noise.by_cost: every bin needs a non-empty list of finite factors > 0")
         kv_geometry(self)
 
     def to_dict(self) -> dict:
@@ -140,6 +153,9 @@ class Profile:
              "mixed_decode_factor": self.mixed_decode_factor}
         if self.step_noise:
             d["step_noise"] = {"factors": list(self.step_noise), "source": self.step_noise_source}
+            if self.step_noise_bins:
+                d["step_noise"]["by_cost"] = [{"up_to_s": None if math.isinf(b) else b, "factors": list(fs)}
+                                              for b, fs in self.step_noise_bins]
         if self.step_model is not None:
             d["step_model"] = self.step_model.to_dict()
         return d
@@ -191,6 +207,12 @@ class Profile:
         if not positions:
             return 0.0
         return _interp_lin(self.decode_points, float(len(positions))) + self.decode_ctx * sum(positions)
+
+    def noise_factors(self, cost: float) -> list[float] | None:
+        """The step-noise factors a step of predicted ``cost`` seconds draws from (None: no noise)."""
+        if self.step_noise_bins:
+            return next(fs for bound, fs in self.step_noise_bins if cost <= bound)
+        return self.step_noise
 
     def step_cost(self, prefill_chunks: list[tuple[int, int]], decode_positions: list[int], prefix_hit: int = 0) -> float:
         """Seconds of one forward call: with a :attr:`step_model`, its cost (``prefix_hit``: prompt
@@ -254,3 +276,10 @@ def _step_model(d: dict | None) -> StepModel | None:
     from quanta.sim.step_model import StepModel
 
     return StepModel.from_dict(d)
+
+
+def _noise_bins(raw) -> list[tuple[float, list[float]]] | None:
+    """``step_noise.by_cost`` as ``(up_to_s, factors)`` pairs (a null bound is ``inf``); None when absent."""
+    if raw is None:
+        return None
+    return [(math.inf if b["up_to_s"] is None else float(b["up_to_s"]), [float(f) for f in b["factors"]]) for b in raw]

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Does `quanta simulate` predict the engine on workloads its profile was not fitted to?
+# Fit on one set of server runs, check on others (quanta simulate --compare), default serve settings
+# (batched, 8 slots, prefix cache on, --max-model-len 4096):
+#   fit:   Mooncake window A (trace lines 0-63, lengths x1/32) at arrival gaps x4 and x2; the probe (3 decoding
+#          sessions, one 2,048-word prompt) at mixed quantum 512
+#   check: Mooncake window B (trace lines 150-213) at gaps x4 and x2; the probe at mixed quanta 128 and 2048
+#   replicas (PART=all or replicas): 2 replicas on a local Ray (quanta serve --replicas 2, one CPU each): the
+#          replica profile is fitted to each replica's own step trace of window A under round-robin routing,
+#          and checked on window B under prefix routing (gaps x4)
+# A shared machine's speed drifts by 10-25% over tens of minutes, so the workloads run in ROUNDS alternating
+# rounds of one repeat each (fit, check, fit, check, ...), and each workload's rounds are joined
+# (benchmarks/merge_bench.py): fitted and checked runs sample the same stretch of time.
+# Usage: QUANTA=.venv/bin/quanta [ROUNDS=3] [PART=single|replicas|all] bash benchmarks/sim_holdout.sh [OUT_PREFIX]
+#        (single: about 25 minutes on a quiet 2-core machine; replicas: about 12 more)
+set -euo pipefail
+OUT=${1:-benchmarks/results/sim_holdout}
+Q=${QUANTA:-quanta}
+TRACE=benchmarks/traces/mooncake_conversation_head300.jsonl
+SERVE="--max-num-seqs 8 --max-model-len 4096"
+RDIR="${OUT}_rounds"  # each round's results; the joined ones are OUT_NAME.json
+mkdir -p "$RDIR"
+sweep() {  # quanta bench sweep with what every run here shares
+  $Q bench sweep --no-progress --no-plots --max-duration 600 --warmup 2 "$@"
+}
+window() {  # window OUT START SCALE REPEATS SERVE_FLAGS GRID TITLE
+  sweep --grid "$6" --server-flags "$5" --workload trace --trace "$TRACE" --start "$2" --limit 64 \
+    --length-scale 0.03125 --time-scale "$3" --repeats "$4" --out "$1" \
+    --title "$7" --note "Mooncake conversation trace lines $2-$(($2 + 63)), lengths x1/32, arrival gaps x$3, for simulator validation."
+}
+probe() {  # probe OUT QUANTA REPEATS TITLE
+  sweep --grid "--scheduler batched --mixed-prefill-quantum $2" --server-flags "$SERVE" --interleave \
+    --workload probe --sessions 3 --prompt-words 16 --session-tokens 512 --probe-words 2048 --max-tokens 4 \
+    --repeats "$3" --out "$1" --title "$4"
+}
+
+ROUNDS=${ROUNDS:-3}
+PY=$(dirname "$Q")/python
+[ -x "$PY" ] || PY=python
+join() {  # join NAME: RDIR/NAME_r1.json ... -> OUT_NAME.json
+  local parts=()
+  for r in $(seq 1 "$ROUNDS"); do parts+=("$RDIR/${1}_r$r.json"); done
+  "$PY" benchmarks/merge_bench.py "${OUT}_$1.json" "${parts[@]}"
+}
+single() {
+  for r in $(seq 1 "$ROUNDS"); do
+    for s in 4 2; do
+      window "$RDIR/fit_x${s}_r$r" 0 "$s" 1 "$SERVE" "--scheduler batched" "Mooncake window A, gaps x$s (fit)"
+      window "$RDIR/check_x${s}_r$r" 150 "$s" 1 "$SERVE" "--scheduler batched" "Mooncake window B, gaps x$s (check)"
+    done
+    probe "$RDIR/fit_probe_r$r" 512 1 "probe at mixed quantum 512 (fit)"
+    probe "$RDIR/check_probe_r$r" 128,2048 1 "probe at mixed quanta 128 and 2048 (check)"
+  done
+  for n in fit_x4 fit_x2 fit_probe check_x4 check_x2 check_probe; do join "$n"; done
+  $Q profile-engine --from-bench "${OUT}_fit_x4.json" --from-bench "${OUT}_fit_x2.json" --from-bench "${OUT}_fit_probe.json" \
+    --check-bench "${OUT}_check_x4.json" --check-bench "${OUT}_check_x2.json" --check-bench "${OUT}_check_probe.json" \
+    --out "${OUT}_profile.json"
+  $Q simulate --profile "${OUT}_profile.json" --compare "${OUT}_check_x4.json" --compare "${OUT}_check_x2.json" \
+    --compare "${OUT}_check_probe.json" --title "quanta simulate vs the real server on workloads the profile was not fitted to" \
+    --out "$OUT"
+}
+replicas() {
+  local cl="$SERVE --replicas 2"
+  for r in $(seq 1 "$ROUNDS"); do
+    window "$RDIR/rep_fit_r$r" 0 4 1 "$cl" "--routing round-robin" "2 replicas, Mooncake window A, gaps x4 (fit)"
+    window "$RDIR/rep_check_r$r" 150 4 1 "$cl" "--routing prefix" "2 replicas, Mooncake window B, gaps x4 (check)"
+  done
+  join rep_fit
+  join rep_check
+  $Q profile-engine --from-bench "${OUT}_rep_fit.json" --out "${OUT}_rep_profile.json"
+  $Q simulate --profile "${OUT}_rep_profile.json" --compare "${OUT}_rep_check.json" \
+    --title "quanta simulate vs 2 real replicas on a window the replica profile was not fitted to" --out "${OUT}_rep"
+}
+case "${PART:-single}" in
+  single) single ;;
+  replicas) replicas ;;
+  all) single; replicas ;;
+  *) echo "PART must be single, replicas or all" >&2; exit 2 ;;
+esac
