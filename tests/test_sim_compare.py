@@ -18,7 +18,7 @@ from quanta import cli
 from quanta.bench import output
 from quanta.bench.workloads import Workload
 from quanta.sim import Profile
-from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, markdown_table, row, sched_config, summary
+from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, markdown_table, ratio_rows, ratio_table, row, sched_config, summary
 from quanta.sim.run import Simulation, condition
 
 
@@ -99,6 +99,17 @@ def test_each_figure_is_checked_against_the_measured_spread():
     table = markdown_table([r])
     assert table.count("**miss**") == 2 and table.count(" out") == 1
     assert summary([r])["misses"] == 2 and summary([r])["figures"] == 6
+
+
+def test_ratios_between_the_conditions_of_a_file_are_compared():
+    keys = [k for k, _, _ in FIGURES]
+    base = row("m.json", "q128", None, BURST, [{k: 2.0 for k in keys}], [{k: 2.0 for k in keys}])
+    other = row("m.json", "q2048", None, BURST, [{k: 1.0 for k in keys}], [{k: 1.1 for k in keys}])
+    alone = row("n.json", "x", None, BURST, [{k: 1.0 for k in keys}], [{k: 1.0 for k in keys}])
+    (r,) = ratio_rows([base, other, alone])  # n.json has one condition: no ratio
+    assert (r["condition"], r["over"]) == ("q2048", "q128")
+    assert r["ratio"]["ttft_p99"] == pytest.approx((0.55, 0.5)) and r["rel_error"]["ttft_p99"] == pytest.approx(0.1)
+    assert "| q2048 over q128 | 0.55 / 0.50 +10% |" in ratio_table([r])
 
 
 def test_a_slower_profile_is_flagged_outside_the_spread():

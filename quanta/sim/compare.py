@@ -319,6 +319,32 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ratio_rows(rows: list[dict]) -> list[dict]:
+    """Per measured file with several conditions, each later condition against the file's first: the
+    measured and simulated ratios of every figure (e.g. the probe's TTFT at quantum 2048 over 128) and the
+    ratio's relative error."""
+    out = []
+    for source in dict.fromkeys(r["source"] for r in rows):
+        first, *others = [r for r in rows if r["source"] == source]
+        for r in others:
+            ratio = {k: tuple(r[side][k][0] / first[side][k][0] if first[side][k][0] else math.nan
+                              for side in ("simulated", "measured")) for k, _, _ in FIGURES}
+            out.append({"source": source, "condition": r["condition"], "over": first["condition"], "ratio": ratio,
+                        "rel_error": {k: rel_error(*ratio[k]) for k in ratio}})
+    return out
+
+
+def ratio_table(ratios: list[dict]) -> str:
+    """Markdown: simulated / measured ratio and its error, per figure, for :func:`ratio_rows`."""
+    head = "| conditions | " + " | ".join(f"{h}: sim / meas ratio err" for _, h, _ in FIGURES) + " |"
+    lines = [head, "|---|" + "---|" * len(FIGURES)]
+    for r in ratios:
+        cells = ["-" if math.isnan(r["rel_error"][k]) else
+                 f"{r['ratio'][k][0]:.2f} / {r['ratio'][k][1]:.2f} {r['rel_error'][k]:+.0%}" for k, _, _ in FIGURES]
+        lines.append(f"| {r['condition']} over {r['over']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def summary_lines(summ: dict) -> str:
     per = ", ".join(f"{h} {summ[k]:.0%}" for k, h, _ in FIGURES)
     misses = (f" {summ['misses']} of {summ['figures']} figures are outside the measured min-max and more than "
@@ -350,7 +376,7 @@ def document(profile_path: str, rows: list[dict], command: str, also: tuple[str,
 
     doc = {"kind": "sim-compare", "created": datetime.now(UTC).isoformat(timespec="seconds"),
            "machine": machine(), "code": code_version(), "command": command, "profile": profile_path,
-           "rows": rows, "summary": summary(rows)}
+           "rows": rows, "summary": summary(rows), "ratios": ratio_rows(rows)}
     if also:
         doc["also_profile"], doc["also_rows"], doc["also_summary"] = also[0], also[1], summary(also[1])
     return doc
@@ -372,6 +398,9 @@ def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:
             f"{TOLERANCE:.0%} from the measured median. Steps: prefill calls / decode "
             "steps / mixed steps (median over repeats), simulated vs measured.", "", markdown_table(doc["rows"]), "",
             summary_lines(doc["summary"])]
+    if doc.get("ratios"):
+        out += ["", "Between the conditions of one measured file (each over the file's first condition): the ratio of "
+                "each figure, simulated / measured, and the simulated ratio's relative error:", "", ratio_table(doc["ratios"])]
     if "also_profile" in doc:
         out += ["", f"With the second profile (`{doc['also_profile']}`):", "",
                 markdown_table(doc["also_rows"]), "", summary_lines(doc["also_summary"])]
