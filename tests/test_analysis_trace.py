@@ -152,3 +152,21 @@ def test_the_report_says_why_the_scraped_overlap_is_missing():
     m = compute_metrics([s], _static_trace(), _scrapes_from_trace(_static_trace(), 15.0), "burst")
     assert math.isnan(m["scrape_overlap"]) and "2 scrape windows" in m["scrape_overlap_note"]
     assert compute_metrics([s], None, [], "burst")["scrape_overlap_note"].startswith("no /metrics scrapes")
+
+
+def test_replica_traces_merge_into_one_servers_shape_and_feed_a_runs_figures():
+    from quanta.analysis.server_trace import merge_replica_traces, trace_itl
+    from quanta.bench.runner import run_trace
+
+    def rec(step, start, sid, emitted):
+        return {"step": step, "kind": "decode", "start": start, "end": start + 0.01, "seq_ids": [sid],
+                "num_new_tokens": [1], "num_emitted": [emitted]}
+
+    a = [rec(0, 0.00, 0, 1), rec(1, 0.05, 0, 1)]  # replica 0: its sequence 0, gap 0.05
+    b = [rec(0, 0.01, 0, 1), rec(1, 0.03, 0, 1)]  # replica 1: its own sequence 0, gap 0.02
+    merged = merge_replica_traces([a, b])
+    assert [(r["replica"], r["seq_ids"]) for r in merged] == [(0, [0]), (1, [1]), (1, [1]), (0, [0])]
+    assert sorted(round(g, 6) for g in trace_itl(merged)) == [0.02, 0.05]  # each replica's sequence keeps its own gaps
+    assert run_trace({"trace": None, "replica_traces": [a, b]}) == merged
+    assert run_trace({"trace": None, "replica_traces": [a, None]}) is None  # a replica that did not answer: no figures
+    assert run_trace({"trace": a}) is a and run_trace({"trace": None}) is None

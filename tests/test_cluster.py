@@ -368,6 +368,8 @@ def test_bench_run_keeps_each_replicas_own_step_trace(cluster, monkeypatch):
     emitted = [sum(sum(r["num_emitted"]) for r in t) for t in run["replica_traces"]]
     assert sum(emitted) == 4 * 3 and all(emitted), emitted  # least-loaded spreads the burst; every token is in a trace
     assert all(r["positions"] is not None for t in run["replica_traces"] for r in t)
+    steps = run["metrics"]["trace"]["steps"]  # server-side figures from the replicas' traces merged
+    assert sum(steps.values()) == sum(len(t) for t in run["replica_traces"])
 
 
 def test_front_renders_the_prompt_ids_the_replicas_compute(cluster):

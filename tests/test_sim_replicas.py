@@ -80,3 +80,15 @@ def test_replica_flags_reject_bad_input(extra, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["simulate", "--profile", str(SEED), *extra])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_router_sees_each_replicas_load_as_the_real_front_does():
+    from quanta.cluster.routing import ReplicaLoad
+    from quanta.sim.replicas import ReplicaSimulation
+
+    w = Workload(kind="burst", num_requests=12, prompt_words=400, max_tokens=4)
+    sim = ReplicaSimulation(Profile.load(SEED), SchedulerConfig("batched", 4), w, replicas=2, routing="least-loaded")
+    run = sim.run()
+    assert run["replicas"]["requests"] == [6, 6]
+    sim._live_on[0] = dict.fromkeys(range(6))  # six requests in flight on a 4-slot replica, whatever its scheduler holds
+    assert sim.loads() == [ReplicaLoad(waiting=2, running=4), ReplicaLoad(waiting=0, running=0)]

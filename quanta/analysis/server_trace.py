@@ -36,6 +36,15 @@ def load_trace_file(path: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def merge_replica_traces(traces: list[list[dict]]) -> list[dict]:
+    """One trace of N replicas' own traces, shaped as one server's: each record gains ``replica``, its
+    sequence ids become ``seq_id * N + replica`` (distinct across replicas), records ordered by start."""
+    n = len(traces)
+    merged = [{**rec, "replica": i, "seq_ids": [s * n + i for s in rec["seq_ids"]]}
+              for i, records in enumerate(traces) for rec in records]
+    return sorted(merged, key=lambda rec: (rec["start"], rec["replica"]))
+
+
 def emission_times(records: Iterable[dict]) -> dict[int, list[float]]:
     """Sequence id -> end time of each step that emitted one of its tokens (a
     step emitting ``k`` tokens for it contributes ``k`` entries)."""

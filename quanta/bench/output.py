@@ -16,7 +16,7 @@ from quanta.analysis.report import aggregate, client_table, frontier_lines, main
 from quanta.analysis.requests import RequestSample, token_times
 from quanta.analysis.server_trace import trace_itl
 from quanta.analysis.stats import fmt_spread, median_iqr
-from quanta.bench.runner import compute_metrics
+from quanta.bench.runner import compute_metrics, run_trace
 
 HOW_MEASURED = """\
 - **ITL** (headline table) is server-side when the server has quanta's `/v1/trace`: per request, the gap
@@ -146,7 +146,7 @@ def recompute(doc: dict) -> dict:
         c["figures"] = []
         for run in c.get("runs", []):
             samples = [RequestSample.from_dict(s) for s in run["samples"]]
-            run["metrics"] = compute_metrics(samples, run.get("trace"), run.get("scrapes") or [], kind)
+            run["metrics"] = compute_metrics(samples, run_trace(run), run.get("scrapes") or [], kind)
             c["figures"].append(repeat_figures(run["metrics"]))
         c["summary"] = aggregate(c["figures"]) if c["figures"] else None
     return doc
@@ -158,8 +158,8 @@ def itl_by_condition(doc: dict) -> dict[str, list[float]]:
     for c in doc["conditions"]:
         xs: list[float] = []
         for run in c.get("runs", []):
-            if run.get("trace"):
-                xs += trace_itl(run["trace"])
+            if trace := run_trace(run):
+                xs += trace_itl(trace)
             else:
                 for s in map(RequestSample.from_dict, run["samples"]):
                     if s.ok:

@@ -19,7 +19,7 @@ import httpx
 from quanta.analysis.intervals import busy_rate, overlap_ratio
 from quanta.analysis.requests import RequestSample, client_intervals, client_metrics, probe_metrics
 from quanta.analysis.scrape import STEP_SECONDS, STEPS, by_kind, parse_prometheus, resolved_scrape_overlap
-from quanta.analysis.server_trace import trace_metrics
+from quanta.analysis.server_trace import merge_replica_traces, trace_metrics
 from quanta.bench.client import Clock, Target
 from quanta.bench.workloads import Workload, execute
 from quanta.server import ADMIN_KEY_ENV, API_KEY_ENV
@@ -192,8 +192,9 @@ def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request
 
     Returns ``{"samples": [...], "trace": records | None, "scrapes": [...],
     "metrics": {"client", "client_busy", "trace", "scrape_overlap", "probe"?}, "load": (1-min loadavg
-    before, after)}``; behind a cluster front (``quanta serve --replicas N``) ``trace`` is None and
-    ``replica_traces`` holds each replica's own step trace of the run (None for one that did not answer).
+    before, after)}``; behind a cluster front (``quanta serve --replicas N``) ``trace`` is None,
+    ``replica_traces`` holds each replica's own step trace of the run (None for one that did not answer)
+    and the server-side figures come from them merged (:func:`run_trace`).
     """
     sp = ServerProbe(target.base_url)
     load_before = os.getloadavg()[0]
@@ -214,11 +215,23 @@ def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request
     finally:
         sp.close()
     out = {"samples": [s.to_dict() for s in samples], "trace": trace, "scrapes": scrapes,
-           "metrics": compute_metrics(samples, trace, scrapes, w.kind), "load": [load_before, os.getloadavg()[0]],
-           "finished_at": time.time()}
+           "load": [load_before, os.getloadavg()[0]], "finished_at": time.time()}
     if replica_traces is not None:
         out["replica_traces"] = replica_traces
+    out["metrics"] = compute_metrics(samples, run_trace(out), scrapes, w.kind)
     return out
+
+
+def run_trace(run: dict) -> list[dict] | None:
+    """The step trace a run's server-side figures come from: the server's, or behind a cluster front the
+    replicas' own traces merged (:func:`~quanta.analysis.server_trace.merge_replica_traces`); None when
+    there is none or a replica's is missing."""
+    if run.get("trace") is not None:
+        return run["trace"]
+    replicas = run.get("replica_traces")
+    if not replicas or any(t is None for t in replicas):
+        return None
+    return merge_replica_traces(replicas)
 
 
 def compute_metrics(samples: list[RequestSample], trace: list[dict] | None, scrapes: list[dict], kind: str) -> dict:

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from quanta.cluster.forward import HTTPRequest, Part, ResponseEnd
 from quanta.cluster.metrics import merge
 from quanta.cluster.prompts import RoutingPrompts
-from quanta.cluster.routing import PrefixRouter, ReplicaLoad, Router, least_loaded
+from quanta.cluster.routing import PrefixRouter, ReplicaLoad, Router, front_loads, least_loaded
 from quanta.server.errors import internal_error_message, log_internal_error, route_error_body, stream_error_event
 
 log = logging.getLogger("quanta.cluster")
@@ -104,8 +104,8 @@ class Front:
         self.routed = [0] * len(self.replicas)
 
     def loads(self) -> list[ReplicaLoad]:
-        """Each replica's load as the front sees it: its requests in flight, ``max_num_seqs`` of them running."""
-        return [ReplicaLoad(waiting=max(0, n - self.max_num_seqs), running=min(n, self.max_num_seqs)) for n in self.in_flight]
+        """Each replica's load as the front sees it (:func:`~quanta.cluster.routing.front_loads`)."""
+        return front_loads(self.in_flight, self.max_num_seqs)
 
     async def __call__(self, request: Request) -> Response:
         started = time.monotonic()

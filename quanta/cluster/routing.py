@@ -59,6 +59,13 @@ class ReplicaLoad:
     running: int
 
 
+def front_loads(in_flight: Sequence[int], max_num_seqs: int) -> list[ReplicaLoad]:
+    """Each replica's load as a front sees it: its requests in flight (routed, answer not yet ended),
+    ``max_num_seqs`` of them running and the rest waiting. The front does not see a replica's scheduler,
+    so a request queued behind a long prompt counts as running until ``max_num_seqs`` are in flight."""
+    return [ReplicaLoad(waiting=max(0, n - max_num_seqs), running=min(n, max_num_seqs)) for n in in_flight]
+
+
 class Router(Protocol):
     def choose(self, prompt_tokens: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
         """The replica index for a prompt, given every replica's load (one entry per replica)."""

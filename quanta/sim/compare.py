@@ -265,7 +265,7 @@ def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: 
     ``spread`` the measured ``(min, max)``, ``outside`` the figures whose simulated median is outside it and
     ``misses`` those of them also more than :data:`TOLERANCE` from the measured median."""
     keys = [k for k, _, _ in FIGURES] + list(STEPS)
-    missing = (math.nan, math.nan, math.nan)  # a figure one side lacks (a cluster's run has no server trace)
+    missing = (math.nan, math.nan, math.nan)  # a figure one side lacks (a run without any server trace)
     meas, sim = ({k: a.get(k, missing) for k in keys} for a in (aggregate(measured), aggregate(simulated)))
     err = {k: rel_error(sim[k][0], meas[k][0]) for k, _, _ in FIGURES}
     spread = {k: measured_spread(measured, k) for k, _, _ in FIGURES}

@@ -5,13 +5,14 @@ scheduler, engine, :class:`~quanta.sim.executor.CostModelExecutor` and
 :class:`~quanta.sim.executor.VirtualClock`); the requests are the workload's, as for one
 server; each request, when it reaches the endpoint, goes to the replica that the router of
 :mod:`quanta.cluster.routing` chooses (the same code as the Ray deployment's), given every
-replica's waiting and running requests at that moment, and the router records it.
+replica's load as the real front sees it (its requests in flight,
+:func:`~quanta.cluster.routing.front_loads`), and the router records it.
 
 Time is a discrete-event loop over one global clock: arrivals, and the ends of each replica's
 steps. An idle replica starts a step when a request reaches it; a busy one starts its next
-step when the current one ends. A step is computed when it starts (the engine's state then
-shows its outcome), so a request routed while a replica's step is in flight sees that
-replica's load as of the step's end: at most one step early. Replica 0's executor draws the
+step when the current one ends. A step is computed when it starts, but its outputs are
+delivered at its end, so a request routed while a replica's step is in flight counts the
+requests that step will finish as still in flight, as the front does. Replica 0's executor draws the
 step noise from the workload's seed, so one replica is exactly the single-server simulation.
 
 The run dict is the single server's (``samples``, ``trace``, ``metrics``) with the replicas'
@@ -25,8 +26,9 @@ from __future__ import annotations
 import heapq
 import math
 
+from quanta.analysis.server_trace import merge_replica_traces
 from quanta.bench.workloads import Workload
-from quanta.cluster.routing import ReplicaLoad, make_router
+from quanta.cluster.routing import ReplicaLoad, front_loads, make_router
 from quanta.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
 from quanta.sim.executor import CostModelExecutor, VirtualClock
 from quanta.sim.profile import Profile
@@ -59,7 +61,8 @@ class ReplicaSimulation(Simulation):
         self._busy = [False] * replicas
 
     def loads(self) -> list[ReplicaLoad]:
-        return [ReplicaLoad(len(s.engine.scheduler.waiting), len(s.engine.scheduler.running)) for s in self.replicas]
+        """What the real front sees: each replica's requests in flight (:func:`front_loads`), not its scheduler's queues."""
+        return front_loads([len(on) for on in self._live_on], self.sched.max_num_seqs)
 
     def _submit(self, r: _Req) -> None:
         r.sample.sent = self.clock.t
@@ -116,12 +119,7 @@ class ReplicaSimulation(Simulation):
         st.peak_blocks_with_cache = max(r.peak_blocks_with_cache for r in reps)
 
     def _merged_trace(self) -> list[dict]:
-        n = len(self.replicas)
-        merged = []
-        for i, rep in enumerate(self.replicas):
-            for rec in rep.engine.trace.to_dicts():
-                merged.append({**rec, "replica": i, "seq_ids": [s * n + i for s in rec["seq_ids"]]})
-        return sorted(merged, key=lambda rec: (rec["start"], rec["replica"]))
+        return merge_replica_traces([rep.engine.trace.to_dicts() for rep in self.replicas])
 
 
 def simulate_replicas(profile: Profile, sched: SchedulerConfig, w: Workload, *, replicas: int, routing: str,
