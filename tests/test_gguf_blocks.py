@@ -166,7 +166,8 @@ def test_prompt_steps_give_the_c_pool_all_its_threads():
 
 def test_a_large_file_logs_its_loading_progress(tmp_path, monkeypatch, caplog):
     """A file from PROGRESS_BYTES on logs 'loading NAME: i of N layers' lines while it loads (here
-    every layer, the thresholds lowered); a smaller one logs none."""
+    every layer, the thresholds lowered) and one naming the LM head's tensor before it is converted;
+    a smaller one logs none."""
     path = tmp_path / "tiny.gguf"
     write_tiny(path, "llama", {})
     monkeypatch.setattr("quanta.model.gguf_blocks.PROGRESS_EVERY_S", 0.0)
@@ -178,3 +179,5 @@ def test_a_large_file_logs_its_loading_progress(tmp_path, monkeypatch, caplog):
         load_block_model(path, load_config(path), torch.float32)
     lines = [r.getMessage() for r in caplog.records if "layers" in r.getMessage()]
     assert lines and lines[0].startswith(f"loading tiny.gguf: 1 of {LAYERS} layers (50%), ")
+    assert len(lines) == 2 and lines[1].startswith(f"loading tiny.gguf: {LAYERS} of {LAYERS} layers, ")
+    assert lines[1].endswith("; converting the LM head and embedding (token_embd.weight, 520 x 256 Q8_0)")
