@@ -20,6 +20,7 @@ TRACE=benchmarks/traces/mooncake_conversation_head300.jsonl
 SERVE="--max-num-seqs 8 --max-model-len 4096"
 RDIR="${OUT}_rounds"  # each round's results; the joined ones are OUT_NAME.json
 mkdir -p "$RDIR"
+grep -o -w 'avx512[a-z_0-9]*\|avx2\|fma\|f16c' /proc/cpuinfo | sort -u | tr '\n' ' ' > "${OUT}_cpu_flags.txt"
 sweep() {  # quanta bench sweep with what every run here shares
   $Q bench sweep --no-progress --no-plots --max-duration 600 --warmup 2 "$@"
 }
