@@ -132,13 +132,26 @@ def test_sessions_flags_of_simulate_must_go_together(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_compare_refuses_a_sessions_result_and_says_what_to_run_instead():
-    from quanta.sim.compare import CompareError, compare
+def test_compare_replays_a_sessions_result_with_the_files_own_lengths(tmp_path):
+    from quanta.bench import output
+    from quanta.sim.compare import compare
+    from quanta.sim.run import condition
 
-    doc = {"kind": "run", "workload": Workload(kind="sessions", sessions_file="agent.jsonl").to_dict(),
-           "conditions": [{"name": "c", "flags": None, "runs": [{"samples": []}]}]}
-    with pytest.raises(CompareError, match="quanta simulate --workload sessions --sessions-file agent.jsonl"):
-        compare(Profile.load(SEED), [("run.json", doc)])
+    w = Workload(kind="sessions", sessions_file=str(_file(tmp_path, ROWS)))
+    cfg = SchedulerConfig("batched", 4)
+    measured = simulate(Profile.load(SEED), cfg, w, prefix_cache=True)
+    doc = output.document("sweep", "test", w, 1, [condition("c", [measured], ["--max-num-seqs", "4"])], None)
+    (r,) = compare(Profile.load(SEED), [("run.json", doc)])
+    assert all(abs(e) < 1e-9 for e in r["rel_error"].values() if e == e), r["rel_error"]  # same profile: no error
+    (slow,) = compare(_twice(Profile.load(SEED)), [("run.json", doc)])
+    assert slow["rel_error"]["itl_p50"] > 0.5
+
+
+def _twice(p: Profile) -> Profile:
+    from dataclasses import replace
+
+    return replace(p, prefill_points=[(x, 2 * y) for x, y in p.prefill_points], decode_points=[(x, 2 * y) for x, y in p.decode_points],
+                   overhead_s=2 * p.overhead_s, prefill_ctx=2 * p.prefill_ctx, decode_ctx=2 * p.decode_ctx)
 
 
 def test_the_replay_workload_is_the_same_steps_on_both_sides_and_reuses_each_turns_context():

@@ -142,8 +142,9 @@ def applied_config(applied: dict | None) -> SchedulerConfig:
 
 
 def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_duration: float) -> list[dict]:
-    """One simulated run per measured repeat of ``cond`` (same seed offset and prompt lengths); the scheduler
-    from the condition's serve flags (``bench sweep``) or else the server's applied config (``bench run``)."""
+    """One simulated run per measured repeat of ``cond`` (same seed offset and prompt lengths; a sessions
+    workload with the lengths its file recorded, as the bench replayed them); the scheduler from the
+    condition's serve flags (``bench sweep``) or else the server's applied config (``bench run``)."""
     flags = cond.get("flags")
     sched = sched_config(flags, cond.get("applied")) if flags else applied_config(cond.get("applied"))
     pool = condition_pool(profile, sched.max_num_seqs, flags, cond.get("applied"))
@@ -151,8 +152,10 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
     runs = []
     for r, measured in enumerate(cond["runs"]):
         w = replace(workload, seed=workload.seed + r)
-        kw = dict(prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured), max_duration=max_duration,
-                  output_lengths=output_lengths(measured, exact=workload.output_dist != "eos"), pool=pool)
+        kw = dict(max_duration=max_duration, pool=pool)
+        if workload.kind != "sessions":  # a sessions file holds each request's lengths; its request ids are in send order
+            kw |= dict(prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
+                       output_lengths=output_lengths(measured, exact=workload.output_dist != "eos"))
         if cluster is None:
             runs.append(Simulation(profile, sched, w, **kw).run())
         else:
@@ -242,9 +245,6 @@ def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> li
         w = Workload.from_dict(doc["workload"])
     except TypeError as exc:
         raise CompareError(f"{path}: workload {doc['workload']!r} is not one quanta bench knows: {exc}") from exc
-    if w.kind == "sessions":  # its measured request ids are in send order, which differs between runs
-        raise CompareError(f"{path}: a sessions workload cannot be compared request by request yet; "
-                           f"simulate it with quanta simulate --workload sessions --sessions-file {w.sessions_file}")
     measured_conds = [c for c in doc["conditions"] if c.get("valid", True) and c.get("runs")]
     if not measured_conds:
         raise CompareError(f"{path}: no measured condition to compare")
