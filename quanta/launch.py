@@ -157,16 +157,23 @@ def load_model(path: str | None, dtype: torch.dtype, quantization: str = "none",
 
 
 def _read_model(path: Path, dtype: torch.dtype, quantization: str, prompt_weights: str) -> tuple:
-    """``(config, model, tokenizer)`` of ``path``; the tokenizer is built beside the weights (their
-    repacking and file reads run in C without the GIL)."""
+    """``(config, model, tokenizer)`` of ``path``; the tokenizer, and the longest text of a token
+    that the server's prompt checks take, are built beside the weights (their repacking runs in C
+    without the GIL)."""
     with ThreadPoolExecutor(1, thread_name_prefix="quanta-tokenizer") as pool:
-        tokenizer_job = pool.submit(Tokenizer.from_path, path)
+        tokenizer_job = pool.submit(_tokenizer, path)
         cfg = _blocks_config(path, quantization, prompt_weights)
         if cfg is not None:
             model = load_block_model(path, cfg, dtype)
         else:
             cfg, model = _load_dequantized(path, dtype, quantization, prompt_weights)
         return cfg, model, tokenizer_job.result()
+
+
+def _tokenizer(path: Path) -> Tokenizer:
+    tokenizer = Tokenizer.from_path(path)
+    _ = tokenizer.max_token_chars  # computed once, here
+    return tokenizer
 
 
 def _blocks_config(path: Path, quantization: str, prompt_weights: str) -> ModelConfig | None:
@@ -207,12 +214,12 @@ def _load_dequantized(path: Path, dtype: torch.dtype, quantization: str, prompt_
 
 def release_load_memory() -> None:
     """What a process that has loaded its model no longer needs: the GGUF readers' memory maps
-    (:func:`quanta.model.gguf_loader.forget_readers`), then the C heap's free pages."""
+    (:func:`quanta.model.gguf_header.forget_headers`), then the C heap's free pages."""
     import gc
 
-    from quanta.model.gguf_loader import forget_readers
+    from quanta.model.gguf_header import forget_headers
 
-    forget_readers()
+    forget_headers()
     gc.collect()
     return_freed_heap()
 

@@ -331,27 +331,32 @@ def test_unsupported_gguf_architecture_raises(tmp_path: Path) -> None:
         load_checkpoint(path)
 
 
-def test_one_load_parses_the_gguf_header_once_and_a_rewritten_file_again(tmp_path):
+def test_one_load_parses_the_gguf_header_once_and_a_rewritten_file_again(tmp_path, monkeypatch):
     import shutil
 
-    from quanta.model.gguf_loader import _reader
+    from quanta.model import gguf_header
+    from quanta.model.gguf_header import read_header
+    from quanta.model.gguf_vocab import read_vocab
 
     copy = tmp_path / "model.gguf"
     shutil.copyfile(embedded_model_path(), copy)
-    first = _reader(copy)
-    assert _reader(copy) is first  # tensor types, config and weights share one parse
+    first = read_header(copy)
+    assert read_header(copy) is first  # tensor types, config and weights share one parse
+    with monkeypatch.context() as m:
+        m.setattr(gguf_header.GGUFHeader, "__init__", lambda self, path: pytest.fail("parsed again"))
+        assert read_vocab(copy).tokens  # and the tokenizer
     with copy.open("ab") as f:
         f.write(b"\0" * 32)  # same path, new size and mtime: parsed again
-    assert _reader(copy) is not first
+    assert read_header(copy) is not first
 
 
-def test_forget_readers_drops_the_parsed_headers(tmp_path):
+def test_forget_headers_drops_the_parsed_headers(tmp_path):
     import shutil
 
-    from quanta.model.gguf_loader import _reader, forget_readers
+    from quanta.model.gguf_header import forget_headers, read_header
 
     copy = tmp_path / "model.gguf"
     shutil.copyfile(embedded_model_path(), copy)
-    first = _reader(copy)
-    forget_readers()
-    assert _reader(copy) is not first  # parsed again: the cache (and its memory map) was let go
+    first = read_header(copy)
+    forget_headers()
+    assert read_header(copy) is not first  # parsed again: the cache (and its memory map) was let go

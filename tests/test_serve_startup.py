@@ -1,5 +1,5 @@
 """What ``quanta serve`` does before it answers ``/health``: the modules it imports before the model
-loads, and the vocabulary bound the prompt checks take (``max_token_chars``)."""
+loads, and the vocabulary bound the prompt checks take (``Tokenizer.max_token_chars``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from quanta.model.gguf_vocab import GGUFTokenizerFast
 from quanta.model.loader import embedded_model_path
 from quanta.model.tokenizer import Tokenizer
-from quanta.server.limits import max_token_chars
 
 #: imported later than the server modules: transformers by the tokenizer (on the thread that builds it,
 #: beside the weights), llguidance's tokenizer bridge by the first grammar
@@ -37,7 +36,7 @@ def test_serve_imports_its_server_without_transformers():
 
 def test_max_token_chars_is_the_longest_decoded_token(tok):
     each = [len(tok.decode([i], skip_special_tokens=False)) for i in range(tok.vocab_size)]
-    assert max_token_chars(tok) == max(each)
+    assert tok.max_token_chars == max(each)
 
 
 class _Marked(GGUFTokenizerFast):
@@ -50,7 +49,7 @@ class _Marked(GGUFTokenizerFast):
 def test_a_tokenizer_class_that_decodes_its_own_way_is_asked_itself(tok):
     hf = Tokenizer.from_path(embedded_model_path()).hf
     hf.__class__ = _Marked
-    assert max_token_chars(Tokenizer(hf)) == max_token_chars(tok) + len("<<marked>>")
+    assert Tokenizer(hf).max_token_chars == tok.max_token_chars + len("<<marked>>")
 
 
 def test_the_model_loads_with_the_collector_on_and_the_imports_frozen(monkeypatch, capsys):
@@ -82,3 +81,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_load_computes_the_prompt_bound_beside_the_weights():
+    """``max_token_chars`` (a decode of every id) is computed on the tokenizer's thread during the
+    load, not by the server after it."""
+    import torch
+
+    from quanta.launch import load_model
+
+    assert "max_token_chars" in vars(load_model(None, torch.float32, "auto", prompt_weights="auto").tokenizer)

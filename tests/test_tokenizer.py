@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import tokenizers
 
 from quanta.model.loader import embedded_model_path
-from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from quanta.model.tokenizer import IncrementalDetokenizer, Tokenizer, _plain_copy
 
 MULTIBYTE = "Hello 世界! 🎉🇯🇵 naïve café — 東京タワー 👩‍👩‍👧 ok.\n  Ω≈ç√ 🤖"
 CHAT = [{"role": "user", "content": "What is 2+2? 🤔"}]
@@ -59,6 +60,30 @@ def test_eos_includes_tokenizer_eos_and_caller_ids(tok: Tokenizer) -> None:
     assert im_end in tok.eos_token_ids
     extra = Tokenizer.from_path(embedded_model_path(), eos_token_ids=[5, 6])
     assert extra.eos_token_ids == tok.eos_token_ids | {5, 6}
+
+
+def test_encode_text_spells_special_tokens_out(tok: Tokenizer) -> None:
+    """encode_text's tokenizer is the backend in all but the special-token flag (the same JSON state)."""
+    assert tok._plain.to_str() == tok._backend.to_str()
+    (im_end,) = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert im_end in tok.encode("a<|im_end|>") and im_end not in tok.encode_text("a<|im_end|>")
+    assert tok.encode_text("a<|im_end|>") == tok.encode_text("a<|im_") + tok.encode_text("end|>")
+
+
+def test_plain_copy_keeps_normalizer_added_tokens_truncation_and_padding() -> None:
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.normalizer = tokenizers.normalizers.Lowercase()
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_tokens(["zz", tokenizers.AddedToken("Yy", normalized=True)])
+    backend.add_special_tokens(["<s>"])
+    backend.enable_truncation(4, stride=1, direction="left")
+    backend.enable_padding(length=6, pad_id=2, pad_token="[UNK]")
+    plain, round_trip = _plain_copy(backend), tokenizers.Tokenizer.from_str(backend.to_str())
+    round_trip.encode_special_tokens = True
+    assert plain.to_str() == backend.to_str()
+    assert backend.encode("a <s> YY b").ids == [0, 5, 4, 1, 2, 2]
+    # "<s>" as "<", "s", ">"; truncated from the left, padded
+    assert plain.encode("a <s> YY b").ids == round_trip.encode("a <s> YY b").ids == [2, 2, 4, 1, 2, 2]
 
 
 def test_chat_template(tok: Tokenizer) -> None:

@@ -1,9 +1,9 @@
 """A GGUF model built from the file's own blocks: every projection, the LM head and the embedding
 table read tensor by tensor and converted straight into a C form (:mod:`quanta.model.native.repack`).
 
-No float copy of a weight matrix is made: a tensor's bytes are read from the file
-(``os.pread``, so the file's pages are not kept mapped), converted to its form, and dropped before
-the next is read, so peak memory is the forms' size plus one tensor. Each projection computes
+No float copy of a weight matrix is made: a tensor's bytes are mapped from the file (no copy; only
+that tensor's pages, unmapped once it is converted), converted to its form, and dropped before the
+next is mapped, so peak memory is the forms' size plus one tensor. Each projection computes
 every row, prompt and generated, with its form's kernel (:attr:`PackedLinear.form_for_prompts`), so
 a row's result depends neither on its role nor on the rows beside it.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import mmap
 import re
 import time
 from collections.abc import Iterator
@@ -32,6 +32,7 @@ from torch import nn
 from quanta.model import gguf_loader
 from quanta.model.config import ModelConfig
 from quanta.model.form_embedding import FormEmbedding
+from quanta.model.gguf_header import read_header
 from quanta.model.llama import LlamaModel, PackedLinear
 from quanta.model.native import forms as native_forms
 from quanta.model.native import repack
@@ -56,7 +57,7 @@ def unsupported_reason(cfg: ModelConfig, path: Path) -> str | None:
         return "MoE experts"
     if not native_forms.available():
         return "no C kernels on this machine"
-    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" for t in gguf_loader._reader(path).tensors):
+    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" for t in read_header(path).tensors):
         return "float32 matrices"
     return None
 
@@ -74,23 +75,24 @@ def check_types(path: Path) -> None:
 
 
 class _File:
-    """The tensors of one GGUF file by name; raw bytes read on demand with ``os.pread``."""
+    """The tensors of one GGUF file by name; raw bytes mapped on demand."""
 
     def __init__(self, path: Path, cfg: ModelConfig) -> None:
         self.path, self.cfg = path, cfg
-        self.tensors = {t.name: t for t in gguf_loader._reader(path).tensors}
+        self.tensors = {t.name: t for t in read_header(path).tensors}
         self.permuted = cfg.architecture == "llama"  # dense llama: llama.cpp's q/k row order
 
     def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes in the file's pages, mapped (and read ahead) for as long as the array
+        lives: no copy (a read copied them into fresh memory). The header's reader has checked
+        that they are in the file."""
         t = self.tensors[name]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            data = os.pread(fd, int(t.n_bytes), int(t.data_offset))
-        finally:
-            os.close(fd)
-        if len(data) != int(t.n_bytes):
-            raise ValueError(f"{self.path.name}: tensor {name} is truncated ({len(data)} of {int(t.n_bytes)} bytes)")
-        return np.frombuffer(data, dtype=np.uint8)
+        start, size = int(t.data_offset), int(t.n_bytes)
+        skip = start % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a multiple of it
+        with open(self.path, "rb") as f:
+            pages = mmap.mmap(f.fileno(), skip + size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                              prot=mmap.PROT_READ, offset=start - skip)
+        return np.frombuffer(pages, dtype=np.uint8, count=size, offset=skip)
 
     def shape(self, name: str) -> tuple[int, int]:
         """``(N, K)``: output rows, input columns (ggml lists the input dimension first)."""

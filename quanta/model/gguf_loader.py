@@ -11,7 +11,6 @@ takes the silu of the first half).
 
 from __future__ import annotations
 
-import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from tqdm import tqdm
 from quanta.model import gemma, moe_checkpoint
 from quanta.model.checkpoint_schema import StateDict
 from quanta.model.config import ModelConfig
-from quanta.model.gguf_header import GGUFHeader
+from quanta.model.gguf_header import GGUFHeader, read_header
 from quanta.model.rope import yarn_attention_factor
 
 #: GGUF ``general.architecture`` -> :attr:`ModelConfig.architecture`.
@@ -62,30 +61,6 @@ _NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFHeader:
-    return GGUFHeader(path)
-
-
-def _reader(path: str | Path) -> GGUFHeader:
-    """The parsed header of ``path`` (:class:`GGUFHeader`), shared by the calls of one load (a load
-    asks for the tensor types, then the config and weights). Keyed by the file's modification time
-    and size, so a rewritten file is parsed again.
-
-    Raises:
-        ValueError: the file is not GGUF, its header is cut short or malformed, or a tensor's data
-            runs past its end (one line naming the file).
-    """
-    st = Path(path).stat()
-    return _cached_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
-
-
-def forget_readers() -> None:
-    """Drop the parsed headers :func:`_reader` keeps, and with them the memory maps of the tensors
-    read through them (~0.14 GB resident for SmolLM2 once its weights were read): for a process done loading."""
-    _cached_reader.cache_clear()
-
-
 def read_config(path: Path) -> ModelConfig:
     """The :class:`ModelConfig` of GGUF file ``path`` from its metadata, without dequantizing.
 
@@ -93,7 +68,7 @@ def read_config(path: Path) -> ModelConfig:
         ValueError: unsupported architecture, a required key missing, or an
             unsupported RoPE variant.
     """
-    reader = _reader(path)
+    reader = read_header(path)
     return _gguf_config(reader, _architecture(reader, path), {t.name: t for t in reader.tensors}, path)
 
 
@@ -107,7 +82,7 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, StateDict]:
     Raises:
         ValueError: unsupported architecture, tensor or quantization type.
     """
-    reader = _reader(path)
+    reader = read_header(path)
     gguf_arch = _architecture(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(reader, gguf_arch, tensors, path)
@@ -144,7 +119,7 @@ def _split_fused(name: str, weights: np.ndarray, config: ModelConfig, tensors: d
 def gguf_tensor_types(path: str | Path) -> dict[str, str]:
     """GGUF tensor name -> its stored type name (``Q4_1``, ``Q8_0``, ``F32``, ...); parses the
     header and metadata (:class:`GGUFHeader`: 0.04 s for SmolLM2), reads no tensor data."""
-    return {t.name: t.tensor_type.name for t in _reader(path).tensors}
+    return {t.name: t.tensor_type.name for t in read_header(path).tensors}
 
 
 def _architecture(reader: GGUFHeader, path: Path) -> str:

@@ -2,7 +2,7 @@
 
 llama.cpp tokenizes with the vocabulary a GGUF carries: the token list, their types (normal,
 unknown, control, user-defined, unused, byte), scores or merges, the special ids and flags.
-:func:`load_gguf_tokenizer` reads the same keys (with :class:`GGUFHeader`, the header only) and
+:func:`load_gguf_tokenizer` reads the same keys (the header only, :func:`~quanta.model.gguf_header.read_header`) and
 assembles the equivalent from ``tokenizers``' own parts, per ``tokenizer.ggml.model``:
 
 - ``gpt2``: byte-level BPE over the merges, words split by the patterns of the file's
@@ -32,7 +32,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from quanta.model.gguf_header import GGUFHeader
+from quanta.model.gguf_header import read_header
 from quanta.model.gguf_pretokenizers import ADD_BOS, IGNORE_MERGES, NO_BOS, split_patterns
 
 __all__ = ["GGUFTokenizerFast", "GGUFVocab", "build_tokenizer", "load_gguf_tokenizer", "read_vocab"]
@@ -91,7 +91,7 @@ def read_vocab(path: str | Path) -> GGUFVocab:
     Raises:
         ValueError: the file has no tokenizer, or one of a model quanta does not build.
     """
-    header = GGUFHeader(path)
+    header = read_header(path)  # parsed once a load: the config has read it
 
     def get(key: str, default=None):
         f = header.get_field(key)
@@ -177,6 +177,13 @@ class GGUFTokenizerFast(PreTrainedTokenizerFast):
     def __init__(self, backend: tokenizers.Tokenizer, **kwargs) -> None:
         self._tokenizer = backend
         super().__init__(**kwargs)
+
+    @classmethod
+    def _patch_mistral_regex(cls, tokenizer: tokenizers.Tokenizer, *args, **kwargs) -> tokenizers.Tokenizer:
+        """As built: its pre-tokenizer is llama.cpp's for the file's ``tokenizer.ggml.pre``.
+        (transformers' own, for a vocabulary over 100k, asks the Hugging Face Hub whether a model
+        named as the file is a Mistral one: a request on every start where a network is reachable.)"""
+        return tokenizer
 
 
 def build_tokenizer(vocab: GGUFVocab) -> tokenizers.Tokenizer:

@@ -230,7 +230,7 @@ class PromptWork:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_model_len - 1
         #: no token of the vocabulary decodes to more characters than this
-        self.max_token_chars = max_token_chars(tokenizer)
+        self.max_token_chars = tokenizer.max_token_chars
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="quanta-prompt")
         self._build_pool = ThreadPoolExecutor(BUILD_WORKERS, thread_name_prefix="quanta-build")
 
@@ -301,24 +301,6 @@ def too_many_messages(max_prompt_tokens: int) -> str:
     """Why more than ``max_prompt_tokens`` messages are refused, before anything else is done with them."""
     return (f"more than {max_prompt_tokens} messages; a prompt of at most {max_prompt_tokens} tokens "
             "(max_model_len - 1) cannot hold them (each message takes a token at least)")
-
-
-def max_token_chars(tokenizer: Tokenizer) -> int:
-    """The most characters one token id decodes to, over the whole vocabulary
-    (special tokens included; a partial UTF-8 byte decodes to one character).
-
-    Where the Hugging Face tokenizer's ``decode`` only hands the ids to its Rust tokenizer (a fast
-    tokenizer whose class keeps transformers' ``decode`` and ``_decode``; ``tokenizer.decode`` turns
-    the clean-up off), the Rust tokenizer decodes each id itself: the same text in a third of the
-    time (~0.2 s instead of ~0.6 s for a 128k vocabulary, before the server answers ``/health``).
-    """
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    hf, decode = tokenizer.hf, tokenizer.decode
-    if type(hf).decode is PreTrainedTokenizerBase.decode and getattr(type(hf), "_decode", None) is TokenizersBackend._decode:
-        decode = hf.backend_tokenizer.decode
-    return max(len(decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
 
 
 def _check_surrogates(text: str, param: str) -> None:
