@@ -83,11 +83,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_load_computes_the_prompt_bound_beside_the_weights():
+def test_the_load_computes_the_prompt_bound_beside_the_weights(monkeypatch):
     """``max_token_chars`` (a decode of every id) is computed on the tokenizer's thread during the
-    load, not by the server after it."""
+    load, not by the server after it; the GIL changes hands more often while both threads run, and
+    as before after."""
     import torch
 
-    from quanta.launch import load_model
+    from quanta import launch
 
-    assert "max_token_chars" in vars(load_model(None, torch.float32, "auto", prompt_weights="auto").tokenizer)
+    seen, build = [], launch.load_block_model
+    monkeypatch.setattr(launch, "load_block_model", lambda *args: seen.append(sys.getswitchinterval()) or build(*args))
+    interval = sys.getswitchinterval()
+    assert "max_token_chars" in vars(launch.load_model(None, torch.float32, "auto", prompt_weights="auto").tokenizer)
+    assert seen and seen[0] < interval and sys.getswitchinterval() == interval
