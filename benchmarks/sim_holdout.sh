@@ -56,8 +56,8 @@ single() {
   $Q profile-engine --from-bench "${OUT}_fit_x4.json" --from-bench "${OUT}_fit_x2.json" --from-bench "${OUT}_fit_probe.json" \
     --check-bench "${OUT}_check_x4.json" --check-bench "${OUT}_check_x2.json" --check-bench "${OUT}_check_probe.json" \
     --out "${OUT}_profile.json"
-  $Q simulate --profile "${OUT}_profile.json" --compare "${OUT}_check_x4.json" --compare "${OUT}_check_x2.json" \
-    --compare "${OUT}_check_probe.json" --title "quanta simulate vs the real server on workloads the profile was not fitted to" \
+  $Q simulate --profile "${OUT}_profile.json" --draws 10 --compare "${OUT}_check_x4.json" --compare "${OUT}_check_x2.json" \
+    --compare "${OUT}_check_probe.json" --title "quanta simulate vs the real server on workloads the profile was not fitted to (10 simulated draws per measured repeat)" \
     --out "$OUT"
 }
 replicas() {
@@ -69,8 +69,9 @@ replicas() {
   join rep_fit
   join rep_check
   $Q profile-engine --from-bench "${OUT}_rep_fit.json" --out "${OUT}_rep_profile.json"
-  $Q simulate --profile "${OUT}_rep_profile.json" --compare "${OUT}_rep_check.json" \
-    --title "quanta simulate vs 2 real replicas on a window the replica profile was not fitted to" --out "${OUT}_rep"
+  $Q simulate --profile "${OUT}_rep_profile.json" --draws 10 --compare "${OUT}_rep_check.json" \
+    --title "quanta simulate vs 2 real replicas on a window the replica profile was not fitted to (10 simulated draws per measured repeat)" \
+    --out "${OUT}_rep"
 }
 case "${PART:-single}" in
   single) single ;;

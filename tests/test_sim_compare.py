@@ -10,15 +10,29 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
 
 from quanta import cli
+from quanta.analysis.report import repeat_figures
 from quanta.bench import output
 from quanta.bench.workloads import Workload
 from quanta.sim import Profile
-from quanta.sim.compare import FIGURES, STEPS, CompareError, compare, markdown_table, ratio_rows, ratio_table, row, sched_config, summary
+from quanta.sim.compare import (
+    FIGURES,
+    STEPS,
+    CompareError,
+    compare,
+    markdown_table,
+    ratio_rows,
+    ratio_table,
+    row,
+    sched_config,
+    simulate_condition,
+    summary,
+)
 from quanta.sim.run import Simulation, condition
 
 
@@ -88,6 +102,20 @@ def test_a_profile_twice_as_slow_doubles_itl_and_halves_the_rates():
     assert s["itl_p50"] == pytest.approx(1.0) and s["throughput"] == pytest.approx(0.5)
 
 
+def test_each_draw_simulates_a_measured_repeat_with_its_own_step_noise():
+    noisy = Profile(**{**prof().__dict__, "step_noise": [0.5, 1.0, 2.0]})
+    doc = bench_doc(prof(), BURST, repeats=2)
+    cond, w = doc["conditions"][0], Workload.from_dict(doc["workload"])
+    one, five = simulate_condition(noisy, cond, w, 3600.0), simulate_condition(noisy, cond, w, 3600.0, draws=5)
+    assert len(one) == 2 and len(five) == 10
+    assert [r["trace"] for r in five[::5]] == [r["trace"] for r in one]  # the first draw is the workload's own seed
+    itl = {r["metrics"]["trace"]["itl"]["p50"] for r in five[:5]}
+    assert len(itl) > 1  # the other draws differ in their step times
+    (row_,) = [r for r in compare(noisy, [("m.json", doc)], draws=5) if r["condition"] == cond["name"]]
+    assert row_["simulated"]["itl_p50"][0] == pytest.approx(statistics.median(
+        [repeat_figures(r["metrics"])["itl_p50"] for r in five]))
+
+
 def test_each_figure_is_checked_against_the_measured_spread():
     keys = [k for k, _, _ in FIGURES]
     measured = [{k: 1.0 for k in keys}, {k: 1.2 for k in keys}, {k: 1.1 for k in keys}]
@@ -151,6 +179,8 @@ def test_cli_writes_the_comparison_report_with_a_second_profile(tmp_path, capsys
 @pytest.mark.parametrize("extra, message", [
     (["--compare", "/nonexistent.json"], "cannot read /nonexistent.json"),
     (["--also-profile", "p.json"], "--also-profile needs --compare"),
+    (["--draws", "3"], "--draws needs --compare"),
+    (["--compare", "{m}", "--draws", "0"], "--draws must be 1-100"),
     (["--compare", "{m}", "--sweep", "--scheduler static"], "does not take --sweep"),
     (["--compare", "{p}"], "not a quanta bench result"),
 ])

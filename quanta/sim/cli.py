@@ -88,6 +88,9 @@ def add_commands(sub, register_once) -> None:
     sim.add_argument("--compare", action="append", metavar="BENCH_JSON",
                      help="simulate every measured condition of this quanta bench result (its flags, workload and "
                           "prompt lengths) and report simulated vs measured figures; repeatable")
+    sim.add_argument("--draws", type=int, default=1, metavar="K",
+                     help="--compare: simulated runs per measured repeat, each with its own step-noise draw; the "
+                          "simulated figure is the median over all of them (default 1)")
     sim.add_argument("--also-profile", metavar="PROFILE",
                      help="--compare: a second profile (e.g. one measured another way) to report the same comparison with")
     _workload_flags(sim)
@@ -217,8 +220,8 @@ def _simulate(args, parser, argv) -> int:
         parser.error(f"--profile: {exc}")
     if args.compare:
         return _compare(args, parser, argv, profile)
-    if args.also_profile:
-        parser.error("--also-profile needs --compare")
+    if args.also_profile or args.draws != 1:
+        parser.error(f"{'--also-profile' if args.also_profile else '--draws'} needs --compare")
     w = workload_from_args(args, parser)
     if w.output_dist == "eos":
         parser.error("--output-dist eos: simulated tokens never end at EOS; give the measured lengths "
@@ -343,7 +346,7 @@ def _without_raw(doc: dict) -> dict:
 def _ignored_by_compare(argv: list[str]) -> list[str]:
     """Flags on the command line that ``--compare`` would ignore (each condition brings its own)."""
     used = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    keep = {"--help", "--profile", "--compare", "--also-profile", "--out", "--title", "--max-duration", "--no-plots"}
+    keep = {"--help", "--profile", "--compare", "--also-profile", "--draws", "--out", "--title", "--max-duration", "--no-plots"}
     return sorted(used - keep)
 
 
@@ -361,6 +364,8 @@ def _compare(args, parser, argv, profile) -> int:
                      f"drop {', '.join(ignored)}")
     if len(set(args.compare)) != len(args.compare):
         parser.error("--compare: the same file is given twice")
+    if not 1 <= args.draws <= 100:
+        parser.error(f"--draws must be 1-100, got {args.draws}")
     out = writable_prefix(args.out, parser) if args.out else None
     docs = []
     for path in args.compare:
@@ -370,11 +375,11 @@ def _compare(args, parser, argv, profile) -> int:
             parser.error(f"--compare: cannot read {path}: {exc}")
     profiles = {args.profile: profile}
     try:
-        rows = compare.compare(profile, docs, args.max_duration)
+        rows = compare.compare(profile, docs, args.max_duration, args.draws)
         also = None
         if args.also_profile:
             profiles[args.also_profile] = Profile.load(args.also_profile)
-            also = (args.also_profile, compare.compare(profiles[args.also_profile], docs, args.max_duration))
+            also = (args.also_profile, compare.compare(profiles[args.also_profile], docs, args.max_duration, args.draws))
     except ProfileError as exc:
         parser.error(f"--also-profile: {exc}")
     except compare.CompareError as exc:

@@ -141,10 +141,12 @@ def applied_config(applied: dict | None) -> SchedulerConfig:
         raise CompareError(f"the server's applied config cannot be simulated: {exc}") from exc
 
 
-def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_duration: float) -> list[dict]:
-    """One simulated run per measured repeat of ``cond`` (same seed offset and prompt lengths; a sessions
-    workload with the lengths its file recorded, as the bench replayed them); the scheduler from the
-    condition's serve flags (``bench sweep``) or else the server's applied config (``bench run``)."""
+def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_duration: float,
+                       draws: int = 1) -> list[dict]:
+    """``draws`` simulated runs per measured repeat of ``cond`` (same seed offset and prompt lengths; a
+    sessions workload with the lengths its file recorded, as the bench replayed them), each draw with its
+    own step-noise seed (the first the workload's); the scheduler from the condition's serve flags
+    (``bench sweep``) or else the server's applied config (``bench run``)."""
     flags = cond.get("flags")
     sched = sched_config(flags, cond.get("applied")) if flags else applied_config(cond.get("applied"))
     pool = condition_pool(profile, sched.max_num_seqs, flags, cond.get("applied"))
@@ -156,12 +158,14 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
         if workload.kind != "sessions":  # a sessions file holds each request's lengths; its request ids are in send order
             kw |= dict(prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
                        output_lengths=output_lengths(measured, exact=workload.output_dist != "eos"))
-        if cluster is None:
-            runs.append(Simulation(profile, sched, w, **kw).run())
-        else:
-            from quanta.sim.replicas import simulate_replicas
+        for k in range(draws):
+            seed = None if k == 0 else f"{w.seed}/draw{k}"
+            if cluster is None:
+                runs.append(Simulation(profile, sched, w, noise_seed=seed, **kw).run())
+            else:
+                from quanta.sim.replicas import simulate_replicas
 
-            runs.append(simulate_replicas(profile, sched, w, **cluster, **kw))
+                runs.append(simulate_replicas(profile, sched, w, noise_seed=seed, **cluster, **kw))
     return runs
 
 
@@ -213,9 +217,9 @@ def rel_error(simulated: float, measured: float) -> float:
     return (simulated - measured) / measured
 
 
-def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float = 3600.0) -> list[dict]:
+def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float = 3600.0, draws: int = 1) -> list[dict]:
     """Rows of simulated vs measured figures for every measured condition of ``docs``
-    (``(source path, bench result document)`` pairs).
+    (``(source path, bench result document)`` pairs); ``draws`` simulated runs per measured repeat.
 
     Raises:
         CompareError: a document that is not a bench result or has no measured condition.
@@ -224,7 +228,7 @@ def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float 
     for path, doc in docs:
         check_measured(path, doc)
         try:
-            rows += _doc_rows(profile, path, doc, max_duration)
+            rows += _doc_rows(profile, path, doc, max_duration, draws)
         except CompareError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
@@ -240,7 +244,7 @@ def check_measured(path: str, doc) -> None:
         raise CompareError(f"{path}: a {doc['kind']!r} document is simulated, not measured")
 
 
-def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> list[dict]:
+def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float, draws: int) -> list[dict]:
     try:
         w = Workload.from_dict(doc["workload"])
     except TypeError as exc:
@@ -250,7 +254,7 @@ def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float) -> li
         raise CompareError(f"{path}: no measured condition to compare")
     rows = []
     for cond in measured_conds:
-        runs = simulate_condition(profile, cond, w, max_duration)
+        runs = simulate_condition(profile, cond, w, max_duration, draws)
         if any(s.get("error") == "deadline" for r in runs for s in r["samples"]):
             raise CompareError(f"{path}: condition {cond['name']!r}: the simulation ran past --max-duration "
                                f"{max_duration:g} s before every request finished; raise it")

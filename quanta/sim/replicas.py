@@ -53,7 +53,7 @@ class ReplicaSimulation(Simulation):
         self.replicas = []
         for i in range(replicas):
             clock = VirtualClock()
-            executor = CostModelExecutor(profile, clock, seed=w.seed if i == 0 else f"{w.seed}:{i}")
+            executor = CostModelExecutor(profile, clock, seed=self.noise_seed if i == 0 else f"{self.noise_seed}:{i}")
             self.replicas.append(Simulation(profile, sched, w, clock=clock, executor=executor, **shared))
         self._live_on: list[dict[int, _Req]] = [{} for _ in range(replicas)]
         self._routed = [0] * replicas

@@ -77,15 +77,16 @@ class Simulation:
                  max_duration: float = 3600.0, output_lengths: list[int] | None = None,
                  executor=None, clock=None, prefix_cache: bool = False,
                  prompt_lengths: list[int] | None = None, send_delays: list[float] | None = None,
-                 pool: PoolSpec | None = None) -> None:
+                 pool: PoolSpec | None = None, noise_seed: int | str | None = None) -> None:
         self.profile, self.sched, self.w = profile, sched, w
+        self.noise_seed = w.seed if noise_seed is None else noise_seed
         self.tpw, self.max_duration = tokens_per_word, max_duration
         self.output_lengths = output_lengths or []
         self.prompt_lengths = prompt_lengths or []
         self.send_delays = send_delays or []
         self.rng = random.Random(w.seed)
         self.clock = clock or VirtualClock()
-        self.executor = executor or CostModelExecutor(profile, self.clock, seed=w.seed)
+        self.executor = executor or CostModelExecutor(profile, self.clock, seed=self.noise_seed)
         scheduler = sched.build()
         self.pool = pool or PoolSpec(prefix_cache=prefix_cache)
         blocks = self.pool.build(sched.max_num_seqs)
