@@ -161,7 +161,7 @@ class NativeDecoder:
         attn = torch.empty(rows, heads * dim, dtype=self.dtype)
         mid = torch.empty(rows, c.intermediate_size, dtype=self.dtype)
         outs = [torch.empty(rows, n, dtype=self.dtype) for n in (width, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)]
-        work = _MatmulScratch(rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size))
+        work = _MatmulScratch(rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size), io)
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
         row_table, positions, tables = batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr()
         table_width, block_size, max_len = batch.tables.shape[1], kv.block_size, batch.max_len
@@ -208,12 +208,15 @@ def _projections(layer) -> tuple:
 
 
 class _MatmulScratch:
-    """``block_matmul``'s scratch for ``rows`` rows of up to ``k`` inputs and ``n`` outputs; its
-    floats (``xs`` on) also hold ``f16_matmul``'s widened bf16 rows."""
+    """``block_matmul``'s scratch for ``rows`` rows of up to ``k`` inputs and ``n`` outputs (the
+    ``n`` float sums only for bf16 output: float32 output takes them itself, as in
+    :func:`quanta.model.native.forms.matmul`); its floats (``xs`` on) also hold ``f16_matmul``'s
+    widened bf16 rows."""
 
-    def __init__(self, rows: int, k: int, n: int) -> None:
+    def __init__(self, rows: int, k: int, n: int, io_bf16: int) -> None:
         self.quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-        self.floats = torch.empty(rows * max((k // forms.BLOCK) * 2 + n, k), dtype=torch.float32)
+        sums = n if io_bf16 else 0
+        self.floats = torch.empty(rows * max((k // forms.BLOCK) * 2 + sums, k), dtype=torch.float32)
         self.q, self.xs = self.quantized.data_ptr(), self.floats.data_ptr()
         self.acc = self.xs + rows * (k // forms.BLOCK) * 2 * 4
 
