@@ -110,3 +110,13 @@ def test_plots_draw_a_legend_entry_only_for_a_line_they_draw(monkeypatch):
     assert _saved_legends(monkeypatch, lambda p: itl_cdf_plot({"a": [0.0, 0.0]}, p)) is None
     assert itl_cdf_plot({"a": [0.0], "b": []}, "unused.png") is False
     assert _saved_legends(monkeypatch, lambda p: itl_cdf_plot({"a": [0.0], "b": [0.01, 0.02]}, p)) == [["b"]]
+
+
+def test_a_results_machine_names_the_vector_features_that_chose_its_kernels():
+    from quanta.bench.output import machine, machine_text
+    from quanta.model.cpu import cpu_summary
+
+    m = machine()
+    assert m["flags"] == cpu_summary()
+    assert machine_text({"cpu": "AMD EPYC", "flags": "avx2 fma f16c", "logical_cores": 2}) == "AMD EPYC (avx2 fma f16c), 2 logical cores"
+    assert machine_text({"cpu": "AMD EPYC", "logical_cores": 2}) == "AMD EPYC, 2 logical cores"  # a result recorded without them

@@ -82,7 +82,10 @@ def not_simulated(doc: dict) -> list[str]:
 
 
 def machine() -> dict:
-    """CPU model, logical cores, platform and Python of this machine."""
+    """CPU model, the vector features that choose kernels (``flags``), logical cores, platform and
+    Python of this machine."""
+    from quanta.model.cpu import cpu_summary
+
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -91,7 +94,14 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    return {"cpu": cpu, "flags": cpu_summary(), "logical_cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def machine_text(m: dict) -> str:
+    """``CPU (flags), N logical cores``: a result's machine (``flags`` where it was recorded)."""
+    flags = f" ({m['flags']})" if m.get("flags") else ""
+    return f"{m['cpu']}{flags}, {m['logical_cores']} logical cores"
 
 
 def code_version() -> str | None:
@@ -209,7 +219,7 @@ def _machine_lines(doc: dict) -> list[str]:
     """Where the figures come from: this machine and its load, or a simulation's profile."""
     if doc.get("kind") != "simulate":
         m = doc["machine"]
-        return [f"- machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['platform']}, Python {m['python']}",
+        return [f"- machine: {machine_text(m)}, {m['platform']}, Python {m['python']}",
                 f"- 1-minute load average around the repeats: {_load(doc)} (other work on the machine inflates latencies)"]
     p = doc.get("profile") or {}
     m = p.get("machine")

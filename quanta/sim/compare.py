@@ -388,12 +388,15 @@ def document(profile_path: str, rows: list[dict], command: str, also: tuple[str,
 
 def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:
     """The report: how it was made, the table, the error summary (and the same with the second profile)."""
+    from quanta.bench.output import machine_text
+
     sources = sorted({r["source"] for r in doc["rows"]})
-    out = [f"# {title}", "", f"- date: {doc['created']}", f"- machine: {doc['machine']['cpu']}, "
-           f"{doc['machine']['logical_cores']} logical cores, Python {doc['machine']['python']}",
+    out = [f"# {title}", "", f"- date: {doc['created']}",
+           f"- machine: {machine_text(doc['machine'])}, Python {doc['machine']['python']}",
            f"- command: `{doc['command']}`", f"- code: quanta {doc['code']}",
            "- measured: " + ", ".join(f"`{s}`" for s in sources) + " (quanta bench over HTTP; each row's workload is "
-           "that file's; server-trace figures, median over repeats with the IQR)",
+           "that file's; TTFT from the client, the other figures from the server trace; medians over repeats, "
+           "each cell with the measured min-max)",
            _profile_line("profile", doc["profile"], profiles[doc["profile"]])]
     if "also_profile" in doc:
         out.append(_profile_line("second profile", doc["also_profile"], profiles[doc["also_profile"]]))
