@@ -22,7 +22,10 @@ activations in fp32; a host with native bf16 serves in bf16 by default, which ad
   quanta re-encodes the blocks in its own forms; each engine's part is measured on the file against an
   F32 file holding exactly its dequantized weights: llama.cpp's spread between the two (its activation
   rounding only; tiny-llama3: max 1.59, median 0.20) plus quanta's (its re-encoding only, fp32
-  activations: max 1.10, median 0.14), summed (the two engines' errors can add, not cancel by design);
+  activations: max 1.10, median 0.14), summed (the two engines' errors can add, not cancel by design).
+  A quantized MoE file (tiny-qwen3moe Q8_0) is bounded the same way: both engines round activations
+  to 8 bits, and at a router's near tie either rounding can swap a token's experts (nats at that
+  position), so each engine's spread against the F32 file of its dequantized weights is summed;
 - top-1 agreement in at least 95% of the positions where llama.cpp's top-1 leads its second by
   more than that max (where the engines' rounding can swap them, the order is not the file's), and
   in at least 95% of all positions for F16 / F32 files.
@@ -31,7 +34,8 @@ Architectures: llama with Llama 3 ``rope_freqs`` (F16, F32 through the dequantiz
 mistral (llama layout, untied head, Q4_0), qwen2 (q/k/v biases, Q8_0), qwen3 (q/k norms, Q8_0).
 gemma3 (four norms a block, GELU, sliding window 32 on five of six layers with their own RoPE base, Q8_0).
 phi3 (fused attn_qkv and gate/up ffn_up, LongRoPE long factors with attn_factor, a sliding window llama.cpp ignores, Q8_0).
-qwen3moe (q/k norms, an F32 router choosing 4 of 16 experts stored as 3-D tensors, F16 and Q8_0).
+qwen3moe (q/k norms, an F32 router choosing 4 of 16 experts stored as 3-D tensors and computed from
+their blocks, F16 and Q8_0).
 A wrong RoPE layout or a wrong block decoding moves logprobs by several nats and fails.
 """
 
@@ -55,8 +59,9 @@ TOP1 = 0.95
 
 
 def tolerance(record: dict) -> dict:
-    """The bound of ``record``'s file: for a K-quant file llama.cpp's spread against the F32 file of its dequantized
-    weights plus quanta's re-encoding spread; twice the F32-vs-F16 spread for a float file; else the F16-vs-Q8_0 spread."""
+    """The bound of ``record``'s file: for a K-quant or quantized MoE file llama.cpp's spread against the F32 file of
+    its dequantized weights plus quanta's own spread against it; twice the F32-vs-F16 spread for a float file; else
+    the F16-vs-Q8_0 spread."""
     if record.get("spread_kquant_f32"):
         ours, theirs = record["spread_quanta_reencoding"], record["spread_kquant_f32"]
         return {"files": [*theirs["files"], "+ quanta's re-encoding"], "max_diff": theirs["max_diff"] + ours["max_diff"],

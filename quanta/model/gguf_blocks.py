@@ -32,8 +32,10 @@ from torch import nn
 from quanta.model import gguf_loader
 from quanta.model.config import ModelConfig
 from quanta.model.form_embedding import FormEmbedding
+from quanta.model.gguf_expert_blocks import BLOCK_ARCHITECTURES, load_moe_block
 from quanta.model.gguf_header import read_header
 from quanta.model.llama import LlamaModel, PackedLinear
+from quanta.model.moe import MoEBlock
 from quanta.model.native import forms as native_forms
 from quanta.model.native import repack
 from quanta.model.quant import QuantizedWeight
@@ -41,6 +43,8 @@ from quanta.model.rope import RotaryEmbedding
 
 #: form kinds from narrowest to widest (a fused projection takes its widest part's)
 _WIDTH = {"q4_1": 0, "q8_0": 1, "fp16": 2}
+#: MoE routers, float32 in llama.cpp's files and held as floats here
+_ROUTER = re.compile(r"\.ffn_gate_inp(_shexp)?\.weight$")
 #: GGUF tensor types held as plain float values (norms, biases, rope factors)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 #: files from this size on log their load's progress, a line at most every PROGRESS_EVERY_S seconds
@@ -51,13 +55,15 @@ log = logging.getLogger(__name__)
 
 
 def unsupported_reason(cfg: ModelConfig, path: Path) -> str | None:
-    """Why the file's blocks cannot be used directly (None: they can): a MoE, a file with a float32
-    matrix (projection, embedding or head), or no C library here."""
-    if cfg.num_experts:
-        return "MoE experts"
+    """Why the file's blocks cannot be used directly (None: they can): a MoE of an architecture not
+    in :data:`~quanta.model.gguf_expert_blocks.BLOCK_ARCHITECTURES`, a file with a float32 matrix
+    (projection, embedding or head; a router is held as floats), or no C library here."""
+    if cfg.num_experts and cfg.architecture not in BLOCK_ARCHITECTURES:
+        return f"MoE experts of {cfg.architecture} (read from blocks: {', '.join(BLOCK_ARCHITECTURES)})"
     if not native_forms.available():
         return "no C kernels on this machine"
-    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" for t in read_header(path).tensors):
+    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" and not _ROUTER.search(t.name)
+           for t in read_header(path).tensors):
         return "float32 matrices"
     return None
 
@@ -119,10 +125,14 @@ class _File:
         h, a, b = np.meshgrid(np.arange(n_head), np.arange(2), np.arange(half), indexing="ij")
         return (h * 2 * half + 2 * b + a).reshape(-1).astype(np.int32)
 
+    def widest(self, names: list[str]) -> str:
+        """The widest natural form of the tensors ``names`` (a fused projection takes it)."""
+        return max((self.kind(n) for n in names), key=_WIDTH.__getitem__)
+
     def form(self, names: list[str], kind: str | None = None, fine: bool = False) -> QuantizedWeight:
         """The tensors ``names`` stacked along their output rows, in ``kind`` (default: the widest
         part's natural form), read and converted one at a time."""
-        kind = kind or max((self.kind(n) for n in names), key=_WIDTH.__getitem__)
+        kind = kind or self.widest(names)
         k = self.shape(names[0])[1]
         data, scales = repack.empty_form(kind, sum(self.shape(n)[0] for n in names), k)
         step = 1 if kind == "fp16" else 8  # form rows per output row
@@ -216,14 +226,17 @@ def _load_layer(file: _File, layer, prefix: str, dtype: torch.dtype, counts: dic
         norm.weight = nn.Parameter(file.floats(f"{prefix}{stem}.weight", dtype), requires_grad=False)
     qkv = ["attn_qkv"] if f"{prefix}attn_qkv.weight" in file.tensors else ["attn_q", "attn_k", "attn_v"]
     bias = [f"{prefix}{p}.bias" for p in qkv] if attn.qkv_proj.bias is not None else None
-    # phi3: one attn_qkv (q, k, v rows), and ffn_up holding the gate rows, then the up rows
-    gate_up = ["ffn_gate", "ffn_up"] if f"{prefix}ffn_gate.weight" in file.tensors else ["ffn_up"]
     fused = {
         "qkv_proj": (attn, [f"{prefix}{p}.weight" for p in qkv], bias),
         "o_proj": (attn, [f"{prefix}attn_output.weight"], None),
-        "gate_up_proj": (mlp, [f"{prefix}{p}.weight" for p in gate_up], None),
-        "down_proj": (mlp, [f"{prefix}ffn_down.weight"], None),
     }
+    if isinstance(mlp, MoEBlock):
+        load_moe_block(file, mlp, prefix, dtype, counts, _form_linear)
+    else:
+        # phi3: one attn_qkv (q, k, v rows), and ffn_up holding the gate rows, then the up rows
+        gate_up = ["ffn_gate", "ffn_up"] if f"{prefix}ffn_gate.weight" in file.tensors else ["ffn_up"]
+        fused["gate_up_proj"] = (mlp, [f"{prefix}{p}.weight" for p in gate_up], None)
+        fused["down_proj"] = (mlp, [f"{prefix}ffn_down.weight"], None)
     for attr, (owner, names, bias_names) in fused.items():
         form = file.form(names)
         counts[form.kind] = counts.get(form.kind, 0) + 1

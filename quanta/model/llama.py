@@ -249,9 +249,9 @@ class LlamaModel(nn.Module):
             return t.numel() * t.element_size()
         total = sum(size(p) for p in self.parameters())
         for m in self.modules():
-            form = getattr(m, "form", None)
-            if isinstance(form, QuantizedWeight):
-                total += size(form.data) + size(form.scales)
+            for form in (getattr(m, "form", None), *getattr(m, "forms", ())):  # forms: routed experts'
+                if isinstance(form, QuantizedWeight):
+                    total += size(form.data) + size(form.scales)
             total += size(getattr(m, "packed", None)) if isinstance(m, PackedLinear) else 0
         tied = self._tied_head_form
         return total + size(self._tied_head_packed) + (size(tied.data) + size(tied.scales) if tied is not None else 0)

@@ -33,6 +33,7 @@ from torch import nn
 
 from quanta.model.config import ModelConfig
 from quanta.model.linear import PackedLinear, pack_weight
+from quanta.model.quant import QuantizedWeight
 
 
 class Router(nn.Module):
@@ -84,23 +85,40 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts as 3-D weights (transformers v5 layout).
+    """E SwiGLU experts as 3-D weights (transformers v5 layout), or as two C forms holding every
+    expert's rows (:meth:`use_forms`: a GGUF's experts from their own blocks).
 
     Attributes:
-        gate_up_proj: ``[E, 2 * I, H]`` (gate rows first, then up).
-        down_proj: ``[E, H, I]``.
+        gate_up_proj: ``[E, 2 * I, H]`` (gate rows first, then up); absent with forms.
+        down_proj: ``[E, H, I]``; absent with forms.
+        forms: with forms, ``(gate_up, down)``: ``[E * 2I, H]`` (expert ``e``'s gate rows, then its
+            up rows, at ``e * 2I``) and ``[E * H, I]``; else empty.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.forms: tuple[QuantizedWeight, QuantizedWeight] | tuple[()] = ()
+        self._expert_forms: list[tuple[QuantizedWeight, QuantizedWeight]] = []
+
+    def use_forms(self, gate_up: QuantizedWeight, down: QuantizedWeight) -> None:
+        """Compute every expert with its rows of ``gate_up`` and ``down`` (shapes as :attr:`forms`)
+        and drop the 3-D weights."""
+        e, i, h = self.num_experts, self.intermediate, self.hidden
+        if gate_up.shape != (e * 2 * i, h) or down.shape != (e * h, i):
+            raise ValueError(f"expert forms {gate_up.shape} / {down.shape} do not hold {e} experts of "
+                             f"{2 * i} x {h} and {h} x {i}")
+        del self.gate_up_proj, self.down_proj
+        self.forms = (gate_up, down)
+        self._expert_forms = [(gate_up.part(x * 2 * i, (x + 1) * 2 * i), down.part(x * h, (x + 1) * h)) for x in range(e)]
+        self._packed = None
 
     def pack(self) -> int:
-        """Pre-pack every expert's bf16 weights for oneDNN; returns matrices packed (0 in fp32)."""
-        if self.gate_up_proj.dtype != torch.bfloat16:
+        """Pre-pack every expert's bf16 weights for oneDNN; returns matrices packed (0 in fp32 or with forms)."""
+        if self.forms or self.gate_up_proj.dtype != torch.bfloat16:
             self._packed = None
             return 0
         pairs = [(pack_weight(self.gate_up_proj[e].detach()), pack_weight(self.down_proj[e].detach())) for e in range(self.num_experts)]
@@ -112,6 +130,10 @@ class RoutedExperts(nn.Module):
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """``[n, H]`` -> ``[n, H]`` through expert ``e``."""
+        if self._expert_forms:
+            gu, dn = self._expert_forms[e]
+            gate, up = gu(rows).split(self.intermediate, dim=-1)
+            return dn(F.silu(gate) * up)
         if self._packed is None:
             gate, up = F.linear(rows, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
             return F.linear(F.silu(gate) * up, self.down_proj[e])

@@ -108,6 +108,17 @@ class QuantizedWeight:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.data, INT4_GROUP, self.scales)
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
+    def part(self, start: int, end: int) -> QuantizedWeight:
+        """Output rows ``[start, end)`` of a form quanta's C kernels multiply, as a view (no copy):
+        one expert of a form holding every expert's rows. q4_1 / q8_0 take multiples of 8."""
+        if not self.c_kernel:
+            raise ValueError(f"a {self.kind} form held for FBGEMM has no row views")
+        if self.kind == "fp16":
+            return QuantizedWeight(self.kind, self.data[start:end], self.scales, self.fine)
+        if start % 8 or end % 8:
+            raise ValueError(f"rows [{start}, {end}) of a {self.kind} form must be multiples of 8")
+        return QuantizedWeight(self.kind, self.data[start // 8:end // 8], self.scales[start // 8:end // 8], self.fine)
+
     @property
     def shape(self) -> tuple[int, int]:
         """``(N, K)`` of the weight this form holds."""

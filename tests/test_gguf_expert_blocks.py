@@ -1,0 +1,81 @@
+"""A GGUF MoE's routed experts served from the file's own blocks (quanta/model/gguf_expert_blocks.py),
+against the same file dequantized to float32 (the reference loader), on make-model's tiny-qwen3moe
+(16 experts, 4 a token, an F32 router): the same experts' outputs for the same routing, up to the
+8-bit activation rounding of the block kernels, and no float copy of an expert kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quanta.model.config import ModelConfig
+from quanta.model.gguf_blocks import load_block_model, unsupported_reason
+from quanta.model.llama import LlamaModel
+from quanta.model.loader import load_checkpoint, load_config
+from quanta.model.native import forms
+from quanta.model.quant import quantize
+from quanta.tools.make_model import write_direct
+from slot_cache import logits_in_chunks
+
+pytestmark = pytest.mark.skipif(not forms.available(), reason="quanta's C kernels do not build here")
+
+#: the relative error of an expert's output each file's forms allow: F16 is computed in float32
+#: (the fp16 values exactly), Q8_0 / Q4_K_M with 8-bit activations per block of 32 (~0.5% a product)
+BOUND = {"F16": 1e-5, "Q8_0": 0.03, "Q4_K_M": 0.03}
+
+
+@pytest.fixture(scope="module", params=sorted(BOUND))
+def pair(request, tmp_path_factory):
+    path = write_direct("tiny-qwen3moe", tmp_path_factory.mktemp("moe") / f"moe-{request.param}.gguf",
+                        request.param, progress=lambda _: None)
+    cfg, state = load_checkpoint(path)
+    ref = LlamaModel(cfg)
+    ref.load_hf_state_dict(state)
+    return request.param, path, ref.eval(), load_block_model(path, load_config(path), torch.float32)
+
+
+def test_experts_are_forms_not_float_weights(pair):
+    qtype, path, _, blocks = pair
+    experts = [m.mlp.experts for m in blocks.layers]
+    assert all(len(e.forms) == 2 and "gate_up_proj" not in e._parameters for e in experts)
+    assert all(p.dim() <= 2 and p.numel() <= 16 * 2048 for p in blocks.parameters())  # norms and routers only
+    assert blocks.weight_bytes() < 1.3 * path.stat().st_size
+    assert "from-blocks" in blocks.describe_kernels()
+
+
+def test_each_expert_computes_its_own_rows(pair):
+    """Every layer's experts on the same tokens and the same routing as the dequantized file's: a
+    wrong expert order, gate/up swapped or a wrong block decoding moves outputs by ~100%."""
+    qtype, _, ref, blocks = pair
+    x = torch.randn(24, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for ref_layer, layer in zip(ref.layers, blocks.layers, strict=True):
+        ids, weights = ref_layer.mlp.gate(x)
+        torch.testing.assert_close(layer.mlp.gate(x)[0], ids)  # the router is the file's float32 one
+        want, active = ref_layer.mlp.experts(x, ids, weights)
+        got, active_blocks = layer.mlp.experts(x, ids, weights)
+        assert active_blocks == active
+        assert ((got - want).norm() / want.norm()).item() < BOUND[qtype]
+
+
+def test_a_float_file_gives_the_reference_logits(pair):
+    qtype, _, ref, blocks = pair
+    if qtype != "F16":
+        pytest.skip("quantized files round activations: expert choices may flip at near ties")
+    ids = torch.randint(0, ref.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(logits_in_chunks(blocks, ids, [48]), logits_in_chunks(ref, ids, [48]), atol=2e-3, rtol=0)
+
+
+def test_a_form_part_is_its_rows():
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    for kind in ("q4_1", "q8_0", "fp16"):
+        form = quantize(w, kind)
+        torch.testing.assert_close(form.part(8, 24).dequantize(), form.dequantize()[8:24], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        quantize(w, "q8_0").part(4, 12)
+
+
+def test_moe_architectures_without_a_checked_blocks_path_keep_the_dequantizing_loader(tmp_path):
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, architecture="mixtral", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=64)
+    assert unsupported_reason(cfg, tmp_path / "unused.gguf").startswith("MoE experts of mixtral")
