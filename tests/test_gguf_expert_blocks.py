@@ -79,3 +79,39 @@ def test_moe_architectures_without_a_checked_blocks_path_keep_the_dequantizing_l
                       num_key_value_heads=2, head_dim=16, architecture="mixtral", num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=64)
     assert unsupported_reason(cfg, tmp_path / "unused.gguf").startswith("MoE experts of mixtral")
+
+
+def test_one_call_for_all_experts_gives_each_expert_its_own_bits(pair):
+    """The routed experts' one C call (block_matmul_experts) against each expert's rows of the form
+    called alone, row groups in any expert order, bf16 and float32 rows."""
+    qtype, _, _, blocks = pair
+    experts = blocks.layers[0].mlp.experts
+    gate_up, down = experts.forms
+    if not gate_up.native:
+        pytest.skip(f"{qtype}: fp16 experts are called one by one")
+    width = 2 * experts.intermediate
+    groups = [(3, 5), (0, 7), (15, 1), (9, 11)]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(24, experts.hidden, generator=torch.Generator().manual_seed(3)).to(dtype)
+        got, start = gate_up.experts(x, width, groups), 0
+        for e, n in groups:
+            assert torch.equal(got[start:start + n], gate_up.part(e * width, (e + 1) * width)(x[start:start + n]))
+            start += n
+    with pytest.raises(ValueError):
+        gate_up.experts(x, width, [(16, 24)])  # no 17th expert
+
+
+def test_a_blocks_model_on_torchs_decode_path_gives_the_c_pool_its_threads(pair):
+    """An MoE built from blocks has no native decoder: its steps run torch's path, every matmul a C
+    form, so the executor gives the C pool its threads (it starts on 1) and torch 1 for decode steps."""
+    from quanta.engine import model_executor
+    from quanta.model import native
+    from quanta.model.cores import default_threads
+
+    _, _, _, blocks = pair
+    executor = model_executor.ModelExecutor(blocks, num_blocks=4)
+    assert blocks.native is None and executor._blocks
+    lib = native.load()
+    lib.pool_set_threads(1)
+    assert model_executor._c_pool_carries(True, 2) == 1 and lib.pool_threads() == default_threads()
+    assert model_executor._c_pool_carries(False, 2) == 2

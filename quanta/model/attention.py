@@ -250,10 +250,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     kc, vc, fmt = batch.kv.k[layer], batch.kv.v[layer], batch.kv.format
     kc[batch.write_blocks, :, batch.write_offsets] = _stored(k, fmt)
     vc[batch.write_blocks, :, batch.write_offsets] = _stored(v, fmt)
+    if not window and (lib := _rows_kernel(q)) is not None:  # prompt and decode rows alike
+        return _attend_rows(lib, q, kc, vc, batch)
     if batch.decode:
         return _attend_decode(q, kc, vc, batch, window)
-    if not window and (lib := _rows_kernel(q)) is not None:
-        return _attend_rows(lib, q, kc, vc, batch)
     out = torch.empty_like(q)
     offset = 0
     for i, s in enumerate(batch.seqs):

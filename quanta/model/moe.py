@@ -160,6 +160,12 @@ class RoutedExperts(nn.Module):
         token_of = order // k
         rows = x.index_select(0, token_of)  # [T*K, H], expert-contiguous
         row_weights = weights.reshape(-1)[order, None]  # [T*K, 1] float32
+        if self.forms and self.forms[0].native and self.forms[1].native:
+            groups = [(e, n) for e, n in enumerate(counts) if n]
+            gate, up = self.forms[0].experts(rows, 2 * self.intermediate, groups).split(self.intermediate, dim=-1)
+            weighted = self.forms[1].experts(F.silu(gate) * up, self.hidden, groups) * row_weights
+            out = torch.zeros(t, x.shape[1], dtype=torch.float32).index_add_(0, token_of, weighted)
+            return out.to(x.dtype), len(groups)
         weighted = torch.empty(rows.shape, dtype=torch.float32)  # weighted expert outputs, float32
         start = 0
         active = 0

@@ -119,6 +119,13 @@ class QuantizedWeight:
             raise ValueError(f"rows [{start}, {end}) of a {self.kind} form must be multiples of 8")
         return QuantizedWeight(self.kind, self.data[start // 8:end // 8], self.scales[start // 8:end // 8], self.fine)
 
+    def experts(self, x: torch.Tensor, n: int, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """Routed experts (a q4_1 / q8_0 form of every expert's ``n`` rows in turn): ``groups`` of
+        ``(expert, rows)`` in ``x``'s row order, each group's rows times its expert's rows, in one C
+        call (:func:`quanta.model.native.forms.matmul_experts`); each row as its expert's
+        :meth:`part` computes it."""
+        return native_forms.matmul_experts(self.kind, x, self.data, self.scales, self.fine, n, groups)
+
     @property
     def shape(self) -> tuple[int, int]:
         """``(N, K)`` of the weight this form holds."""

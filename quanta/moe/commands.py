@@ -215,7 +215,7 @@ def _profile(args: argparse.Namespace) -> int:
             path = Path(tmp) / args.preset
             log.info("making synthetic preset %s in %s", args.preset, path)
             make_model(args.preset, path)
-        loaded = load_model(str(path), dtype)
+        loaded = load_model(str(path), dtype, "auto", True, "auto")  # as `quanta serve` loads it by default
         if args.what == "moe" and not loaded.config.is_moe:
             print(f"quanta profile: error: {path} is a dense model; use quanta profile prefill", file=sys.stderr)
             return 2

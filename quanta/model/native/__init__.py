@@ -39,6 +39,7 @@ _SIGNATURES = {
     "pool_threads": (),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
     "block_matmul": (_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
+    "block_matmul_experts": (_I, _I, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
     "block_dense": (_I, _I, _I, _P, _P, _P, _I),
     "f16_matmul": (_I, _I, _I, _P, _I, _P, _P, _P),
     "gguf_repack": (_I, _I, _L, _L, _P, _P, _P, _P),

@@ -91,6 +91,32 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fine: bool, n: int,
+                   groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Routed experts in one call: ``groups`` is ``(expert, rows)`` pairs in ``x``'s row order, and
+    those rows of ``x`` ``[M, K]`` are multiplied by expert ``expert``'s ``[n, K]`` rows of the form
+    ``data`` / ``scales`` (every expert's ``N`` rows one after another, as
+    :meth:`~quanta.model.quant.QuantizedWeight.part` cuts them) -> ``[M, N]`` in ``x``'s dtype; each
+    row as :func:`matmul` computes it on its expert alone."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    x = x if x.is_contiguous() else x.contiguous()
+    rows, k = x.shape
+    experts = torch.tensor([e for e, _ in groups], dtype=torch.int32)
+    counts = torch.tensor([n for _, n in groups], dtype=torch.int32)
+    if int(counts.sum()) != rows or n % 8 or not all(0 <= e < data.shape[0] * 8 // n for e, _ in groups):
+        raise ValueError(f"groups {groups} of {n}-row experts do not fit x's {rows} rows and a form of {data.shape[0] * 8}")
+    out = torch.empty(rows, n, dtype=x.dtype)
+    quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
+    sums = rows * n if x.dtype == torch.bfloat16 else 0
+    work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)
+    native.load().block_matmul_experts(
+        4 if kind == "q4_1" else 8, int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
+        int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(), out.data_ptr(), quantized.data_ptr(),
+        work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
+    return out
+
+
 def f16_matmul(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` (bf16 or float32; others computed in float32) times the fp16 weight ``w``
     ``[N, K]`` -> ``[M, N]`` in ``x``'s dtype, by ``f16matmul.c``: float32 products and sums,

@@ -474,3 +474,26 @@ void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int
     struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, qs, scales, out, acc};
     pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2)); /* pool_share above: pairs of groups */
 }
+
+/* Routed experts: groups of consecutive rows of x, group g times expert experts[g]'s [n, k] weight,
+ * every expert's weight one after another in qs / scales as block_matmul lays out one (an MoE
+ * layer's experts in one form). The rows are quantized once, then each group runs as block_matmul
+ * would run it alone (the same tiles, so the same bits row for row), with no call from Python per
+ * expert. out [sum(rows), n]; scratch as block_matmul's for sum(rows) rows. */
+void block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, const int32_t *experts, int n, int k,
+                          const void *x, int io_bf16, const void *qs, const uint16_t *scales, void *out, int8_t *p,
+                          float *xs, float *acc) {
+    int total = 0;
+    for (int g = 0; g < groups; g++) total += rows[g];
+    quantize_rows(total, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
+    int64_t blocks = (int64_t)(n / 8) * (k / QK);
+    int64_t qs_bytes = blocks * (kind == 4 ? 128 : 256), scale_halves = blocks * (kind == 4 ? 16 : 8);
+    int64_t r0 = 0;
+    for (int g = 0; g < groups; g++) {
+        struct matmul_job job = {kind, fine, rows[g], n, k, io_bf16, p + r0 * 2 * k, xs + r0 * (k / QK) * 2,
+                                 (const char *)qs + experts[g] * qs_bytes, scales + experts[g] * scale_halves,
+                                 (char *)out + r0 * n * (io_bf16 ? 2 : 4), acc ? acc + r0 * n : NULL};
+        pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2));
+        r0 += rows[g];
+    }
+}
