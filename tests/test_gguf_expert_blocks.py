@@ -115,3 +115,21 @@ def test_a_blocks_model_on_torchs_decode_path_gives_the_c_pool_its_threads(pair)
     lib.pool_set_threads(1)
     assert model_executor._c_pool_carries(True, 2) == 1 and lib.pool_threads() == default_threads()
     assert model_executor._c_pool_carries(False, 2) == 2
+
+
+def test_a_prompt_rows_logits_do_not_depend_on_chunking(pair):
+    """The router too: its float32 weight goes through the C kernel (a torch matmul's row moved with
+    the rows beside it and flipped near-tied experts between chunkings)."""
+    _, _, ref, blocks = pair
+    ids = torch.randint(0, ref.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(logits_in_chunks(blocks, ids, [7, 13, 19, 1]), logits_in_chunks(blocks, ids, [40]))
+
+
+@pytest.mark.parametrize("k", [64, 61])
+def test_a_float32_weight_takes_the_row_by_row_kernel(k):
+    w = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
+    got = forms.f16_matmul(x, w)
+    torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(forms.f16_matmul(x[r:r + 1], w), got[r:r + 1]) for r in range(9))
+    torch.testing.assert_close(forms.f16_matmul(x.bfloat16(), w).float(), (x.bfloat16().float() @ w.T), atol=0.05, rtol=0.01)

@@ -43,7 +43,8 @@ def load_moe_block(file: _File, mlp: MoEBlock, prefix: str, dtype: torch.dtype, 
                    form_linear) -> None:
     """Fill ``mlp`` (built with meta tensors) from the tensors ``prefix`` + stem of ``file``;
     ``counts`` gains each form's kind, ``form_linear`` makes the shared expert's linears."""
-    mlp.gate.weight = nn.Parameter(file.floats(f"{prefix}ffn_gate_inp.weight", dtype), requires_grad=False)
+    # the router stays float32 (as the file holds it), multiplied row by row the same (Router.logits)
+    mlp.gate.weight = nn.Parameter(file.floats(f"{prefix}ffn_gate_inp.weight", torch.float32), requires_grad=False)
     if mlp.gate.scoring == "sigmoid":
         mlp.gate.e_score_correction_bias = nn.Parameter(file.floats(f"{prefix}exp_probs_b.bias", torch.float32),
                                                         requires_grad=False)

@@ -33,6 +33,7 @@ from torch import nn
 
 from quanta.model.config import ModelConfig
 from quanta.model.linear import PackedLinear, pack_weight
+from quanta.model.native import forms as native_forms
 from quanta.model.quant import QuantizedWeight
 
 
@@ -62,10 +63,19 @@ class Router(nn.Module):
         if self.scoring == "sigmoid":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, E]`` float32 router logits. A float32 router (a GGUF's, read from its
+        blocks) is multiplied by quanta's C kernel where it loads, each row the same whatever rows
+        share the call (a torch matmul's row can move with the rows beside it, and flip a near-tied
+        expert); else by ``F.linear`` in the weight's dtype."""
+        if self.weight.dtype == torch.float32 and native_forms.available():
+            return native_forms.f16_matmul(x.float(), self.weight)
+        return F.linear(x, self.weight).float()
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, H]`` -> (``[T, K]`` int64 expert ids, ``[T, K]`` float32 weights)."""
         if self.scoring == "softmax":
-            probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+            probs = torch.softmax(self.logits(x), dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "block_matmul_experts": (_I, _I, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P),
     "block_dense": (_I, _I, _I, _P, _P, _P, _I),
     "f16_matmul": (_I, _I, _I, _P, _I, _P, _P, _P),
+    "f32_matmul": (_I, _I, _I, _P, _I, _P, _P, _P),
     "gguf_repack": (_I, _I, _L, _L, _P, _P, _P, _P),
 }
 

@@ -1,6 +1,6 @@
 /* fp16-weight matmul for a few rows (decode steps): out [rows, n] = x [rows, k] @ w.T, w the
  * plain fp16 weight [n, k] (row-major, nothing packed), widened with F16C and multiplied in
- * float32 with FMA.
+ * float32 with FMA. f32_matmul: the same for a float32 weight (an MoE router).
  *
  * Each output element is the same arithmetic whatever the rows in the call, the tile that
  * computes it and the thread that runs it: 8 lanes along k, lane i summing w[c][kk] * x[r][kk]
@@ -59,18 +59,25 @@
 #define PREFETCH 32768
 
 struct f16_job {
-    int rows, n, k, io_bf16;
+    int rows, n, k, io_bf16, wf32; /* wf32: float32 weights (f32_matmul), else fp16 */
     const float *x;
-    const uint16_t *w;
+    const void *w;
     void *out;
 };
 
-/* acc[r][c] += w[c] * x[r] over 8 k: the columns' weights at w + c ldw, the rows' activations at x + r ldx. */
-static inline __attribute__((always_inline)) void fma8(int R, int C, __m256 acc[ROW_TILE][COLS], const uint16_t *w,
-                                                       int64_t ldw, const float *x, int64_t ldx) {
+/* 8 consecutive weights at element `at` of w, as float32: fp16 widened (WF 0) or float32 (WF 1). */
+static inline __attribute__((always_inline)) __m256 load_w8(int WF, const void *w, int64_t at) {
+    if (WF) return _mm256_loadu_ps((const float *)w + at);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at)));
+}
+
+/* acc[r][c] += w[c] * x[r] over 8 k: the columns' weights at element at + c ldw of w, the rows'
+ * activations at x + r ldx. */
+static inline __attribute__((always_inline)) void fma8(int WF, int R, int C, __m256 acc[ROW_TILE][COLS], const void *w,
+                                                       int64_t at, int64_t ldw, const float *x, int64_t ldx) {
     __m256 wv[COLS];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; c++) wv[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + c * ldw)));
+    for (int c = 0; c < C; c++) wv[c] = load_w8(WF, w, at + c * ldw);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         __m256 xv = _mm256_loadu_ps(x + r * ldx);
@@ -81,27 +88,27 @@ static inline __attribute__((always_inline)) void fma8(int R, int C, __m256 acc[
 }
 
 /* Rows [r0, r0 + R) by columns [c0, c0 + C) of the output. */
-static inline __attribute__((always_inline)) void tile(const struct f16_job *j, int R, int C, int r0, int c0) {
-    int k = j->k, k8 = k & ~7;
+static inline __attribute__((always_inline)) void tile(int WF, const struct f16_job *j, int R, int C, int r0, int c0) {
+    int k = j->k, k8 = k & ~7, size = WF ? 4 : 2;
     const float *x = j->x + (int64_t)r0 * k;
-    const uint16_t *w = j->w + (int64_t)c0 * k;
+    const char *w = (const char *)j->w + (int64_t)c0 * k * size;
     __m256 acc[ROW_TILE][COLS];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const char *ahead = (const char *)w + PREFETCH; /* the tile's C k weights are contiguous: at kk, kk / k of them are read */
+    const char *ahead = w + PREFETCH; /* the tile's C k weights are contiguous: at kk, kk / k of them are read */
 #pragma GCC unroll 2
     for (int kk = 0; kk < k8; kk += 8) {
-        _mm_prefetch(ahead + 2 * C * kk, _MM_HINT_T0);
-        fma8(R, C, acc, w + kk, k, x + kk, k);
+        _mm_prefetch(ahead + size * C * kk, _MM_HINT_T0);
+        fma8(WF, R, C, acc, w, kk, k, x + kk, k);
     }
     if (k8 < k) { /* the last k, zero-padded to 8 */
-        uint16_t wt[COLS][8] = {{0}};
+        float wt[COLS][8] = {{0}}; /* column c's weights at byte 8 c size: fp16 ones fill half of each row */
         float xt[ROW_TILE][8] = {{0}};
-        for (int c = 0; c < C; c++) memcpy(wt[c], w + (int64_t)c * k + k8, (size_t)(k - k8) * sizeof(uint16_t));
+        for (int c = 0; c < C; c++) memcpy((char *)wt + (int64_t)c * 8 * size, w + ((int64_t)c * k + k8) * size, (size_t)(k - k8) * size);
         for (int r = 0; r < R; r++) memcpy(xt[r], x + (int64_t)r * k + k8, (size_t)(k - k8) * sizeof(float));
-        fma8(R, C, acc, wt[0], 8, xt[0], 8);
+        fma8(WF, R, C, acc, wt, 0, 8, xt[0], 8);
     }
     for (int r = 0; r < R; r++) {
         float s[COLS];
@@ -113,10 +120,10 @@ static inline __attribute__((always_inline)) void tile(const struct f16_job *j, 
 /* Rows [r0, r0 + R) by columns [c, c + m): one tile, or m < COLS (the last columns) single ones. */
 static inline __attribute__((always_inline)) void block(const struct f16_job *j, int R, int r0, int c, int m) {
     if (m == COLS) {
-        tile(j, R, COLS, r0, c);
+        j->wf32 ? tile(1, j, R, COLS, r0, c) : tile(0, j, R, COLS, r0, c);
         return;
     }
-    for (int i = 0; i < m; i++) tile(j, R, 1, r0, c + i);
+    for (int i = 0; i < m; i++) j->wf32 ? tile(1, j, R, 1, r0, c + i) : tile(0, j, R, 1, r0, c + i);
 }
 
 /* Columns a pass over the rows takes (16 tiles: 48 x k fp16 weights, 192 KiB at k = 2,048, held in
@@ -154,6 +161,14 @@ static void f16_part(void *arg, int part, int parts, int thread) {
  * xf: float32 scratch [rows, k] that bf16 rows are widened into (unused for float32). */
 void f16_matmul(int rows, int n, int k, const void *x, int io_bf16, const uint16_t *w, void *out, float *xf) {
     if (io_bf16) load_row(x, 1, 0, (int64_t)rows * k, xf);
-    struct f16_job job = {rows, n, k, io_bf16, io_bf16 ? xf : (const float *)x, w, out};
+    struct f16_job job = {rows, n, k, io_bf16, 0, io_bf16 ? xf : (const float *)x, w, out};
+    pool_run(f16_part, &job, pool_chunks((n + COLS - 1) / COLS));
+}
+
+/* f16_matmul with float32 weights w [n, k]: the same tiles and sums (a small float32 matrix, such
+ * as an MoE router, computed row by row the same in a call of any size). */
+void f32_matmul(int rows, int n, int k, const void *x, int io_bf16, const float *w, void *out, float *xf) {
+    if (io_bf16) load_row(x, 1, 0, (int64_t)rows * k, xf);
+    struct f16_job job = {rows, n, k, io_bf16, 1, io_bf16 ? xf : (const float *)x, w, out};
     pool_run(f16_part, &job, pool_chunks((n + COLS - 1) / COLS));
 }

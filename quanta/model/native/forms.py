@@ -119,18 +119,21 @@ def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch
 
 def f16_matmul(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` (bf16 or float32; others computed in float32) times the fp16 weight ``w``
-    ``[N, K]`` -> ``[M, N]`` in ``x``'s dtype, by ``f16matmul.c``: float32 products and sums,
-    each row computed the same in a call of any size and on any thread. ``lib`` as in
-    :func:`matmul`."""
+    ``[N, K]`` (float32: ``f32_matmul``, the same tiles) -> ``[M, N]`` in ``x``'s dtype, by
+    ``f16matmul.c``: float32 products and sums, each row computed the same in a call of any size
+    and on any thread. ``lib`` as in :func:`matmul`."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()
+    if w.dtype not in (torch.float16, torch.float32) or not w.is_contiguous():
+        raise ValueError(f"f16_matmul takes a contiguous fp16 or float32 weight, got {w.dtype}")
     x = x if x.is_contiguous() else x.contiguous()
     rows, k = x.shape
     io_bf16 = x.dtype == torch.bfloat16
     out = torch.empty(rows, w.shape[0], dtype=x.dtype)
     widened = torch.empty(rows * k if io_bf16 else 0, dtype=torch.float32)  # bf16 rows as float32
-    (lib or native.load()).f16_matmul(rows, w.shape[0], k, x.data_ptr(), int(io_bf16), w.data_ptr(), out.data_ptr(),
-                                      widened.data_ptr())
+    lib = lib or native.load()
+    call = lib.f32_matmul if w.dtype == torch.float32 else lib.f16_matmul
+    call(rows, w.shape[0], k, x.data_ptr(), int(io_bf16), w.data_ptr(), out.data_ptr(), widened.data_ptr())
     return out
 
 
