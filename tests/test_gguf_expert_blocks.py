@@ -35,11 +35,12 @@ def pair(request, tmp_path_factory):
 
 
 def test_experts_are_forms_not_float_weights(pair):
-    qtype, path, _, blocks = pair
+    qtype, path, ref, blocks = pair
     experts = [m.mlp.experts for m in blocks.layers]
     assert all(len(e.forms) == 2 and "gate_up_proj" not in e._parameters for e in experts)
     assert all(p.dim() <= 2 and p.numel() <= 16 * 2048 for p in blocks.parameters())  # norms and routers only
     assert blocks.weight_bytes() < 1.3 * path.stat().st_size
+    assert blocks.weight_count() == ref.weight_count()  # the forms' weights counted, as parameters are
     assert "from-blocks" in blocks.describe_kernels()
 
 

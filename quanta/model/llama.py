@@ -238,6 +238,14 @@ class LlamaModel(nn.Module):
             self.native.forget_plans()
         return counts
 
+    def weight_count(self) -> int:
+        """Weights the model represents: its parameters (a meta or deleted one not counted) and the
+        ``N x K`` of each C form held without a parameter (a model built from a GGUF's blocks)."""
+        total = sum(p.numel() for p in self.parameters() if not p.is_meta)
+        forms = [f for m in self.modules() for f in (getattr(m, "form", None), *getattr(m, "forms", ()))
+                 if isinstance(f, QuantizedWeight) and "weight" not in getattr(m, "_parameters", {})]
+        return total + sum(f.shape[0] * f.shape[1] for f in forms)
+
     def weight_bytes(self) -> int:
         """Bytes of every weight the model holds: parameters, packed copies and forms."""
         seen: set[int] = set()

@@ -201,7 +201,7 @@ def model_shape(loaded) -> dict:
             "moe_intermediate_size": cfg.moe_intermediate_size or None,
             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size or None,
             "num_moe_layers": sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
-            "parameters": sum(p.numel() for p in loaded.model.parameters())}
+            "parameters": loaded.model.weight_count()}
 
 
 def _row(cfg, quantum: int, runs: list[dict]) -> dict:
