@@ -34,8 +34,9 @@ class _File(Protocol):
     def form(self, names: list[str]) -> QuantizedWeight: ...
     def widest(self, names: list[str]) -> str: ...
 
+
 #: MoE architectures whose blocks path is checked against llama.cpp (tests/test_agreement_llama_cpp.py)
-#: and against the dequantized file (tests/test_gguf_blocks.py); others take the dequantizing loader.
+#: and against the dequantized file (tests/test_gguf_expert_blocks.py); others take the dequantizing loader.
 BLOCK_ARCHITECTURES = ("qwen3_moe",)
 
 

@@ -95,7 +95,7 @@ def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch
                    groups: list[tuple[int, int]]) -> torch.Tensor:
     """Routed experts in one call: ``groups`` is ``(expert, rows)`` pairs in ``x``'s row order, and
     those rows of ``x`` ``[M, K]`` are multiplied by expert ``expert``'s ``[n, K]`` rows of the form
-    ``data`` / ``scales`` (every expert's ``N`` rows one after another, as
+    ``data`` / ``scales`` (every expert's ``n`` rows one after another, as
     :meth:`~quanta.model.quant.QuantizedWeight.part` cuts them) -> ``[M, N]`` in ``x``'s dtype; each
     row as :func:`matmul` computes it on its expert alone."""
     if x.dtype not in (torch.bfloat16, torch.float32):
