@@ -134,16 +134,15 @@ class _File:
         part's natural form), read and converted one at a time."""
         kind = kind or self.widest(names)
         k = self.shape(names[0])[1]
-        data, scales = repack.empty_form(kind, sum(self.shape(n)[0] for n in names), k)
-        step = 1 if kind == "fp16" else 8  # form rows per output row
+        whole = QuantizedWeight(kind, *repack.empty_form(kind, sum(self.shape(n)[0] for n in names), k), fine)
         start = 0
         for name in names:
             n = self.shape(name)[0]
-            part = slice(start // step, (start + n) // step)
+            part = whole.part(start, start + n)
             repack.to_form(self.raw(name), self.tensors[name].tensor_type.name, n, k, kind, self.rows(name),
-                           out=(data[part], scales if kind == "fp16" else scales[part]))
+                           out=(part.data, part.scales))
             start += n
-        return QuantizedWeight(kind, data, scales, fine)
+        return whole
 
 
 def load_block_model(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaModel:

@@ -80,15 +80,13 @@ def expert_form(file: _File, names: list[str]) -> QuantizedWeight:
     if any(s[0] != experts or s[2] != k for s in shapes):
         raise ValueError(f"{file.path.name}: expert tensors {names} differ in experts or columns: {shapes}")
     width = sum(s[1] for s in shapes)
-    data, scales = repack.empty_form(kind, experts * width, k)
-    step = 1 if kind == "fp16" else 8  # form rows per output row
+    whole = QuantizedWeight(kind, *repack.empty_form(kind, experts * width, k), fine=False)
+    offset = 0  # the tensor's rows within an expert's
     for name, (_, n, _) in zip(names, shapes):
         ggml_type = file.tensors[name].tensor_type.name
         raw, size = file.raw(name), n * repack.row_bytes(ggml_type, k)
-        offset = sum(s[1] for s in shapes[:names.index(name)])
         for e in range(experts):
-            start = e * width + offset
-            rows = slice(start // step, (start + n) // step)
-            repack.to_form(raw[e * size:(e + 1) * size], ggml_type, n, k, kind,
-                           out=(data[rows], scales if kind == "fp16" else scales[rows]))
-    return QuantizedWeight(kind, data, scales, fine=False)
+            part = whole.part(e * width + offset, e * width + offset + n)
+            repack.to_form(raw[e * size:(e + 1) * size], ggml_type, n, k, kind, out=(part.data, part.scales))
+        offset += n
+    return whole

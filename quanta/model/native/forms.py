@@ -76,19 +76,32 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     product), else to 8 bits (llama.cpp's Q8_1: ~0.5%, and about 1.4x faster a decode step).
     ``lib``: the library to call (default :func:`quanta.model.native.load`; tests pass
     one built for another ``-march``)."""
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        x = x.float()
-    x = x if x.is_contiguous() else x.contiguous()
+    x = _io_rows(x)
     rows, k = x.shape
     n = data.shape[0] * 8
-    out = torch.empty(rows, n, dtype=x.dtype)
-    quantized = torch.empty(rows * 2 * k, dtype=torch.int8)  # the two bytes of each 15-bit activation
-    sums = rows * n if x.dtype == torch.bfloat16 else 0  # float32 output takes the sums itself
-    work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)  # activation scales, then sums
+    out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
     (lib or native.load()).block_matmul(
         4 if kind == "q4_1" else 8, int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
-        scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
+        scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), sums)
     return out
+
+
+def _io_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the C kernels take rows: bf16 or float32 (others widened to float32), contiguous."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _block_buffers(rows: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``block_matmul``'s output ``[rows, n]`` in ``dtype`` and scratch for ``rows`` x ``k``: the
+    quantized activations (two bytes each), the float work (activation scales, then for bf16 output
+    the float sums; float32 output takes the sums itself) and the sums' address in it."""
+    out = torch.empty(rows, n, dtype=dtype)
+    quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
+    sums = rows * n if dtype == torch.bfloat16 else 0
+    work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)
+    return out, quantized, work, work.data_ptr() + rows * (k // BLOCK) * 2 * 4
 
 
 def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fine: bool, n: int,
@@ -98,22 +111,17 @@ def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch
     ``data`` / ``scales`` (every expert's ``n`` rows one after another, as
     :meth:`~quanta.model.quant.QuantizedWeight.part` cuts them) -> ``[M, N]`` in ``x``'s dtype; each
     row as :func:`matmul` computes it on its expert alone."""
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        x = x.float()
-    x = x if x.is_contiguous() else x.contiguous()
+    x = _io_rows(x)
     rows, k = x.shape
     experts = torch.tensor([e for e, _ in groups], dtype=torch.int32)
     counts = torch.tensor([n for _, n in groups], dtype=torch.int32)
     if int(counts.sum()) != rows or n % 8 or not all(0 <= e < data.shape[0] * 8 // n for e, _ in groups):
         raise ValueError(f"groups {groups} of {n}-row experts do not fit x's {rows} rows and a form of {data.shape[0] * 8}")
-    out = torch.empty(rows, n, dtype=x.dtype)
-    quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-    sums = rows * n if x.dtype == torch.bfloat16 else 0
-    work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)
+    out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
     native.load().block_matmul_experts(
         4 if kind == "q4_1" else 8, int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
         int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(), out.data_ptr(), quantized.data_ptr(),
-        work.data_ptr(), work.data_ptr() + rows * (k // BLOCK) * 2 * 4)
+        work.data_ptr(), sums)
     return out
 
 
@@ -122,11 +130,9 @@ def f16_matmul(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None)
     ``[N, K]`` (float32: ``f32_matmul``, the same tiles) -> ``[M, N]`` in ``x``'s dtype, by
     ``f16matmul.c``: float32 products and sums, each row computed the same in a call of any size
     and on any thread. ``lib`` as in :func:`matmul`."""
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        x = x.float()
     if w.dtype not in (torch.float16, torch.float32) or not w.is_contiguous():
         raise ValueError(f"f16_matmul takes a contiguous fp16 or float32 weight, got {w.dtype}")
-    x = x if x.is_contiguous() else x.contiguous()
+    x = _io_rows(x)
     rows, k = x.shape
     io_bf16 = x.dtype == torch.bfloat16
     out = torch.empty(rows, w.shape[0], dtype=x.dtype)
