@@ -25,6 +25,7 @@ from quanta.model.linear import linear, pack_weight
 from quanta.model.native.forms import available as native_available
 from quanta.model.presets import _embedded_tokenizer as embedded_tokenizer
 from quanta.model.quant import fp16_kernel_available, quantize
+from quanta.tools.make_model import write_direct
 from tiny_llama import TINY
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -124,6 +125,32 @@ def test_greedy_tokens_do_not_depend_on_chunks_cache_hits_or_neighbours(tiny, pr
     sched = SchedulerConfig("chunked", slots, {"admit_k": slots, "chunk": chunk, "prefill_cap": 64})
     warm = probe[:cached] + [7] if cached >= 0 else None  # a cached prefix of the probe, or no cache
     assert _same(_greedy(tiny, probe, sched, others, warm), alone)
+
+
+@pytest.fixture(scope="module")
+def moe_blocks(tmp_path_factory):
+    """make-model's tiny-qwen3moe in Q4_K_M, served as ``quanta serve`` loads it: experts from their
+    blocks, q/k head norms, decode steps in the native decoder's C glue."""
+    if not native_available():
+        pytest.skip("quanta's C kernels do not build here")
+    path = write_direct("tiny-qwen3moe", tmp_path_factory.mktemp("moe-blocks") / "moe.gguf", "Q4_K_M",
+                        progress=lambda _: None)
+    loaded = load_model(str(path), torch.float32, "auto", prompt_weights="auto")
+    assert loaded.model.native is not None and loaded.model.native.covers()
+    return loaded
+
+
+@pytest.mark.parametrize(("chunk", "cached", "slots"), [(5, 17, 4), (24, -1, 3), (1, 40, 6)])
+def test_an_moe_from_its_blocks_decodes_the_same_in_any_company(moe_blocks, chunk, cached, slots):
+    """Its routed experts meet other sequences' rows in one grouped call and its decode rows run the
+    C glue: the probe's tokens and logits stay those of the probe alone, to the bit."""
+    gen = torch.Generator().manual_seed(chunk)
+    probe = torch.randint(1, 256, (45,), generator=gen).tolist()
+    others = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (30, 9, 52, 17)]
+    alone = _greedy(moe_blocks, probe, SchedulerConfig("batched", 1, {}))
+    sched = SchedulerConfig("chunked", slots, {"admit_k": slots, "chunk": chunk, "prefill_cap": 64})
+    warm = probe[:cached] + [7] if cached >= 0 else None
+    assert _same(_greedy(moe_blocks, probe, sched, others, warm), alone)
 
 
 # --------------------------------------------------------------------------- the README's example

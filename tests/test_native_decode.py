@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, OlmoeConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from quanta.config import EngineConfig, SchedulerConfig
 from quanta.engine.sampling import SamplingParams
@@ -38,6 +38,9 @@ CONFIGS = {
     "llama-rope-llama3": LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE),
     "qwen2-bias": Qwen2Config(**TINY, tie_word_embeddings=False),
     "mha": LlamaConfig(**{**TINY, "num_key_value_heads": 4}),
+    "qwen3-qk-norms": Qwen3Config(**TINY, head_dim=16),
+    "qwen3-moe": Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True),
 }
 #: slot i holds a prompt of this many tokens; 115 + 6 positions are two of attention's 64-position
 #: tiles on one thread (decode.c), 8-position blocks with tails of 1-7 everywhere
@@ -121,7 +124,7 @@ def test_fp16_forms_are_direct_c_calls_within_1e_4_of_the_pytorch_path(pair):
     try:
         model.quantize_weights("fp16", "fp16")
         assert model.enable_native_decode() == "native"
-        assert model.native.covers() == (not model.config.attention_bias)
+        assert model.native.covers() == (not model.config.attention_bias and not model.config.num_experts)
         seqs, order = _tokens(model.config.vocab_size), [2, 0, 4, 3, 1]
         torch_path = _decode(model, seqs, torch.float32, order, native_steps=set())
         native_path = _decode(model, seqs, torch.float32, order, native_steps=set(range(6)))
@@ -133,9 +136,10 @@ def test_fp16_forms_are_direct_c_calls_within_1e_4_of_the_pytorch_path(pair):
 
 def test_models_it_cannot_run_keep_the_pytorch_path(tmp_path):
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(Qwen3Config(**TINY, head_dim=24)).save_pretrained(tmp_path)
+    olmoe = OlmoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0)
+    AutoModelForCausalLM.from_config(olmoe).save_pretrained(tmp_path)
     model = load_ours(tmp_path)
-    assert model.enable_native_decode() == "torch (native decode does not support q/k norms)"
+    assert model.enable_native_decode() == "torch (native decode does not support q/k norms over the whole projection)"
     assert model.native is None
 
 

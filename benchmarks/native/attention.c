@@ -13,6 +13,7 @@
 #include <time.h>
 int64_t attention_scratch(int rows, int heads, int kv_heads, int dim, int64_t max_len);
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
+                      const float *q_norm, const float *k_norm, float eps,
                       const float *cos_table, const float *sin_table, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch);
@@ -55,7 +56,7 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < passes; rep++) {
         double t = now();
         for (int l = 0; l < 30; l++)
-            attention_decode(rows, qkv, 0, heads, kvh, dim, cos_t, sin_t, row_table, pos, tables, width, bs, ks[l], vs[l], kind, ctx + 1, out, scratch);
+            attention_decode(rows, qkv, 0, heads, kvh, dim, NULL, NULL, 0.0f, cos_t, sin_t, row_table, pos, tables, width, bs, ks[l], vs[l], kind, ctx + 1, out, scratch);
         t = now() - t; if (t < best) best = t;
     }
     uint64_t hash = 1469598103934665603u; /* FNV-1a of the output's bytes: two versions agree bit for bit or not */

@@ -72,7 +72,7 @@ class ModelExecutor(Executor):
         cfg = model.config
         dtype = model.dtype
         self.model = model
-        #: every matmul a C form (a GGUF's blocks) on torch's decode path (no native decoder: MoE, q/k norms, Gemma)
+        #: every matmul a C form (a GGUF's blocks) on torch's decode path (no native decoder: Gemma, OLMoE's clipped norms)
         self._blocks = model.native is None and model.weight_forms[0] == "blocks"
         self.kv = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, kv_dtype or dtype)
         self.sampler = Sampler()
@@ -142,7 +142,7 @@ class ModelExecutor(Executor):
 def _c_pool_carries(decode: bool, torch_threads: int) -> int:
     """Give the C pool its threads (:func:`~quanta.model.cores.default_threads`) for a forward or an
     LM head whose matmuls are all C forms but which runs on torch's path (a model built from a GGUF's
-    blocks that the native decoder does not take); returns torch's threads: 1 for a decode step or the
+    blocks that the native decoder does not take: Gemma); returns torch's threads: 1 for a decode step or the
     head (its ops are small; idle OpenMP threads would spin on the pool's core), ``torch_threads`` for
     a prompt step (its attention). The pool starts on 1 thread, where every such model's matmuls ran:
     on the 8-layer Qwen3-30B-A3B-shaped Q4_K_M (2 AVX2 cores) a decode step took ~57 ms."""

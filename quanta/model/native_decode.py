@@ -1,11 +1,13 @@
-"""Decode steps of a dense Llama-family model with the glue between matmuls in C.
+"""Decode steps of a Llama-family model with the glue between matmuls in C.
 
 A decode batch (one generated token per sequence) runs, per layer, four
 matmuls through the model's own linears (their decode form, a q4_1 / q8_0
 one called straight into ``block_matmul`` or an fp16 one into ``f16_matmul``,
 else the linear itself) and three C
-calls from :mod:`quanta.model.native`: residual add + RMSNorm, RoPE + KV
-cache write + attention, SwiGLU. The residual stream stays float32 between
+calls from :mod:`quanta.model.native`: residual add + RMSNorm, (q/k head norms +)
+RoPE + KV cache write + attention, SwiGLU. An MoE layer's MLP is its
+:class:`~quanta.model.moe.MoEBlock` (router, then every active expert in one C
+call per projection where the experts are C forms). The residual stream stays float32 between
 layers; matmul inputs and outputs are in the model dtype. The KV cache is
 the same paged :class:`~quanta.model.attention.KVCache` the PyTorch path
 reads, through the same block tables, so steps of either path may follow
@@ -27,6 +29,7 @@ from quanta.model import native
 from quanta.model.attention import AttentionBatch
 from quanta.model.config import ModelConfig
 from quanta.model.cores import default_threads, threads_set_by_hand
+from quanta.model.moe import MoEBlock
 from quanta.model.native import forms
 from quanta.model.quant import QuantizedWeight
 from quanta.model.thread_tuner import ThreadTuner
@@ -36,10 +39,8 @@ def unsupported_reason(cfg: ModelConfig, dtype: torch.dtype) -> str | None:
     """Why the C decode path cannot run this model (None: it can)."""
     if dtype not in (torch.bfloat16, torch.float32):
         return f"dtype {dtype}"
-    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        return "MoE layers"
-    if cfg.qk_norm or cfg.qk_norm_full or cfg.clip_qkv is not None:
-        return "q/k norms"
+    if cfg.qk_norm_full or cfg.clip_qkv is not None:
+        return "q/k norms over the whole projection"
     if cfg.head_dim % 8 or cfg.num_attention_heads % cfg.num_key_value_heads:  # attention's 8-float vectors (decode.c)
         return "head layout"
     return None
@@ -65,6 +66,9 @@ class NativeDecoder:
         self.eps = ctypes.c_float(cfg.rms_norm_eps)
         f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
         self.norms = [(f32(layer.input_layernorm.weight), f32(layer.post_attention_layernorm.weight)) for layer in model.layers]
+        #: per layer, the q and k head norms' float32 weights (Qwen3), or None
+        self.qk_norms = [(f32(a.q_norm.weight), f32(a.k_norm.weight)) if a.q_norm is not None else None
+                         for a in (layer.self_attn for layer in model.layers)]
         self.final_norm = f32(model.norm.weight)
         self._scratch: torch.Tensor | None = None
         self._plan: list[list[_Direct | None]] | None = None
@@ -88,15 +92,17 @@ class NativeDecoder:
         self._plan = self._prompts_covered = None
 
     def plan(self) -> list[list[_Direct | None]]:
-        """Per layer, its four projections (qkv, o, gate_up, down): the C decode form
+        """Per layer, its projections (qkv, o, then gate_up, down of a dense MLP): the C decode form
         (:func:`native_form`), called straight, or None (the linear itself). The same at every row count."""
         if self._plan is None:
             self._plan = [[_Direct.pick(lin) for lin in _projections(layer)] for layer in self.model.layers]
         return self._plan
 
     def covers(self) -> bool:
-        """Whether every projection of a decode step is a direct C call (:meth:`plan`)."""
-        return all(d is not None for layer in self.plan() for d in layer)
+        """Whether every projection of a decode step is a direct C call (:meth:`plan`) and every MoE
+        layer's experts are C forms (:func:`_experts_in_c`)."""
+        return (all(d is not None for layer in self.plan() for d in layer)
+                and all(_experts_in_c(layer.mlp) for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)))
 
     def claim_threads(self, decode: bool, torch_threads: int) -> int:
         """Split the cores between the C kernels' pool and torch's for one forward.
@@ -125,7 +131,8 @@ class NativeDecoder:
         1B Q4_K_M took 2x as long)."""
         if self._prompts_covered is None:
             self._prompts_covered = all(getattr(lin, "form_for_prompts", False)
-                                        for layer in self.model.layers for lin in _projections(layer))
+                                        for layer in self.model.layers for lin in _projections(layer)) and all(
+                _experts_in_c(layer.mlp) for layer in self.model.layers if isinstance(layer.mlp, MoEBlock))
         return self._prompts_covered
 
     def head_threads(self, torch_threads: int) -> int:
@@ -159,7 +166,7 @@ class NativeDecoder:
         width = (heads + 2 * kv_heads) * dim
         h = torch.empty(rows, c.hidden_size, dtype=self.dtype)
         attn = torch.empty(rows, heads * dim, dtype=self.dtype)
-        mid = torch.empty(rows, c.intermediate_size, dtype=self.dtype)
+        mid = torch.empty(rows, c.intermediate_size, dtype=self.dtype)  # a dense MLP's (the config's size)
         outs = [torch.empty(rows, n, dtype=self.dtype) for n in (width, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)]
         work = _MatmulScratch(rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size), io)
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
@@ -182,11 +189,16 @@ class NativeDecoder:
             norm_in, norm_post = self.norms[i]
             lib.residual_rms_norm(rows, c.hidden_size, xp, _ptr(down), norm_in.data_ptr(), self.eps, hp, io, scratch)
             qkv = project(layer, 0, h)
-            lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, *rope_tables, row_table,
+            qk_norm = self.qk_norms[i] or (None, None)
+            lib.attention_decode(rows, qkv.data_ptr(), io, heads, kv_heads, dim, *map(_ptr, qk_norm), self.eps,
+                                 *rope_tables, row_table,
                                  positions, tables, table_width, block_size, kv.k[i].data_ptr(), kv.v[i].data_ptr(), cache_kind,
                                  max_len, ap, scratch)
             o = project(layer, 1, attn)
             lib.residual_rms_norm(rows, c.hidden_size, xp, o.data_ptr(), norm_post.data_ptr(), self.eps, hp, io, scratch)
+            if isinstance(layer.mlp, MoEBlock):
+                down = _checked(layer.mlp(h), self.dtype)
+                continue
             gate_up = project(layer, 2, h)
             lib.silu_mul(rows, c.intermediate_size, gate_up.data_ptr(), io, mp, scratch)
             down = project(layer, 3, mid)
@@ -204,7 +216,16 @@ def native_form(form: QuantizedWeight | None) -> QuantizedWeight | None:
 
 
 def _projections(layer) -> tuple:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    attention = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+    return attention if isinstance(layer.mlp, MoEBlock) else (*attention, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _experts_in_c(block: MoEBlock) -> bool:
+    """Whether an MoE block's matmuls are C kernels alone: routed experts held as C forms
+    (:meth:`~quanta.model.moe.RoutedExperts.use_forms`, a GGUF's blocks: q4_1 / q8_0 in one call
+    per projection, fp16 one expert at a time) and no shared expert."""
+    forms = block.experts.forms
+    return bool(forms) and all(f.c_kernel for f in forms) and block.shared_expert is None
 
 
 class _MatmulScratch:

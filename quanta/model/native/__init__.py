@@ -31,7 +31,7 @@ LIBS = ("-lmvec", "-lm", "-lpthread")
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 _SIGNATURES = {
     "residual_rms_norm": (_I, _I, _P, _P, _P, _F, _P, _I, _P),
-    "attention_decode": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _L, _L, _P, _P, _I, _L, _P, _P),
+    "attention_decode": (_I, _P, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _L, _L, _P, _P, _I, _L, _P, _P),
     "attention_rows": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _L, _L, _P, _P, _I, _L, _P, _P),
     "kv_store_rows": (_L, _I, _P, _I, _P),
     "attention_scratch": (_I, _I, _I, _I, _L),

@@ -367,7 +367,18 @@ static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int 
     }
 }
 
-/* One decode token per row: RoPE on q and k, write k and v into the cache at position positions[r]
+/* x[h] = rmsnorm(x[h]) * weight for each of `heads` heads of `dim` (Qwen3's per-head q/k norms). */
+static void head_rms_norm(float *x, int heads, int dim, const float *weight, float eps) {
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (int64_t)h * dim, ss = 0.0f;
+        for (int i = 0; i < dim; i++) ss += v[i] * v[i];
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int i = 0; i < dim; i++) v[i] = v[i] * inv * weight[i];
+    }
+}
+
+/* One decode token per row: each q and k head RMS-normed by q_norm / k_norm (float32 [dim]; NULL:
+ * none), RoPE on q and k, write k and v into the cache at position positions[r]
  * of block table row_table[r] (tables: int32 [sequences, table_width]), then attend over positions
  * 0..positions[r] (attend_rows); max_len: the longest row's positions.
  * qkv: io [rows, (heads + 2 kv_heads) * dim] (q, then k, then v);
@@ -375,7 +386,7 @@ static void attend_rows(int rows, const float *qs, int heads, int kv_heads, int 
  * RotaryEmbedding tables, scaling and attention factor in them); out: io [rows, heads * dim];
  * scratch: float32 [attention_scratch(rows, heads, kv_heads, dim, max_len)]. */
 void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_heads, int dim,
-                      const float *cos_table, const float *sin_table, const int64_t *row_table, const int64_t *positions,
+                      const float *q_norm, const float *k_norm, float eps, const float *cos_table, const float *sin_table, const int64_t *row_table, const int64_t *positions,
                       const int32_t *tables, int64_t table_width, int64_t block_size, void *k_cache,
                       void *v_cache, int cache_kind, int64_t max_len, void *out, float *scratch) {
     int width = (heads + 2 * kv_heads) * dim;
@@ -385,6 +396,10 @@ void attention_decode(int rows, const void *qkv, int io_bf16, int heads, int kv_
     for (int r = 0; r < rows; r++) {
         int64_t pos = positions[r];
         load_row(qkv, io_bf16, (int64_t)r * width, width, row);
+        if (q_norm) {
+            head_rms_norm(row, heads, dim, q_norm, eps);
+            head_rms_norm(row + (int64_t)heads * dim, kv_heads, dim, k_norm, eps);
+        }
         rope(row, heads + kv_heads, dim, cos_table + pos * dim, sin_table + pos * dim);
         float *q = row, *k = row + heads * dim, *v = k + kv_heads * dim;
         for (int g = 0; g < kv_heads; g++) {
