@@ -36,7 +36,9 @@ def _field(reader: gguf.GGUFReader, key: str):
 def test_real_shapes_have_the_published_parameter_and_tensor_counts() -> None:
     # parameter counts of the Hugging Face checkpoints; tensor counts of their convert_hf_to_gguf.py GGUFs
     expected = {"llama-3.2-1b": (1_235_814_400, 147), "llama-3.2-3b": (3_212_749_824, 255),
-                "llama-3.1-8b": (8_030_261_248, 292), "qwen2.5-7b": (7_615_616_512, 339)}
+                "llama-3.1-8b": (8_030_261_248, 292), "qwen2.5-7b": (7_615_616_512, 339),
+                "qwen3-8b": (8_190_735_360, 399),
+                "qwen3-1.7b": (1_720_574_976, 310)}  # its card: 1.7 B, 1.4 B without the (tied) embedding
     for name, (params, tensors) in expected.items():
         cfg = mm.shape_config(name)
         assert (mm.parameter_count(cfg), len(mm.tensor_plan(cfg))) == (params, tensors), name

@@ -20,6 +20,9 @@ def _llama3_rope(factor: float, original: int = 8192) -> dict:
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
            "max_position_embeddings": 131072}
 
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "head_dim": 128, "rope_theta": 1000000.0,
+          "rms_norm_eps": 1e-6, "max_position_embeddings": 40960}
+
 #: the toy width of the test shapes: SmolLM2's vocabulary plus 128 reserved tokens
 _TINY = {"vocab_size": 49152 + 128, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
@@ -35,6 +38,10 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-7b": {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
                    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+    "qwen3-1.7b": {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "tie_word_embeddings": False},
     "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
                       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
                       "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
