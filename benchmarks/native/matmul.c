@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <time.h>
 #include <string.h>
-void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
+int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc);
 void pool_set_threads(int);
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
+int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                   const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc);
 void pool_set_threads(int);
 

@@ -4,8 +4,8 @@ A model whose head is its embedding (``tie_word_embeddings``) keeps the head's f
 anyway (:meth:`quanta.model.llama.LlamaModel.compute_logits`); with ``--prompt-weights form`` the
 table itself is dropped and each lookup rebuilds its rows from that form. A model built from a
 GGUF's blocks (:mod:`quanta.model.gguf_blocks`) keeps its ``token_embd`` only as a form too. Rows
-are rebuilt as the kernels read them: ``d * q`` (q8_0), ``d * q + m`` (q4_1) per block of 32, or
-the fp16 value; for a GGUF whose ``token_embd`` is Q8_0 or Q4_1 the form holds the file's own
+are rebuilt as the kernels read them: ``d * q`` (q8_0), ``d * q + m`` (q4_1) per block of 32,
+``(d * s) * (u - 32)`` (q6_k), or the fp16 value; for a GGUF whose ``token_embd`` is Q8_0 or Q4_1 the form holds the file's own
 blocks, so the rows are the table's, bit for bit (``tests/test_prompt_weights.py``).
 """
 
@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quanta.model.native.forms import q6_k_rows
 from quanta.model.quant import QuantizedWeight
 
 #: forms an embedding can be read from
-EMBEDDING_FORMS = ("q8_0", "q4_1", "fp16")
+EMBEDDING_FORMS = ("q8_0", "q4_1", "q6_k", "fp16")
 
 
 class FormEmbedding(nn.Module):
@@ -35,6 +36,8 @@ class FormEmbedding(nn.Module):
             return data[ids].to(self.dtype)
         groups, blocks = data.shape[:2]
         group, column = ids // 8, ids % 8
+        if self.form.kind == "q6_k":  # [V / 8, B, 208], [V / 8, B / 8, 8]: qmatmul.c's layout
+            return q6_k_rows(data[group], scales[group], column).reshape(ids.shape[0], blocks * 32).to(self.dtype)
         if self.form.kind == "q8_0":  # [V / 8, B, 256] int8 (i, c, j), [V / 8, B, 8] fp16 (c)
             q = data.view(groups, blocks, 8, 8, 4)[group, :, :, column, :]  # [T, B, 8 (i), 4 (j)]
             d, m = scales.view(groups, blocks, 8)[group, :, column].float(), None  # [T, B]

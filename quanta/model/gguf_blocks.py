@@ -8,10 +8,12 @@ every row, prompt and generated, with its form's kernel (:attr:`PackedLinear.for
 a row's result depends neither on its role nor on the rows beside it.
 
 Forms per GGUF type (:func:`quanta.model.native.repack.natural_kind`): Q4_0 / Q4_1 / Q4_K ->
-``q4_1``; Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 -> ``q8_0``; F16 / BF16 -> ``fp16``. A fused projection
-(q/k/v, gate/up) whose parts differ takes the widest part's form (Q4_K_M files keep ``attn_v`` in
-Q6_K: that layer's q/k/v is ``q8_0``). The LM head takes ``q8_0`` with 15-bit activations (``fp16``
-from an F16 / BF16 tensor), as :func:`quanta.launch.resolve_quantization` gives the dequantized path.
+``q4_1``; Q6_K -> ``q6_k`` (its own blocks); Q5_0 / Q5_1 / Q5_K / Q8_0 -> ``q8_0``; F16 / BF16 ->
+``fp16``. A fused projection (q/k/v, gate/up) whose parts differ takes the widest part's form, and
+``q8_0`` where a Q6_K part meets another type (Q4_K_M files keep ``attn_v`` in Q6_K: that layer's
+q/k/v is ``q8_0``). The LM head takes ``q8_0`` with 15-bit activations (``q6_k`` from a Q6_K tensor,
+``fp16`` from an F16 / BF16 one), as :func:`quanta.launch.resolve_quantization` gives the
+dequantized path.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from quanta.model.native import repack
 from quanta.model.quant import QuantizedWeight
 from quanta.model.rope import RotaryEmbedding
 
-#: form kinds from narrowest to widest (a fused projection takes its widest part's)
-_WIDTH = {"q4_1": 0, "q8_0": 1, "fp16": 2}
+#: form kinds from narrowest to widest (a fused projection takes its widest part's; q6_k, converted
+#: from Q6_K alone, only where every part is Q6_K: beside another type it takes q8_0)
+_WIDTH = {"q4_1": 0, "q6_k": 1, "q8_0": 2, "fp16": 3}
 #: MoE routers, float32 in llama.cpp's files and held as floats here
 _ROUTER = re.compile(r"\.ffn_gate_inp(_shexp)?\.weight$")
 #: GGUF tensor types held as plain float values (norms, biases, rope factors)
@@ -126,8 +129,12 @@ class _File:
         return (h * 2 * half + 2 * b + a).reshape(-1).astype(np.int32)
 
     def widest(self, names: list[str]) -> str:
-        """The widest natural form of the tensors ``names`` (a fused projection takes it)."""
-        return max((self.kind(n) for n in names), key=_WIDTH.__getitem__)
+        """The widest natural form of the tensors ``names`` (a fused projection takes it); ``q8_0``
+        for a mix with ``q6_k``, which only Q6_K tensors convert to."""
+        kinds = {self.kind(n) for n in names}
+        if "q6_k" in kinds and len(kinds) > 1:
+            kinds = kinds - {"q6_k"} | {"q8_0"}
+        return max(kinds, key=_WIDTH.__getitem__)
 
     def form(self, names: list[str], kind: str | None = None, fine: bool = False) -> QuantizedWeight:
         """The tensors ``names`` stacked along their output rows, in ``kind`` (default: the widest
@@ -164,7 +171,7 @@ def load_block_model(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaM
         progress.layer_done(i + 1)
     model.norm.weight = nn.Parameter(file.floats("output_norm.weight", dtype), requires_grad=False)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-    head_kind = "fp16" if file.kind(head) == "fp16" else "q8_0"
+    head_kind = file.kind(head) if file.kind(head) in ("fp16", "q6_k") else "q8_0"
     progress.tensor(file, head, "LM head and embedding" if cfg.tie_word_embeddings else "LM head")
     head_form = file.form([head], head_kind, fine=True)
     if cfg.tie_word_embeddings:

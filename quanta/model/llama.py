@@ -28,7 +28,7 @@ from quanta.model.form_embedding import FormEmbedding
 from quanta.model.layers import MLP, Attention, RMSNorm
 from quanta.model.linear import PackedLinear, linear, pack_weight
 from quanta.model.moe import ExpertStats, MoEBlock, RoutedExperts, expert_stats
-from quanta.model.quant import NATIVE_FORMS, QuantizedWeight, quantize
+from quanta.model.quant import QuantizedWeight, quantize
 from quanta.model.rope import RotaryEmbedding
 
 
@@ -150,7 +150,7 @@ class LlamaModel(nn.Module):
         head's form when it has one (else the reference): the head's kernel does not
         depend on the role or on the rows beside it."""
         form = self.lm_head_form
-        if form is not None and form.kind in NATIVE_FORMS:
+        if form is not None and form.native:
             hidden = hidden.float()  # exact; the C kernel then writes float32 logits, not bf16-rounded ones
         if self.lm_head is not None:
             logits = self.lm_head(hidden, True).float()

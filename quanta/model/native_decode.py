@@ -243,13 +243,13 @@ class _MatmulScratch:
 
 
 class _Direct:
-    """A projection's q4_1 / q8_0 form called straight into ``block_matmul``, or its fp16 form
+    """A projection's q4_1 / q8_0 / q6_k form called straight into ``block_matmul``, or its fp16 form
     into ``f16_matmul``: the same kernel as :meth:`QuantizedWeight.__call__`, without its
     per-call tensors and checks (~30 us of Python a call, against ~25-75 us of kernel at one row)."""
 
     def __init__(self, form: QuantizedWeight) -> None:
         self.form = form  # keeps data and scales alive
-        self.kind = {"q4_1": 4, "q8_0": 8}.get(form.kind, 16)  # block_matmul's kinds; 16: fp16
+        self.kind = forms.KINDS.get(form.kind, 16)  # block_matmul's kinds; 16: fp16
         self.fine = int(form.fine)
         self.n, self.k = form.shape
         self.data, self.scales = form.data.data_ptr(), form.scales.data_ptr()
@@ -266,8 +266,9 @@ class _Direct:
         if self.kind == 16:
             lib.f16_matmul(rows, self.n, self.k, x, io_bf16, self.data, out, work.xs)
             return
-        lib.block_matmul(self.kind, self.fine, rows, self.n, self.k, x, io_bf16, self.data, self.scales, out,
-                         work.q, work.xs, work.acc)
+        if lib.block_matmul(self.kind, self.fine, rows, self.n, self.k, x, io_bf16, self.data, self.scales, out,
+                            work.q, work.xs, work.acc):
+            raise MemoryError("qmatmul.c could not allocate its scratch")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -60,6 +60,9 @@ from quanta.model.native import forms as native_forms
 #: weight forms a linear layer may hold besides its reference weight
 #: forms multiplied by quanta's own C kernels (:mod:`quanta.model.native.forms`)
 NATIVE_FORMS = ("q4_1", "q8_0")
+#: forms the C block kernels multiply (``qmatmul.c``): NATIVE_FORMS, which quanta also packs from a float
+#: weight, and ``q6_k``, converted from a GGUF's own Q6_K blocks only
+BLOCK_FORMS = (*NATIVE_FORMS, "q6_k")
 FORMS = ("int8", "int4", "fp16", *NATIVE_FORMS)
 INT4_GROUP = 32
 
@@ -75,7 +78,7 @@ class QuantizedWeight:
     """A ``[N, K]`` weight in ``int8``, ``int4`` or ``fp16`` form; call it on ``[M, K]`` rows.
 
     Attributes:
-        kind: ``int8``, ``int4``, ``fp16``, ``q4_1`` or ``q8_0``.
+        kind: ``int8``, ``int4``, ``fp16``, ``q4_1``, ``q8_0`` or ``q6_k``.
         data: int8 ``[N, K]``, the int4 kernel's packed layout, or for fp16 the fp16 ``[N, K]``
             weight (quanta's C kernel) or, where the C library does not load, FBGEMM's packed one.
         scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); q4_1: fp16
@@ -92,7 +95,7 @@ class QuantizedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` -> ``[M, N]`` in ``x``'s dtype (int8/int4: computed with bf16 activations)."""
-        if self.kind in NATIVE_FORMS:
+        if self.kind in BLOCK_FORMS:
             return native_forms.matmul(self.kind, x, self.data, self.scales, self.fine)
         if self.kind == "fp16" and self.c_kernel:
             return native_forms.f16_matmul(x, self.data)
@@ -129,7 +132,7 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """``(N, K)`` of the weight this form holds."""
-        if self.kind in NATIVE_FORMS:
+        if self.kind in BLOCK_FORMS:
             return self.data.shape[0] * 8, self.data.shape[1] * native_forms.BLOCK
         if self.kind == "fp16" and self.c_kernel:
             return tuple(self.data.shape)
@@ -137,8 +140,8 @@ class QuantizedWeight:
 
     @property
     def native(self) -> bool:
-        """Whether quanta's C kernels multiply this form (q4_1 / q8_0)."""
-        return self.kind in NATIVE_FORMS
+        """Whether quanta's C block kernels multiply this form (q4_1 / q8_0 / q6_k)."""
+        return self.kind in BLOCK_FORMS
 
     @property
     def c_kernel(self) -> bool:
@@ -162,7 +165,7 @@ class QuantizedWeight:
             return torch.ops.quantized.linear_unpack_fp16(self.data)[0]  # the fp16 values, widened
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
-        if self.kind in NATIVE_FORMS:
+        if self.kind in BLOCK_FORMS:
             return native_forms.dequantize(self.kind, self.data, self.scales)
         n = self.scales.shape[1]
         eye = torch.eye(self.scales.shape[0] * INT4_GROUP, dtype=torch.bfloat16)

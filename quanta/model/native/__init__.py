@@ -46,7 +46,7 @@ _SIGNATURES = {
     "gguf_repack": (_I, _I, _L, _L, _P, _P, _P, _P),
 }
 
-_RESULTS = {"attention_scratch": _L, "pool_threads": _I, "gguf_repack": _I}
+_RESULTS = {"attention_scratch": _L, "pool_threads": _I, "gguf_repack": _I, "block_matmul": _I, "block_matmul_experts": _I}
 
 
 class NativeUnavailable(RuntimeError):

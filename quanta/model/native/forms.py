@@ -1,5 +1,5 @@
-"""GGUF block forms (Q4_1, Q8_0) packed for ``qmatmul.c``, and their matmul; the fp16 form's
-matmul (``f16matmul.c``).
+"""GGUF block forms (Q4_1, Q8_0; Q6_K, converted from a GGUF's own Q6_K blocks only) packed for
+``qmatmul.c``, and their matmul; the fp16 form's matmul (``f16matmul.c``).
 
 Both take blocks of 32 weights along the input dimension ``K`` with fp16
 scales, as GGUF stores them (Q4_1: ``w = d * q + m``, ``q`` in [0, 15];
@@ -19,6 +19,8 @@ import torch
 from quanta.model import native
 
 BLOCK = 32
+#: qmatmul.c's kind of each block form
+KINDS = {"q4_1": 4, "q6_k": 6, "q8_0": 8}
 
 
 def available() -> bool:
@@ -80,10 +82,16 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     rows, k = x.shape
     n = data.shape[0] * 8
     out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
-    (lib or native.load()).block_matmul(
-        4 if kind == "q4_1" else 8, int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
-        scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), sums)
+    _done((lib or native.load()).block_matmul(
+        KINDS[kind], int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
+        scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), sums))
     return out
+
+
+def _done(code: int) -> None:
+    """A block_matmul call's result: -1 where its scratch could not be allocated."""
+    if code != 0:
+        raise MemoryError("qmatmul.c could not allocate its scratch")
 
 
 def _io_rows(x: torch.Tensor) -> torch.Tensor:
@@ -118,10 +126,10 @@ def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch
     if int(counts.sum()) != rows or n % 8 or not all(0 <= e < data.shape[0] * 8 // n for e, _ in groups):
         raise ValueError(f"groups {groups} of {n}-row experts do not fit x's {rows} rows and a form of {data.shape[0] * 8}")
     out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
-    native.load().block_matmul_experts(
-        4 if kind == "q4_1" else 8, int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
+    _done(native.load().block_matmul_experts(
+        KINDS[kind], int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
         int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(), out.data_ptr(), quantized.data_ptr(),
-        work.data_ptr(), sums)
+        work.data_ptr(), sums))
     return out
 
 
@@ -146,7 +154,10 @@ def f16_matmul(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None)
 def dense(kind: str, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The ``[N, K]`` weight that ``data`` and ``scales`` hold, in ``dtype`` (bf16, else float32),
     rebuilt by the C library (``dequant.c``): what a prompt chunk multiplies by where the
-    reference weight is not kept. Equal to :func:`dequantize` up to float32 rounding."""
+    reference weight is not kept. Equal to :func:`dequantize` up to float32 rounding (q6_k: rebuilt
+    by it)."""
+    if kind == "q6_k":
+        return dequantize(kind, data, scales).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     g, b = data.shape[:2]
     out = torch.empty(g * 8, b * BLOCK, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     native.load().block_dense(4 if kind == "q4_1" else 8, g * 8, b * BLOCK, data.data_ptr(), scales.data_ptr(),
@@ -157,6 +168,8 @@ def dense(kind: str, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 ``[N, K]`` weight that ``data`` and ``scales`` hold."""
     g, b = data.shape[:2]
+    if kind == "q6_k":
+        return q6_k_rows(data, scales).reshape(g * 8, b * BLOCK)
     if kind == "q4_1":
         cells = data.view(g, b, 4, 8, 4)  # [G, B, i, c, j]
         q = torch.cat([cells & 15, cells >> 4], dim=2)  # [G, B, 8 (i, then i + 4 for the high nibbles), c, j]
@@ -168,3 +181,28 @@ def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     q = q.permute(0, 3, 1, 2, 4).reshape(g * 8, b, BLOCK).float()  # [N, B, 32]
     d, m = (t.permute(0, 2, 1).reshape(g * 8, b, 1) for t in (d, m))  # [N, B, 1]
     return (q * d + m).reshape(g * 8, b * BLOCK)
+
+
+#: for q6_k's 8 unpacked chunks of 4 k, (s, i) with k = 16 s + 4 i + j: the shift of its top bits in its byte
+_Q6_SHIFTS = torch.tensor([[2 * (2 * (i % 2) + s) for i in range(4)] for s in range(2)], dtype=torch.uint8)
+
+
+def q6_k_rows(data: torch.Tensor, scales: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weights of q6_k groups ``data`` ``[..., B, 208]`` with ``scales`` ``[..., B / 8, 8]``
+    (layout in ``qmatmul.c``): ``(d * s) * (u - 32)``, the product GGUF's Q6_K dequantization
+    computes; ``[..., 8, B, 32]`` (column, block, k), or with ``column`` (int64 ``[T]``, groups
+    ``[T, B, 208]``) each group's one column, ``[T, B, 32]``."""
+    ql = data[..., :128].unflatten(-1, (4, 8, 4))  # [..., B, i, c, j]
+    qh = data[..., 128:192].unflatten(-1, (2, 8, 4))  # [..., B, half, c, j]
+    sc = data[..., 192:208].view(torch.int8).unflatten(-1, (2, 8))  # [..., B, h, c]
+    d = scales
+    if column is not None:  # keep only each group's column c, as a column dim of 1
+        rows = torch.arange(column.shape[0])
+        ql, qh = (t[rows, :, :, column, :].unsqueeze(-2) for t in (ql, qh))
+        sc, d = sc[rows, :, :, column].unsqueeze(-1), d[rows, :, column].unsqueeze(-1)
+    nib = torch.stack([ql & 15, ql >> 4], dim=-4)  # [..., B, s, i, c, j]
+    top = (qh[..., [0, 0, 1, 1], :, :].unsqueeze(-4) >> _Q6_SHIFTS[:, :, None, None]) & 3  # byte of chunk (s, i): i // 2
+    u = (nib | top << 4).movedim(-2, -4).flatten(-3).float()  # [..., B, c, 32]
+    ds = (d.float().repeat_interleave(8, dim=-2).unsqueeze(-2) * sc.float()).repeat_interleave(16, dim=-2)  # [..., B, 32, c]
+    values = (ds.transpose(-1, -2) * (u - 32)).movedim(-3, -2)  # [..., c, B, 32]
+    return values.squeeze(-3) if column is not None else values

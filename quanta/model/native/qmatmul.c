@@ -10,6 +10,11 @@
  *         c in 0..7): low nibble q[8g + c][32b + 4i + j], high nibble
  *         q[8g + c][32b + 16 + 4i + j]; dm[g][b][0][c] = d, dm[g][b][1][c] = m.
  *   Q8_0: qs[g][b][i][c][j] = q[8g + c][32b + 4i + j] (i in 0..7); d[g][b][c].
+ *   Q6_K (w = d * s * (u - 32), u in [0, 63], s an int8 scale per 16 k, d fp16 per 256 k: GGUF's
+ *         Q6_K values, held in its 6.5625 bits a weight): 208 bytes a block, the low 4 bits of u
+ *         as Q4_1's qs (bytes 0-127), the top 2 bits of the 8 unpacked chunks t (Q4_1's lo[0],
+ *         hi[0], lo[1], ...) at bits 2 (t % 4) of bytes 128 + 32 (t / 4) + 4c + j (128-191), the
+ *         scales s[h][c] of k 16h .. 16h + 15 (192-207); d[g][b / 8][c].
  *
  * Activations are quantized per row and block of 32 to 15-bit integers,
  * a = round(x / dx), dx = max|x| / 16256, held as two signed bytes
@@ -25,6 +30,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
@@ -246,6 +252,89 @@ static inline __attribute__((always_inline)) void q8_group8(int F, int R, int64_
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
 
+/* Q6_K's 8 unpacked u chunks w times one row's 32 activation bytes a: the int32 sums per column of
+ * k 0-15 (s[0]: chunks 0, 2, 4, 6) and k 16-31 (s[1]). maddubs pairs are at most 2 * 63 * 128, so
+ * two of them add in int16; VNNI's dpbusd gives the same integers. */
+static inline __attribute__((always_inline)) void dot_q6(const __m256i *w, const int8_t *a, __m256i *s) {
+#ifdef HAVE_VNNI256
+    for (int half = 0; half < 2; half++) {
+        __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[half], bcast4(a + 4 * ORDER_Q4[half]));
+        for (int i = half + 2; i < 8; i += 2) t = _mm256_dpbusd_epi32(t, w[i], bcast4(a + 4 * ORDER_Q4[i]));
+        s[half] = t;
+    }
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i m[8];
+    for (int i = 0; i < 8; i++) m[i] = _mm256_maddubs_epi16(w[i], bcast4(a + 4 * ORDER_Q4[i]));
+    for (int half = 0; half < 2; half++)
+        s[half] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(m[half], m[half + 2]), ones),
+                                   _mm256_madd_epi16(_mm256_add_epi16(m[half + 4], m[half + 6]), ones));
+#endif
+}
+
+/* Q6_K, 8 columns of R rows: per half block, the integer sum of u a less 32 times the activations'
+ * sum (offs: 32 sum(a) per row, block and half), as float, times its scale s; then d dx. */
+static inline __attribute__((always_inline)) void q6_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
+                                                            const int32_t *offs, const uint8_t *qs, const uint16_t *dd,
+                                                            float *out, int ldo) {
+    int blocks = k / QK;
+    const __m256i nib = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *wb = qs + (g * blocks + b) * 208;
+        __m256i w[8], hb[2];
+        hb[0] = _mm256_loadu_si256((const __m256i *)(wb + 128));
+        hb[1] = _mm256_loadu_si256((const __m256i *)(wb + 160));
+        for (int i = 0; i < 4; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * i));
+            w[2 * i] = _mm256_and_si256(v, nib);
+            w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        for (int t = 0; t < 8; t++) { /* bits 2 (t % 4), + 1 of hb[t / 4] to bits 4, 5 */
+            __m256i h = hb[t / 4];
+            int at = t % 4;
+            h = at < 2 ? _mm256_slli_epi16(h, 4 - 2 * at) : at == 2 ? h : _mm256_srli_epi16(h, 2);
+            w[t] = _mm256_or_si256(w[t], _mm256_and_si256(h, top));
+        }
+        __m128i sc = _mm_loadu_si128((const __m128i *)(wb + 192));
+        __m256 s0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+        __m256 s1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)));
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + (g * (blocks / 8) + b / 8) * 8)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
+            const int32_t *o = offs + 2 * ((int64_t)r * blocks + b);
+            __m256i sh[2], sl[2];
+            dot_q6(w, h, sh);
+            if (F) {
+                dot_q6(w, h + k, sl);
+                for (int half = 0; half < 2; half++) sh[half] = _mm256_add_epi32(_mm256_slli_epi32(sh[half], 7), sl[half]);
+            }
+            __m256 t0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(sh[0], _mm256_set1_epi32(o[0])));
+            __m256 t1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(sh[1], _mm256_set1_epi32(o[1])));
+            __m256 dot = _mm256_fmadd_ps(s0, t0, _mm256_mul_ps(s1, t1));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
+}
+
+/* 32 times the sum of each row's activations (h, or 128 h + l when fine) over every half block:
+ * offs [rows, k / 32, 2], Q6_K's -32 offset. */
+static void half_sums(int rows, int k, int fine, const int8_t *p, int32_t *offs) {
+    for (int r = 0; r < rows; r++) {
+        const int8_t *h = p + (int64_t)r * 2 * k, *l = h + k;
+        for (int q = 0; q < k / 16; q++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; i++) sum += fine ? 128 * h[16 * q + i] + l[16 * q + i] : h[16 * q + i];
+            offs[(int64_t)r * (k / 16) + q] = 32 * sum;
+        }
+    }
+}
+
 /* Without VNNI, Q8_0 times 15-bit activations as int16 products (madd: 16 a call, summed in
  * pairs to int32) instead of two byte passes (h, then l: sign, maddubs and madd each); the same
  * integer sums, so the same bits. One 32-byte chunk of 4 k for 8 columns widens to two int16
@@ -419,10 +508,18 @@ static inline __attribute__((always_inline)) void q8_rows(int F, int R, int64_t 
     for (; g < g1; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
 }
 
+/* column groups [g0, g1) of R rows */
+static inline __attribute__((always_inline)) void q6_rows(int F, int R, int64_t g0, int64_t g1, int k, const int8_t *p,
+                                                          const float *xs, const int32_t *offs, const uint8_t *qs,
+                                                          const uint16_t *dd, float *out, int ldo) {
+    for (int64_t g = g0; g < g1; g++) q6_group8(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
+}
+
 struct matmul_job {
     int kind, fine, rows, n, k, io_bf16;
     const int8_t *p;
     const float *xs;
+    const int32_t *offs; /* Q6_K: half_sums */
     const void *qs;
     const uint16_t *scales;
     void *out;
@@ -444,6 +541,7 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
         int R = j->rows - r0 < ROW_TILE ? j->rows - r0 : ROW_TILE;
         const int8_t *pr = j->p + (int64_t)r0 * 2 * k;
         const float *xr = j->xs + (int64_t)r0 * blocks * 2;
+        const int32_t *offs = j->offs ? j->offs + (int64_t)r0 * blocks * 2 : NULL;
         float *o = sums + (int64_t)r0 * n;
 #define ROWS_CASE(kind, F, R, rows) \
     case kind * 100 + F * 10 + R: rows(F, R, g0, g1, k, pr, xr, qs, scales, o, n); break;
@@ -455,6 +553,11 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
             ROWS_CASES(4, 1, q4_rows)
             ROWS_CASES(8, 0, q8_rows)
             ROWS_CASES(8, 1, q8_rows)
+#undef ROWS_CASE
+#define ROWS_CASE(kind, F, R, rows) \
+    case kind * 100 + F * 10 + R: rows(F, R, g0, g1, k, pr, xr, offs, qs, scales, o, n); break;
+            ROWS_CASES(6, 0, q6_rows)
+            ROWS_CASES(6, 1, q6_rows)
         }
     }
     if (j->io_bf16)
@@ -462,38 +565,57 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
             store_row(j->out, 1, (int64_t)r * n + g0 * 8, (g1 - g0) * 8, j->acc + (int64_t)r * n + g0 * 8);
 }
 
+/* Q6_K's half-block offsets for `rows` quantized rows (NULL for the other kinds); free() it. */
+static int32_t *q6_offsets(int kind, int rows, int k, int fine, const int8_t *p) {
+    if (kind != 6) return NULL;
+    int32_t *offs = malloc(sizeof(int32_t) * ((size_t)rows * (k / 16) + 1));
+    if (offs) half_sums(rows, k, fine, p, offs);
+    return offs;
+}
+
 /* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
- * fp16 [n / 8, k / 32, 2, 8]) or Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
- * [n / 8, k / 32, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
+ * fp16 [n / 8, k / 32, 2, 8]), Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
+ * [n / 8, k / 32, 8]) or Q6_K (kind 6, k a multiple of 256: qs uint8 [n / 8, k / 32, 208],
+ * scales fp16 [n / 8, k / 256, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
  * acc float32 [rows, n] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
- * into chunks for the pool's threads (pool.c). */
-void block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
-                  const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
+ * into chunks for the pool's threads (pool.c). Returns 0, or -1 where memory ran out. */
+int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
+                 const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
     quantize_rows(rows, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
-    struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, qs, scales, out, acc};
+    int32_t *offs = q6_offsets(kind, rows, k, fine, p);
+    if (kind == 6 && !offs) return -1;
+    struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, offs, qs, scales, out, acc};
     pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2)); /* pool_share above: pairs of groups */
+    free(offs);
+    return 0;
 }
 
 /* Routed experts: groups of consecutive rows of x, group g times expert experts[g]'s [n, k] weight,
  * every expert's weight one after another in qs / scales as block_matmul lays out one (an MoE
  * layer's experts in one form). The rows are quantized once, then each group runs as block_matmul
  * would run it alone (the same tiles, so the same bits row for row), with no call from Python per
- * expert. out [sum(rows), n]; scratch as block_matmul's for sum(rows) rows. */
-void block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, const int32_t *experts, int n, int k,
-                          const void *x, int io_bf16, const void *qs, const uint16_t *scales, void *out, int8_t *p,
-                          float *xs, float *acc) {
+ * expert. out [sum(rows), n]; scratch as block_matmul's for sum(rows) rows. Returns as block_matmul. */
+int block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, const int32_t *experts, int n, int k,
+                         const void *x, int io_bf16, const void *qs, const uint16_t *scales, void *out, int8_t *p,
+                         float *xs, float *acc) {
     int total = 0;
     for (int g = 0; g < groups; g++) total += rows[g];
     quantize_rows(total, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
+    int32_t *offs = q6_offsets(kind, total, k, fine, p);
+    if (kind == 6 && !offs) return -1;
     int64_t blocks = (int64_t)(n / 8) * (k / QK);
-    int64_t qs_bytes = blocks * (kind == 4 ? 128 : 256), scale_halves = blocks * (kind == 4 ? 16 : 8);
+    int64_t qs_bytes = blocks * (kind == 4 ? 128 : kind == 6 ? 208 : 256);
+    int64_t scale_halves = blocks * (kind == 4 ? 16 : kind == 6 ? 1 : 8); /* Q6_K: 8 per 8 blocks */
     int64_t r0 = 0;
     for (int g = 0; g < groups; g++) {
         struct matmul_job job = {kind, fine, rows[g], n, k, io_bf16, p + r0 * 2 * k, xs + r0 * (k / QK) * 2,
-                                 (const char *)qs + experts[g] * qs_bytes, scales + experts[g] * scale_halves,
-                                 (char *)out + r0 * n * (io_bf16 ? 2 : 4), acc ? acc + r0 * n : NULL};
+                                 offs ? offs + r0 * (k / 16) : NULL, (const char *)qs + experts[g] * qs_bytes,
+                                 scales + experts[g] * scale_halves, (char *)out + r0 * n * (io_bf16 ? 2 : 4),
+                                 acc ? acc + r0 * n : NULL};
         pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2));
         r0 += rows[g];
     }
+    free(offs);
+    return 0;
 }

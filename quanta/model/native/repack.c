@@ -19,6 +19,8 @@
  *           dequantize gives: d8 = fp16(max|w| / 127), q = round(w / d8) in [-127, 127], so
  *           |w - d8 q| <= d8 / 2 (d8 is moved up one fp16 step where subnormal rounding took it
  *           below max|w| / 127.5, so no value is clamped further than that).
+ *   to Q6_K's form (qmatmul.c's kind 6), from Q6_K only, exact: each value's 6-bit u, scale and d
+ *     moved into the interleaved layout.
  *   to fp16 [n, k] plain rows: F16 copied, BF16 rounded to nearest even (F16C).
  * rows (or NULL): output row i is source row rows[i]. Work goes by groups of 8 output rows
  * split over the pool (pool.c); a group's bytes depend only on its source rows.
@@ -41,7 +43,7 @@
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
-enum { TO_Q4_1 = 4, TO_Q8_0 = 8, TO_F16 = 16 };
+enum { TO_Q4_1 = 4, TO_Q6_K = 6, TO_Q8_0 = 8, TO_F16 = 16 };
 
 /* 32 quants of one output block: Q4_1 packs them as 16 bytes (q[t] | q[t + 16] << 4, GGUF's own
  * nibble order), Q8_0 as 32 signed bytes; d (and m for Q4_1) are fp16 bits. */
@@ -322,13 +324,49 @@ static void form_row(const struct repack_job *j, int64_t g, int c) {
     }
 }
 
+/* Output row 8 g + c of a Q6_K form (qmatmul.c's layout), one Q6_K block (8 output blocks) at a time. */
+static void q6_form_row(const struct repack_job *j, int64_t g, int c) {
+    const uint8_t *row = source_row(j, 8 * g + c);
+    int64_t supers = j->k / 256;
+    uint8_t u[256];
+    for (int64_t sb = 0; sb < supers; sb++) {
+        const uint8_t *b = row + sb * 210, *qh = b + 128;
+        for (int v = 0; v < 256; v++) { /* v = 128 h + 32 s + l, as q6_k_values reads it */
+            int h = v / 128, sub = v / 32 % 4, l = v % 32;
+            uint8_t ql = b[64 * h + 32 * (sub & 1) + l];
+            u[v] = (uint8_t)((sub < 2 ? ql & 15 : ql >> 4) | ((qh[32 * h + l] >> (2 * sub)) & 3) << 4);
+        }
+        j->scales[(g * supers + sb) * 8 + c] = half_at(b + 208);
+        for (int bb = 0; bb < 8; bb++) {
+            uint8_t *out = j->data + (g * (j->k / QK) + sb * 8 + bb) * 208;
+            const uint8_t *q = u + 32 * bb;
+            for (int i = 0; i < 4; i++)
+                for (int t = 0; t < 4; t++) out[32 * i + 4 * c + t] = (uint8_t)((q[4 * i + t] & 15) | (q[16 + 4 * i + t] & 15) << 4);
+            for (int half = 0; half < 2; half++) /* chunks 4 half .. 4 half + 3: (i, s) = (2 half + t / 2, t % 2) */
+                for (int t = 0; t < 4; t++) {
+                    uint8_t bits = 0;
+                    for (int chunk = 0; chunk < 4; chunk++) {
+                        int i = 2 * half + chunk / 2, s = chunk % 2;
+                        bits |= (uint8_t)((q[16 * s + 4 * i + t] >> 4) << (2 * chunk));
+                    }
+                    out[128 + 32 * half + 4 * c + t] = bits;
+                }
+            out[192 + c] = b[192 + 2 * bb];
+            out[200 + c] = b[192 + 2 * bb + 1];
+        }
+    }
+}
+
 static void form_part(void *arg, int part, int parts, int thread) {
     (void)thread;
     const struct repack_job *j = arg;
     int64_t g0, g1;
     pool_share(j->n / 8, 1, part, parts, &g0, &g1);
     for (int64_t g = g0; g < g1; g++)
-        for (int c = 0; c < 8; c++) form_row(j, g, c);
+        for (int c = 0; c < 8; c++) {
+            if (j->to == TO_Q6_K) q6_form_row(j, g, c);
+            else form_row(j, g, c);
+        }
 }
 
 /* fp16 row from an F16 (copied) or BF16 (widened to float32, rounded to fp16) row. */
@@ -356,7 +394,8 @@ static void f16_part(void *arg, int part, int parts, int thread) {
 
 /* The [n, k] GGUF tensor at src (ggml type src_type) in form dst_kind: 4 (Q4_1: data [n / 8,
  * k / 32, 128], scales fp16 [n / 8, k / 32, 2, 8]), 8 (Q8_0: [n / 8, k / 32, 256] and [n / 8,
- * k / 32, 8]) or 16 (fp16 [n, k] in data; scales unused). rows: NULL, or the source row of each
+ * k / 32, 8]), 6 (Q6_K from Q6_K: [n / 8, k / 32, 208] and [n / 8, k / 256, 8]) or 16 (fp16
+ * [n, k] in data; scales unused). rows: NULL, or the source row of each
  * output row. Returns 0, or -1 for a pair with no conversion here (the caller checks shapes:
  * n % 8 and k % 32 for the block forms, k a multiple of the source's block). */
 int gguf_repack(int src_type, int dst_kind, int64_t n, int64_t k, const uint8_t *src, const int32_t *rows, void *data,
@@ -370,6 +409,12 @@ int gguf_repack(int src_type, int dst_kind, int64_t n, int64_t k, const uint8_t 
     }
     for (size_t i = 0; i < sizeof SOURCES / sizeof SOURCES[0]; i++)
         if (SOURCES[i].type == src_type) job.s = &SOURCES[i];
+    if (dst_kind == TO_Q6_K) {
+        if (src_type != T_Q6_K || k % 256) return -1;
+        job.row_bytes = k / 256 * 210;
+        pool_run(form_part, &job, pool_chunks(n / 8));
+        return 0;
+    }
     if (!job.s || (dst_kind != TO_Q4_1 && dst_kind != TO_Q8_0)) return -1;
     if (dst_kind == TO_Q4_1 ? !job.s->to_q4_1 : !job.s->to_q8_0 && !job.s->values_of) return -1;
     job.row_bytes = k / job.s->values * job.s->bytes;
