@@ -324,32 +324,38 @@ static void form_row(const struct repack_job *j, int64_t g, int c) {
     }
 }
 
+/* The 256 6-bit values u of a Q6_K block (GGUF's order), as q6_k_values reads them. */
+static inline void q6_k_codes(const uint8_t *b, uint8_t *u) {
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        for (int s = 0; s < 4; s++) {
+            __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
+            __m256i q = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
+            __m256i hi = s < 3 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * s)) : _mm256_srli_epi16(qh, 2);
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * s), _mm256_or_si256(q, _mm256_and_si256(hi, top)));
+        }
+    }
+}
+
 /* Output row 8 g + c of a Q6_K form (qmatmul.c's layout), one Q6_K block (8 output blocks) at a time. */
 static void q6_form_row(const struct repack_job *j, int64_t g, int c) {
     const uint8_t *row = source_row(j, 8 * g + c);
     int64_t supers = j->k / 256;
     uint8_t u[256];
     for (int64_t sb = 0; sb < supers; sb++) {
-        const uint8_t *b = row + sb * 210, *qh = b + 128;
-        for (int v = 0; v < 256; v++) { /* v = 128 h + 32 s + l, as q6_k_values reads it */
-            int h = v / 128, sub = v / 32 % 4, l = v % 32;
-            uint8_t ql = b[64 * h + 32 * (sub & 1) + l];
-            u[v] = (uint8_t)((sub < 2 ? ql & 15 : ql >> 4) | ((qh[32 * h + l] >> (2 * sub)) & 3) << 4);
-        }
+        const uint8_t *b = row + sb * 210;
+        q6_k_codes(b, u);
         j->scales[(g * supers + sb) * 8 + c] = half_at(b + 208);
         for (int bb = 0; bb < 8; bb++) {
             uint8_t *out = j->data + (g * (j->k / QK) + sb * 8 + bb) * 208;
             const uint8_t *q = u + 32 * bb;
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 4; i++) /* the low 4 bits as Q4_1's nibbles: k 4i + t low, 16 + 4i + t high */
                 for (int t = 0; t < 4; t++) out[32 * i + 4 * c + t] = (uint8_t)((q[4 * i + t] & 15) | (q[16 + 4 * i + t] & 15) << 4);
-            for (int half = 0; half < 2; half++) /* chunks 4 half .. 4 half + 3: (i, s) = (2 half + t / 2, t % 2) */
+            for (int half = 0; half < 2; half++) /* unpacked chunks 4 half + 0..3: k 8 half + t, 16 + .., 4 + .., 20 + .. */
                 for (int t = 0; t < 4; t++) {
-                    uint8_t bits = 0;
-                    for (int chunk = 0; chunk < 4; chunk++) {
-                        int i = 2 * half + chunk / 2, s = chunk % 2;
-                        bits |= (uint8_t)((q[16 * s + 4 * i + t] >> 4) << (2 * chunk));
-                    }
-                    out[128 + 32 * half + 4 * c + t] = bits;
+                    const uint8_t *at = q + 8 * half + t;
+                    out[128 + 32 * half + 4 * c + t] = (uint8_t)(at[0] >> 4 | (at[16] >> 4) << 2 | (at[4] >> 4) << 4 | (at[20] >> 4) << 6);
                 }
             out[192 + c] = b[192 + 2 * bb];
             out[200 + c] = b[192 + 2 * bb + 1];
