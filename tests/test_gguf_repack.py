@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not forms.available(), reason="quanta's C kernel
 
 T = gguf.GGMLQuantizationType
 EXACT = {("Q4_0", "q4_1"), ("Q4_1", "q4_1"), ("Q8_0", "q8_0"), ("Q5_0", "q8_0"), ("Q4_0", "q8_0"), ("F16", "fp16"),
-         ("BF16", "fp16"), ("Q6_K", "q6_k"), ("Q4_K", "q4_k")}
+         ("BF16", "fp16"), ("Q6_K", "q6_k")}
 REQUANTIZED = {("Q4_1", "q8_0"), ("Q5_1", "q8_0"), ("Q4_K", "q8_0"), ("Q5_K", "q8_0"), ("Q6_K", "q8_0")}
 PAIRS = sorted(EXACT | REQUANTIZED | {("Q4_K", "q4_1")})
 SHAPES = [(24, 256, True), (16, 512, False)]  # (n, k, permuted rows): 24 is a multiple of 8, not of 16
@@ -143,8 +143,7 @@ def test_row_map_moves_whole_rows():
     assert not torch.equal(mapped, plain)
 
 
-@pytest.mark.parametrize("ggml_type,kind", [("Q4_K", "q4_1"), ("Q6_K", "q8_0"), ("Q6_K", "q6_k"), ("Q4_K", "q4_k"),
-                                            ("F16", "fp16")])
+@pytest.mark.parametrize("ggml_type,kind", [("Q4_K", "q4_1"), ("Q6_K", "q8_0"), ("Q6_K", "q6_k"), ("F16", "fp16")])
 def test_parts_written_in_place_equal_their_concatenation(ggml_type, kind):
     """Fused projections: each part converted into its row slice of one form equals the parts
     converted alone and concatenated; a slice of the wrong size is refused."""
@@ -189,62 +188,54 @@ def test_kernel_reads_the_layout(ggml_type, kind):
     assert err <= 2e-4 * want.abs().max()
 
 
-#: the forms only a GGUF's own blocks of one type convert to
-OWN = [("Q4_K", "q4_k"), ("Q6_K", "q6_k")]
-
-
-@pytest.mark.parametrize("ggml_type,kind", OWN)
-def test_8_bit_activations_read_the_layout(ggml_type, kind):
+def test_q6_k_with_8_bit_activations_reads_the_layout():
     """The 8-bit activations experts take (fine=False): within llama.cpp's Q8 rounding of the product."""
     n, k = 24, 512
-    raw = raw_tensor(ggml_type, n, k)
-    data, scales = repack.to_form(raw, ggml_type, n, k, kind)
+    raw = raw_tensor("Q6_K", n, k)
+    data, scales = repack.to_form(raw, "Q6_K", n, k, "q6_k")
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
-    want = x.double() @ torch.from_numpy(reference(raw, ggml_type)).double().T
-    err = (forms.matmul(kind, x, data, scales, fine=False).double() - want).abs().max()
+    want = x.double() @ torch.from_numpy(reference(raw, "Q6_K")).double().T
+    err = (forms.matmul("q6_k", x, data, scales, fine=False).double() - want).abs().max()
     assert 1e-5 * want.abs().max() < err <= 2e-2 * want.abs().max()  # the 8-bit rounding shows, and no more
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fine", [True, False])
-@pytest.mark.parametrize("ggml_type,kind", OWN)
-def test_a_row_is_computed_the_same_in_any_call(ggml_type, kind, dtype, fine):
+def test_q6_k_computes_a_row_the_same_in_any_call(dtype, fine):
     """Each row's bits do not depend on the rows beside it (1 to 13: every tile size and tail) or on
     the pool's threads; nor, for routed experts, on the other experts' rows in the call."""
     n, k = 264, 512
-    data, scales = repack.to_form(raw_tensor(ggml_type, n, k), ggml_type, n, k, kind)
+    data, scales = repack.to_form(raw_tensor("Q6_K", n, k), "Q6_K", n, k, "q6_k")
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(4)).to(dtype)
     lib = native.load()
     before = lib.pool_threads()
     try:
         lib.pool_set_threads(1)
-        alone = torch.cat([forms.matmul(kind, x[i:i + 1], data, scales, fine) for i in range(13)])
+        alone = torch.cat([forms.matmul("q6_k", x[i:i + 1], data, scales, fine) for i in range(13)])
         lib.pool_set_threads(2)
         for rows in (2, 3, 5, 8, 13):
-            assert torch.equal(torch.cat([forms.matmul(kind, x[i:i + rows], data, scales, fine)
+            assert torch.equal(torch.cat([forms.matmul("q6_k", x[i:i + rows], data, scales, fine)
                                           for i in range(0, 13, rows)]), alone)
-        experts = forms.matmul_experts(kind, x, data, scales, fine, 88, [(2, 4), (0, 6), (1, 3)])
+        experts = forms.matmul_experts("q6_k", x, data, scales, fine, 88, [(2, 4), (0, 6), (1, 3)])
     finally:
         lib.pool_set_threads(before)
-    per_expert = [forms.matmul(kind, x[a:b], data[11 * e:11 * (e + 1)], scales[11 * e:11 * (e + 1)], fine)
+    per_expert = [forms.matmul("q6_k", x[a:b], data[11 * e:11 * (e + 1)], scales[11 * e:11 * (e + 1)], fine)
                   for e, a, b in ((2, 0, 4), (0, 4, 10), (1, 10, 13))]
     assert torch.equal(experts, torch.cat(per_expert))
 
 
-@pytest.mark.parametrize("ggml_type,kind", OWN)
-def test_embedding_rows_are_the_forms_rows(ggml_type, kind):
+def test_q6_k_embedding_rows_are_the_forms_rows():
     from quanta.model.form_embedding import FormEmbedding
     from quanta.model.quant import QuantizedWeight
 
-    n, k = 40, 512
-    data, scales = repack.to_form(raw_tensor(ggml_type, n, k), ggml_type, n, k, kind)
-    table = FormEmbedding(QuantizedWeight(kind, data, scales), torch.float32)
+    n, k = 40, 256
+    data, scales = repack.to_form(raw_tensor("Q6_K", n, k), "Q6_K", n, k, "q6_k")
+    table = FormEmbedding(QuantizedWeight("q6_k", data, scales), torch.float32)
     ids = torch.tensor([0, 39, 7, 8, 8, 21])
-    assert torch.equal(table(ids), forms.dequantize(kind, data, scales)[ids])
+    assert torch.equal(table(ids), forms.dequantize("q6_k", data, scales)[ids])
 
 
-@pytest.mark.parametrize("ggml_type,kind", [("Q4_K", "q4_1"), ("Q6_K", "q8_0"), ("Q6_K", "q6_k"), ("Q4_K", "q4_k"),
-                                            ("BF16", "fp16")])
+@pytest.mark.parametrize("ggml_type,kind", [("Q4_K", "q4_1"), ("Q6_K", "q8_0"), ("Q6_K", "q6_k"), ("BF16", "fp16")])
 def test_same_bytes_on_one_and_two_threads(ggml_type, kind):
     n, k = 264, 256  # 33 groups: more than pool_chunks' 32
     raw, rows = raw_tensor(ggml_type, n, k), row_map(n, True)
@@ -265,7 +256,7 @@ def test_type_ids_and_natural_kinds():
         assert repack._TYPES[name] == T[name].value
         assert repack._BLOCKS[name] == gguf.GGML_QUANT_SIZES[T[name]]
     kinds = {t: repack.natural_kind(t) for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16")}
-    assert kinds == {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
+    assert kinds == {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q4_K": "q4_1", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q5_K": "q8_0",
                      "Q6_K": "q6_k", "Q8_0": "q8_0", "F16": "fp16", "BF16": "fp16"}
     assert repack.natural_kind("Q2_K") is None and repack.natural_kind("F32") is None
 

@@ -4,10 +4,9 @@ A model whose head is its embedding (``tie_word_embeddings``) keeps the head's f
 anyway (:meth:`quanta.model.llama.LlamaModel.compute_logits`); with ``--prompt-weights form`` the
 table itself is dropped and each lookup rebuilds its rows from that form. A model built from a
 GGUF's blocks (:mod:`quanta.model.gguf_blocks`) keeps its ``token_embd`` only as a form too. Rows
-are rebuilt as the kernels read them: ``d * q`` (q8_0), ``d * q + m`` (q4_1; q4_k with ``d = d * sc``,
-``m = -(dmin * mn)``) per block of 32, ``(d * s) * (u - 32)`` (q6_k), or the fp16 value; for a GGUF
-whose ``token_embd`` is Q8_0, Q4_1, Q4_K or Q6_K the form holds the file's own blocks, so the rows are the table's, bit for bit
-(``tests/test_prompt_weights.py``, ``tests/test_gguf_repack.py``).
+are rebuilt as the kernels read them: ``d * q`` (q8_0), ``d * q + m`` (q4_1) per block of 32,
+``(d * s) * (u - 32)`` (q6_k), or the fp16 value; for a GGUF whose ``token_embd`` is Q8_0 or Q4_1 the form holds the file's own
+blocks, so the rows are the table's, bit for bit (``tests/test_prompt_weights.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quanta.model.native.forms import q4_scales, q6_k_rows
+from quanta.model.native.forms import q6_k_rows
 from quanta.model.quant import QuantizedWeight
 
 #: forms an embedding can be read from
-EMBEDDING_FORMS = ("q8_0", "q4_1", "q4_k", "q6_k", "fp16")
+EMBEDDING_FORMS = ("q8_0", "q4_1", "q6_k", "fp16")
 
 
 class FormEmbedding(nn.Module):
@@ -42,10 +41,10 @@ class FormEmbedding(nn.Module):
         if self.form.kind == "q8_0":  # [V / 8, B, 256] int8 (i, c, j), [V / 8, B, 8] fp16 (c)
             q = data.view(groups, blocks, 8, 8, 4)[group, :, :, column, :]  # [T, B, 8 (i), 4 (j)]
             d, m = scales.view(groups, blocks, 8)[group, :, column].float(), None  # [T, B]
-        else:  # q4_1 / q4_k: [V / 8, B, 128 (+ 16)] uint8 (i, c, j: low nibbles values i * 4 + j, high ones 16 + i * 4 + j)
-            cells = data[..., :128].unflatten(-1, (4, 8, 4))[group, :, :, column, :]  # [T, B, 4 (i), 4 (j)]
+        else:  # [V / 8, B, 128] uint8 (i, c, j: low nibbles values i * 4 + j, high ones 16 + i * 4 + j), [V / 8, B, 2, 8]
+            cells = data.view(groups, blocks, 4, 8, 4)[group, :, :, column, :]  # [T, B, 4 (i), 4 (j)]
             q = torch.cat([cells & 15, cells >> 4], dim=2)  # [T, B, 8, 4]
-            d, m = (t[torch.arange(ids.shape[0]), :, column] for t in q4_scales(self.form.kind, data[group], scales[group]))
+            d, m = scales[group, :, 0, column].float(), scales[group, :, 1, column].float()
         rows = q.float() * d[:, :, None, None]
         if m is not None:
             rows = rows + m[:, :, None, None]

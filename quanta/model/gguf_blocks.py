@@ -7,11 +7,11 @@ next is mapped, so peak memory is the forms' size plus one tensor. Each projecti
 every row, prompt and generated, with its form's kernel (:attr:`PackedLinear.form_for_prompts`), so
 a row's result depends neither on its role nor on the rows beside it.
 
-Forms per GGUF type (:func:`quanta.model.native.repack.natural_kind`): Q4_0 / Q4_1 -> ``q4_1``;
-Q4_K -> ``q4_k`` and Q6_K -> ``q6_k`` (their own blocks); Q5_0 / Q5_1 / Q5_K / Q8_0 -> ``q8_0``; F16 /
-BF16 -> ``fp16``. A fused projection (q/k/v, gate/up) whose parts' types differ takes the widest
-part's form, a Q4_K part counting as ``q4_1`` and a Q6_K one as ``q8_0`` (Q4_K_M files keep
-``attn_v`` in Q6_K: that layer's q/k/v is ``q8_0``). The LM head takes ``q8_0`` with 15-bit activations (``q6_k`` from a Q6_K tensor,
+Forms per GGUF type (:func:`quanta.model.native.repack.natural_kind`): Q4_0 / Q4_1 / Q4_K ->
+``q4_1``; Q6_K -> ``q6_k`` (its own blocks); Q5_0 / Q5_1 / Q5_K / Q8_0 -> ``q8_0``; F16 / BF16 ->
+``fp16``. A fused projection (q/k/v, gate/up) whose parts differ takes the widest part's form, and
+``q8_0`` where a Q6_K part meets another type (Q4_K_M files keep ``attn_v`` in Q6_K: that layer's
+q/k/v is ``q8_0``). The LM head takes ``q8_0`` with 15-bit activations (``q6_k`` from a Q6_K tensor,
 ``fp16`` from an F16 / BF16 one), as :func:`quanta.launch.resolve_quantization` gives the
 dequantized path.
 """
@@ -43,10 +43,9 @@ from quanta.model.native import repack
 from quanta.model.quant import QuantizedWeight
 from quanta.model.rope import RotaryEmbedding
 
-#: form kinds from narrowest to widest (a fused projection takes its widest part's)
-_WIDTH = {"q4_k": 0, "q4_1": 1, "q6_k": 2, "q8_0": 3, "fp16": 4}
-#: the forms only one GGUF type converts to, and what such a part takes beside a part of another type
-_OWN = {"q4_k": "q4_1", "q6_k": "q8_0"}
+#: form kinds from narrowest to widest (a fused projection takes its widest part's; q6_k, converted
+#: from Q6_K alone, only where every part is Q6_K: beside another type it takes q8_0)
+_WIDTH = {"q4_1": 0, "q6_k": 1, "q8_0": 2, "fp16": 3}
 #: MoE routers, float32 in llama.cpp's files and held as floats here
 _ROUTER = re.compile(r"\.ffn_gate_inp(_shexp)?\.weight$")
 #: GGUF tensor types held as plain float values (norms, biases, rope factors)
@@ -130,11 +129,11 @@ class _File:
         return (h * 2 * half + 2 * b + a).reshape(-1).astype(np.int32)
 
     def widest(self, names: list[str]) -> str:
-        """The widest natural form of the tensors ``names`` (a fused projection takes it); where the
-        parts' types differ, a Q4_K part counts as ``q4_1`` and a Q6_K one as ``q8_0`` (:data:`_OWN`)."""
+        """The widest natural form of the tensors ``names`` (a fused projection takes it); ``q8_0``
+        for a mix with ``q6_k``, which only Q6_K tensors convert to."""
         kinds = {self.kind(n) for n in names}
-        if len(kinds) > 1:
-            kinds = {_OWN.get(kind, kind) for kind in kinds}
+        if "q6_k" in kinds and len(kinds) > 1:
+            kinds = kinds - {"q6_k"} | {"q8_0"}
         return max(kinds, key=_WIDTH.__getitem__)
 
     def form(self, names: list[str], kind: str | None = None, fine: bool = False) -> QuantizedWeight:

@@ -61,8 +61,8 @@ from quanta.model.native import forms as native_forms
 #: forms multiplied by quanta's own C kernels (:mod:`quanta.model.native.forms`)
 NATIVE_FORMS = ("q4_1", "q8_0")
 #: forms the C block kernels multiply (``qmatmul.c``): NATIVE_FORMS, which quanta also packs from a float
-#: weight, and ``q4_k`` / ``q6_k``, converted from a GGUF's own Q4_K / Q6_K blocks only
-BLOCK_FORMS = (*NATIVE_FORMS, "q4_k", "q6_k")
+#: weight, and ``q6_k``, converted from a GGUF's own Q6_K blocks only
+BLOCK_FORMS = (*NATIVE_FORMS, "q6_k")
 FORMS = ("int8", "int4", "fp16", *NATIVE_FORMS)
 INT4_GROUP = 32
 
@@ -78,15 +78,13 @@ class QuantizedWeight:
     """A ``[N, K]`` weight in ``int8``, ``int4`` or ``fp16`` form; call it on ``[M, K]`` rows.
 
     Attributes:
-        kind: ``int8``, ``int4``, ``fp16``, ``q4_1``, ``q8_0``, ``q4_k`` or ``q6_k``.
+        kind: ``int8``, ``int4``, ``fp16``, ``q4_1``, ``q8_0`` or ``q6_k``.
         data: int8 ``[N, K]``, the int4 kernel's packed layout, or for fp16 the fp16 ``[N, K]``
             weight (quanta's C kernel) or, where the C library does not load, FBGEMM's packed one.
         scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); q4_1: fp16
             ``[N / 8, K / 32, 2, 8]`` (d, m) with ``data`` uint8 ``[N / 8, K / 32, 128]``;
-            q8_0: fp16 ``[N / 8, K / 32, 8]`` with int8 ``[N / 8, K / 32, 256]``; q4_k: fp16
-            ``[N / 8, K / 256, 2, 8]`` with uint8 ``[N / 8, K / 32, 144]``; q6_k: fp16
-            ``[N / 8, K / 256, 8]`` with uint8 ``[N / 8, K / 32, 208]`` (8 columns interleaved,
-            see ``qmatmul.c``); fp16: empty.
+            q8_0: fp16 ``[N / 8, K / 32, 8]`` with int8 ``[N / 8, K / 32, 256]``
+            (8 columns interleaved, see ``qmatmul.c``); fp16: empty.
     """
 
     kind: str
@@ -142,7 +140,7 @@ class QuantizedWeight:
 
     @property
     def native(self) -> bool:
-        """Whether quanta's C block kernels multiply this form (q4_1 / q8_0 / q4_k / q6_k)."""
+        """Whether quanta's C block kernels multiply this form (q4_1 / q8_0 / q6_k)."""
         return self.kind in BLOCK_FORMS
 
     @property

@@ -1,4 +1,4 @@
-"""GGUF block forms (Q4_1, Q8_0; Q4_K and Q6_K, converted from a GGUF's own blocks only) packed for
+"""GGUF block forms (Q4_1, Q8_0; Q6_K, converted from a GGUF's own Q6_K blocks only) packed for
 ``qmatmul.c``, and their matmul; the fp16 form's matmul (``f16matmul.c``).
 
 Both take blocks of 32 weights along the input dimension ``K`` with fp16
@@ -20,7 +20,7 @@ from quanta.model import native
 
 BLOCK = 32
 #: qmatmul.c's kind of each block form
-KINDS = {"q4_1": 4, "q4_k": 5, "q6_k": 6, "q8_0": 8}
+KINDS = {"q4_1": 4, "q6_k": 6, "q8_0": 8}
 
 
 def available() -> bool:
@@ -154,9 +154,9 @@ def f16_matmul(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None)
 def dense(kind: str, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The ``[N, K]`` weight that ``data`` and ``scales`` hold, in ``dtype`` (bf16, else float32),
     rebuilt by the C library (``dequant.c``): what a prompt chunk multiplies by where the
-    reference weight is not kept. Equal to :func:`dequantize` up to float32 rounding (q4_k, q6_k:
-    rebuilt by it)."""
-    if kind in ("q4_k", "q6_k"):
+    reference weight is not kept. Equal to :func:`dequantize` up to float32 rounding (q6_k: rebuilt
+    by it)."""
+    if kind == "q6_k":
         return dequantize(kind, data, scales).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     g, b = data.shape[:2]
     out = torch.empty(g * 8, b * BLOCK, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
@@ -170,10 +170,10 @@ def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     g, b = data.shape[:2]
     if kind == "q6_k":
         return q6_k_rows(data, scales).reshape(g * 8, b * BLOCK)
-    if kind in ("q4_1", "q4_k"):
-        cells = data[..., :128].unflatten(-1, (4, 8, 4))  # [G, B, i, c, j]
+    if kind == "q4_1":
+        cells = data.view(g, b, 4, 8, 4)  # [G, B, i, c, j]
         q = torch.cat([cells & 15, cells >> 4], dim=2)  # [G, B, 8 (i, then i + 4 for the high nibbles), c, j]
-        d, m = q4_scales(kind, data, scales)  # [G, B, c]
+        d, m = scales[:, :, 0].float(), scales[:, :, 1].float()  # [G, B, c]
     else:
         q = data.view(g, b, 8, 8, 4)
         d = scales.float()
@@ -181,16 +181,6 @@ def dequantize(kind: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     q = q.permute(0, 3, 1, 2, 4).reshape(g * 8, b, BLOCK).float()  # [N, B, 32]
     d, m = (t.permute(0, 2, 1).reshape(g * 8, b, 1) for t in (d, m))  # [N, B, 1]
     return (q * d + m).reshape(g * 8, b * BLOCK)
-
-
-def q4_scales(kind: str, data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's float32 ``(d, m)`` ``[..., B, 8]`` of q4_1 groups (their fp16 ``scales``) or q4_k
-    groups (``d * sc`` and ``-(dmin * mn)``: exact in float32, as GGUF's Q4_K dequantization has them)."""
-    if kind == "q4_1":
-        return scales[..., 0, :].float(), scales[..., 1, :].float()
-    sc, mn = data[..., 128:136].float(), data[..., 136:144].float()
-    d, dmin = (scales[..., i, :].float().repeat_interleave(8, dim=-2) for i in (0, 1))
-    return d * sc, -(dmin * mn)
 
 
 #: for q6_k's 8 unpacked chunks of 4 k, (s, i) with k = 16 s + 4 i + j: the shift of its top bits in its byte

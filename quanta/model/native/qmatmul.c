@@ -10,10 +10,6 @@
  *         c in 0..7): low nibble q[8g + c][32b + 4i + j], high nibble
  *         q[8g + c][32b + 16 + 4i + j]; dm[g][b][0][c] = d, dm[g][b][1][c] = m.
  *   Q8_0: qs[g][b][i][c][j] = q[8g + c][32b + 4i + j] (i in 0..7); d[g][b][c].
- *   Q4_K (w = d * sc * q - dmin * mn, q in [0, 15], sc and mn 6-bit per 32 k, d and dmin fp16 per
- *         256 k: GGUF's Q4_K values in its 4.5 bits, held in 4.625): 144 bytes a block, the nibbles
- *         as Q4_1's qs (0-127), sc[c] (128-135), mn[c] (136-143); dm[g][b / 8][0][c] = d,
- *         dm[g][b / 8][1][c] = dmin.
  *   Q6_K (w = d * s * (u - 32), u in [0, 63], s an int8 scale per 16 k, d fp16 per 256 k: GGUF's
  *         Q6_K values, held in its 6.5625 bits a weight): 208 bytes a block, the low 4 bits of u
  *         as Q4_1's qs (bytes 0-127), the top 2 bits of the 8 unpacked chunks t (Q4_1's lo[0],
@@ -178,13 +174,11 @@ static inline __attribute__((always_inline)) __m256i dot15(int F, const __m256i 
 #define SPLIT_M 0
 #endif
 
-/* Q4_1 (K4 = 0) or Q4_K (K4 = 1: the block's d and m from its 6-bit sc and mn and the super-block's
- * d and dmin, exact in float32), 8 columns (group g) of R rows (R <= ROW_TILE): out[r][8g .. 8g + 7].
- * The row loops unroll (R is a constant), so each row's sums stay in registers. */
-static inline __attribute__((always_inline)) void q4_group8(int K4, int F, int R, int64_t g, int k, const int8_t *p,
-                                                            const float *xs, const uint8_t *qs, const uint16_t *dm,
-                                                            float *out, int ldo) {
-    int blocks = k / QK, bytes = K4 ? 144 : 128;
+/* Q4_1, 8 columns (group g) of R rows (R <= ROW_TILE): out[r][8g .. 8g + 7]. The row loops unroll
+ * (R is a constant), so each row's sums stay in registers. */
+static inline __attribute__((always_inline)) void q4_group8(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
+                                                            const uint8_t *qs, const uint16_t *dm, float *out, int ldo) {
+    int blocks = k / QK;
     const __m256i nib = _mm256_set1_epi8(0x0f);
     __m256 acc[ROW_TILE], accm[ROW_TILE];
 #pragma GCC unroll 8
@@ -193,22 +187,12 @@ static inline __attribute__((always_inline)) void q4_group8(int K4, int F, int R
         int64_t gb = g * blocks + b;
         __m256i w[8]; /* lo[0], hi[0], lo[1], hi[1], ... */
         for (int i = 0; i < 4; i++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + gb * bytes + 32 * i));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + gb * 128 + 32 * i));
             w[2 * i] = _mm256_and_si256(v, nib);
             w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         }
-        __m256 d, m;
-        if (K4) {
-            const uint8_t *sm = qs + gb * bytes + 128;
-            const uint16_t *super = dm + (g * (blocks / 8) + b / 8) * 16;
-            __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
-            __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
-            d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)super)), sc);
-            m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + 8))), mn));
-        } else {
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16)));
-            m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16 + 8)));
-        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16)));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + gb * 16 + 8)));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
@@ -500,14 +484,7 @@ static inline __attribute__((always_inline)) void q4_rows(int F, int R, int64_t 
     if (R >= 3)
         for (; g + 1 < g1; g += 2) q4_group16(F, R, g, k, p, xs, qs, dm, out, ldo);
 #endif
-    for (; g < g1; g++) q4_group8(0, F, R, g, k, p, xs, qs, dm, out, ldo);
-}
-
-/* column groups [g0, g1) of R rows: 256-bit tiles on both ISAs */
-static inline __attribute__((always_inline)) void q4k_rows(int F, int R, int64_t g0, int64_t g1, int k, const int8_t *p,
-                                                           const float *xs, const uint8_t *qs, const uint16_t *dm, float *out,
-                                                           int ldo) {
-    for (int64_t g = g0; g < g1; g++) q4_group8(1, F, R, g, k, p, xs, qs, dm, out, ldo);
+    for (; g < g1; g++) q4_group8(F, R, g, k, p, xs, qs, dm, out, ldo);
 }
 
 /* column groups [g0, g1) (g0 even) of R rows */
@@ -574,8 +551,6 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
         switch (j->kind * 100 + (j->fine ? 10 : 0) + R) { /* constants, so the tile loops unroll */
             ROWS_CASES(4, 0, q4_rows)
             ROWS_CASES(4, 1, q4_rows)
-            ROWS_CASES(5, 0, q4k_rows)
-            ROWS_CASES(5, 1, q4k_rows)
             ROWS_CASES(8, 0, q8_rows)
             ROWS_CASES(8, 1, q8_rows)
 #undef ROWS_CASE
@@ -601,8 +576,7 @@ static int32_t *q6_offsets(int kind, int rows, int k, int fine, const int8_t *p)
 /* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
  * fp16 [n / 8, k / 32, 2, 8]), Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
- * [n / 8, k / 32, 8]), Q4_K (kind 5, k a multiple of 256: qs uint8 [n / 8, k / 32, 144], scales
- * fp16 [n / 8, k / 256, 2, 8]) or Q6_K (kind 6, k a multiple of 256: qs uint8 [n / 8, k / 32, 208],
+ * [n / 8, k / 32, 8]) or Q6_K (kind 6, k a multiple of 256: qs uint8 [n / 8, k / 32, 208],
  * scales fp16 [n / 8, k / 256, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
  * acc float32 [rows, n] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
  * into chunks for the pool's threads (pool.c). Returns 0, or -1 where memory ran out. */
@@ -631,8 +605,8 @@ int block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, co
     int32_t *offs = q6_offsets(kind, total, k, fine, p);
     if (kind == 6 && !offs) return -1;
     int64_t blocks = (int64_t)(n / 8) * (k / QK);
-    int64_t qs_bytes = blocks * (kind == 4 ? 128 : kind == 5 ? 144 : kind == 6 ? 208 : 256);
-    int64_t scale_halves = blocks * (kind == 4 ? 16 : kind == 5 ? 2 : kind == 6 ? 1 : 8); /* Q4_K, Q6_K: per 8 blocks */
+    int64_t qs_bytes = blocks * (kind == 4 ? 128 : kind == 6 ? 208 : 256);
+    int64_t scale_halves = blocks * (kind == 4 ? 16 : kind == 6 ? 1 : 8); /* Q6_K: 8 per 8 blocks */
     int64_t r0 = 0;
     for (int g = 0; g < groups; g++) {
         struct matmul_job job = {kind, fine, rows[g], n, k, io_bf16, p + r0 * 2 * k, xs + r0 * (k / QK) * 2,

@@ -19,8 +19,6 @@
  *           dequantize gives: d8 = fp16(max|w| / 127), q = round(w / d8) in [-127, 127], so
  *           |w - d8 q| <= d8 / 2 (d8 is moved up one fp16 step where subnormal rounding took it
  *           below max|w| / 127.5, so no value is clamped further than that).
- *   to Q4_K's form (qmatmul.c's kind 5), from Q4_K only, exact: the nibbles as Q4_1's, each
- *     sub-block's 6-bit sc and mn as bytes, the super-block's d and dmin.
  *   to Q6_K's form (qmatmul.c's kind 6), from Q6_K only, exact: each value's 6-bit u, scale and d
  *     moved into the interleaved layout.
  *   to fp16 [n, k] plain rows: F16 copied, BF16 rounded to nearest even (F16C).
@@ -45,7 +43,7 @@
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 enum { T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
-enum { TO_Q4_1 = 4, TO_Q4_K = 5, TO_Q6_K = 6, TO_Q8_0 = 8, TO_F16 = 16 };
+enum { TO_Q4_1 = 4, TO_Q6_K = 6, TO_Q8_0 = 8, TO_F16 = 16 };
 
 /* 32 quants of one output block: Q4_1 packs them as 16 bytes (q[t] | q[t + 16] << 4, GGUF's own
  * nibble order), Q8_0 as 32 signed bytes; d (and m for Q4_1) are fp16 bits. */
@@ -120,16 +118,6 @@ static void q4_1_to_q4_1(const uint8_t *b, struct unit *u) { /* d, m, qs (16) */
 
 /* d, dmin, scales (12), qs (128): sub-blocks 2p and 2p + 1 are the low and high nibbles of qs[32p ..].
  * The eight d * sc and dmin * m are exact in float32 (17 bits at most), rounded to fp16 together. */
-/* Q4_K's qs (128 bytes) as 8 sub-blocks of Q4_1-packed nibbles, q[t] | q[t + 16] << 4 (16 bytes each). */
-static inline void k_nibbles(const uint8_t *qs, uint8_t q[8][16]) {
-    const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8((char)0xf0);
-    for (int p = 0; p < 4; p++) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(qs + 32 * p)), c = _mm_loadu_si128((const __m128i *)(qs + 16 + 32 * p));
-        _mm_storeu_si128((__m128i *)q[2 * p], _mm_or_si128(_mm_and_si128(a, low), _mm_and_si128(_mm_slli_epi16(c, 4), high)));
-        _mm_storeu_si128((__m128i *)q[2 * p + 1], _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(c, high)));
-    }
-}
-
 static void q4_k_to_q4_1(const uint8_t *b, struct unit *u) {
     int sc[8], mn[8];
     for (int j = 0; j < 8; j++) k_scale(b + 4, j, &sc[j], &mn[j]);
@@ -139,11 +127,15 @@ static void q4_k_to_q4_1(const uint8_t *b, struct unit *u) {
     uint16_t dh[8], mh[8];
     _mm_storeu_si128((__m128i *)dh, _mm256_cvtps_ph(dj, RNE));
     _mm_storeu_si128((__m128i *)mh, _mm256_cvtps_ph(mj, RNE));
-    uint8_t q[8][16];
-    k_nibbles(b + 16, q);
-    for (int j = 0; j < 8; j++) {
-        memcpy(u[j].q, q[j], 16);
-        u[j].d = dh[j], u[j].m = mh[j];
+    const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8((char)0xf0);
+    for (int p = 0; p < 4; p++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * p)), c = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * p));
+        __m128i even = _mm_or_si128(_mm_and_si128(a, low), _mm_and_si128(_mm_slli_epi16(c, 4), high));
+        __m128i odd = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(c, high));
+        _mm_storeu_si128((__m128i *)u[2 * p].q, even);
+        _mm_storeu_si128((__m128i *)u[2 * p + 1].q, odd);
+        u[2 * p].d = dh[2 * p], u[2 * p].m = mh[2 * p];
+        u[2 * p + 1].d = dh[2 * p + 1], u[2 * p + 1].m = mh[2 * p + 1];
     }
 }
 
@@ -196,30 +188,24 @@ static void k_values(const uint8_t *b, const uint8_t *hb, const uint8_t *qs, flo
 static void q4_k_values(const uint8_t *b, float *w) { k_values(b, NULL, b + 16, w); }
 static void q5_k_values(const uint8_t *b, float *w) { k_values(b, b + 16, b + 48, w); }
 
-/* ql (128), qh (64), scales (16 int8, one per 16 values), d. Value v = 128 h + 32 s + l: its 6-bit
- * code u is the low nibble (s < 2) or high nibble (s >= 2) of ql[64 h + 32 (s & 1) + l] with bits
- * 2s, 2s + 1 of qh[32 h + l] on top; the value is d * scales[v / 16] * (u - 32). */
-static inline void q6_k_codes(const uint8_t *b, uint8_t *u) {
-    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+/* ql (128), qh (64), scales (16 int8, one per 16 values), d. Value v = 128 h + 32 s + l: low
+ * nibble (s < 2) or high nibble (s >= 2) of ql[64 h + 32 (s & 1) + l], bits 2s, 2s + 1 of
+ * qh[32 h + l] on top, minus 32; times d * scales[v / 16]. */
+static void q6_k_values(const uint8_t *b, float *w) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = float_at(b + 208);
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
         __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
         for (int s = 0; s < 4; s++) {
             __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
             __m256i q = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
             __m256i hi = s < 3 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * s)) : _mm256_srli_epi16(qh, 2);
-            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * s), _mm256_or_si256(q, _mm256_and_si256(hi, top)));
+            hi = _mm256_and_si256(hi, top); /* bits 2s, 2s + 1 of each byte at 4, 5 */
+            q = _mm256_sub_epi8(_mm256_or_si256(q, hi), bias);
+            int v0 = 128 * h + 32 * s;
+            put_values(q, 1, d * (float)sc[v0 / 16], d * (float)sc[v0 / 16 + 1], 0.0f, w + v0);
         }
-    }
-}
-
-static void q6_k_values(const uint8_t *b, float *w) {
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float d = float_at(b + 208);
-    uint8_t u[256];
-    q6_k_codes(b, u);
-    for (int v0 = 0; v0 < 256; v0 += 32) {
-        __m256i q = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(u + v0)), _mm256_set1_epi8(32));
-        put_values(q, 1, d * (float)sc[v0 / 16], d * (float)sc[v0 / 16 + 1], 0.0f, w + v0);
     }
 }
 
@@ -338,23 +324,16 @@ static void form_row(const struct repack_job *j, int64_t g, int c) {
     }
 }
 
-/* Output row 8 g + c of a Q4_K form (qmatmul.c's layout), one Q4_K block (8 output blocks) at a time. */
-static void q4k_form_row(const struct repack_job *j, int64_t g, int c) {
-    const uint8_t *row = source_row(j, 8 * g + c);
-    int64_t supers = j->k / 256;
-    uint8_t q[8][16];
-    for (int64_t sb = 0; sb < supers; sb++) {
-        const uint8_t *b = row + sb * 144;
-        j->scales[(g * supers + sb) * 16 + c] = half_at(b);
-        j->scales[(g * supers + sb) * 16 + 8 + c] = half_at(b + 2);
-        k_nibbles(b + 16, q);
-        for (int bb = 0; bb < 8; bb++) {
-            uint8_t *out = j->data + (g * (j->k / QK) + sb * 8 + bb) * 144;
-            int sc, mn;
-            k_scale(b + 4, bb, &sc, &mn);
-            for (int i = 0; i < 4; i++) memcpy(out + 32 * i + 4 * c, q[bb] + 4 * i, 4);
-            out[128 + c] = (uint8_t)sc;
-            out[136 + c] = (uint8_t)mn;
+/* The 256 6-bit values u of a Q6_K block (GGUF's order), as q6_k_values reads them. */
+static inline void q6_k_codes(const uint8_t *b, uint8_t *u) {
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        for (int s = 0; s < 4; s++) {
+            __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
+            __m256i q = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
+            __m256i hi = s < 3 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * s)) : _mm256_srli_epi16(qh, 2);
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * s), _mm256_or_si256(q, _mm256_and_si256(hi, top)));
         }
     }
 }
@@ -392,7 +371,6 @@ static void form_part(void *arg, int part, int parts, int thread) {
     for (int64_t g = g0; g < g1; g++)
         for (int c = 0; c < 8; c++) {
             if (j->to == TO_Q6_K) q6_form_row(j, g, c);
-            else if (j->to == TO_Q4_K) q4k_form_row(j, g, c);
             else form_row(j, g, c);
         }
 }
@@ -422,8 +400,7 @@ static void f16_part(void *arg, int part, int parts, int thread) {
 
 /* The [n, k] GGUF tensor at src (ggml type src_type) in form dst_kind: 4 (Q4_1: data [n / 8,
  * k / 32, 128], scales fp16 [n / 8, k / 32, 2, 8]), 8 (Q8_0: [n / 8, k / 32, 256] and [n / 8,
- * k / 32, 8]), 5 (Q4_K from Q4_K: [n / 8, k / 32, 144] and [n / 8, k / 256, 2, 8]), 6 (Q6_K from
- * Q6_K: [n / 8, k / 32, 208] and [n / 8, k / 256, 8]) or 16 (fp16
+ * k / 32, 8]), 6 (Q6_K from Q6_K: [n / 8, k / 32, 208] and [n / 8, k / 256, 8]) or 16 (fp16
  * [n, k] in data; scales unused). rows: NULL, or the source row of each
  * output row. Returns 0, or -1 for a pair with no conversion here (the caller checks shapes:
  * n % 8 and k % 32 for the block forms, k a multiple of the source's block). */
@@ -438,9 +415,9 @@ int gguf_repack(int src_type, int dst_kind, int64_t n, int64_t k, const uint8_t 
     }
     for (size_t i = 0; i < sizeof SOURCES / sizeof SOURCES[0]; i++)
         if (SOURCES[i].type == src_type) job.s = &SOURCES[i];
-    if (dst_kind == TO_Q6_K || dst_kind == TO_Q4_K) {
-        if (src_type != (dst_kind == TO_Q6_K ? T_Q6_K : T_Q4_K) || k % 256) return -1;
-        job.row_bytes = k / 256 * (dst_kind == TO_Q6_K ? 210 : 144);
+    if (dst_kind == TO_Q6_K) {
+        if (src_type != T_Q6_K || k % 256) return -1;
+        job.row_bytes = k / 256 * 210;
         pool_run(form_part, &job, pool_chunks(n / 8));
         return 0;
     }

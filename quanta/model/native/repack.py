@@ -1,4 +1,4 @@
-"""One GGUF tensor's raw blocks straight into a C form (``q4_1``, ``q4_k``, ``q6_k``, ``q8_0``, ``fp16``), by
+"""One GGUF tensor's raw blocks straight into a C form (``q4_1``, ``q6_k``, ``q8_0``, ``fp16``), by
 ``repack.c``: no float copy of the tensor is made, so a loader holds the forms plus one tensor's
 bytes.
 
@@ -7,7 +7,6 @@ Conversions (details and bounds in ``repack.c``):
 - ``q4_1`` from Q4_0 and Q4_1 exactly; from Q4_K with each sub-block's ``d * sc`` and
   ``dmin * m`` rounded to fp16 (a weight moves by at most ``15 e(d sc) + e(dmin m)``,
   ``e(x) = max(|x| 2^-11, 2^-25)``).
-- ``q4_k`` from Q4_K exactly (its nibbles, 6-bit scales and mins per 32, fp16 ``d`` and ``dmin``).
 - ``q6_k`` from Q6_K exactly (its 6-bit values, int8 scales per 16 and fp16 ``d``, interleaved).
 - ``q8_0`` from Q8_0, Q5_0 and Q4_0 exactly; from Q4_1, Q5_1, Q4_K, Q5_K and Q6_K by
   requantizing each block of 32 float values (``|w - d8 q| <= d8 / 2``, ``d8 = fp16(max|w| / 127)``).
@@ -25,20 +24,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from quanta.model import native
 
 #: the forms each source type converts to, its natural one first
-_TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_k", "q4_1", "q8_0"), "Q5_0": ("q8_0",), "Q5_1": ("q8_0",),
+_TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1", "q8_0"), "Q5_0": ("q8_0",), "Q5_1": ("q8_0",),
             "Q5_K": ("q8_0",), "Q6_K": ("q6_k", "q8_0"), "Q8_0": ("q8_0",), "F16": ("fp16",), "BF16": ("fp16",)}
 #: ggml type ids of the source types (repack.c's), and (values, bytes) per block
 _TYPES = {name: int(GGMLQuantizationType[name]) for name in _TARGETS}
 _BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]] for name in _TARGETS}
-_KIND_IDS = {"q4_1": 4, "q4_k": 5, "q6_k": 6, "q8_0": 8, "fp16": 16}
+_KIND_IDS = {"q4_1": 4, "q6_k": 6, "q8_0": 8, "fp16": 16}
 
 SUPPORTED = frozenset(_TYPES)
 
 
 def natural_kind(ggml_type: str) -> str | None:
-    """The form a tensor of ``ggml_type`` converts to by default, exactly: ``q4_1`` for Q4_0 / Q4_1,
-    ``q4_k`` for Q4_K, ``q6_k`` for Q6_K, ``q8_0`` for the 5- and 8-bit ones (Q5_1 / Q5_K
-    re-quantized), ``fp16`` for F16 / BF16; None for a type with no conversion."""
+    """The form a tensor of ``ggml_type`` converts to by default: ``q4_1`` for the 4-bit types (exact
+    but for Q4_K's sub-block scales, rounded to fp16), ``q6_k`` for Q6_K (exact), ``q8_0`` for the
+    5- and 8-bit ones, ``fp16`` for F16 / BF16; None for a type with no conversion."""
     return _TARGETS[ggml_type][0] if ggml_type in _TARGETS else None
 
 
@@ -86,9 +85,6 @@ def empty_form(kind: str, n: int, k: int, device: str = "cpu") -> tuple[torch.Te
     if kind == "q4_1":
         return (torch.empty(g, b, 128, dtype=torch.uint8, device=device),
                 torch.empty(g, b, 2, 8, dtype=torch.float16, device=device))
-    if kind == "q4_k":
-        return (torch.empty(g, b, 144, dtype=torch.uint8, device=device),
-                torch.empty(g, k // 256, 2, 8, dtype=torch.float16, device=device))
     if kind == "q6_k":
         return (torch.empty(g, b, 208, dtype=torch.uint8, device=device),
                 torch.empty(g, k // 256, 8, dtype=torch.float16, device=device))
