@@ -22,7 +22,7 @@ activations in fp32; a host with native bf16 serves in bf16 by default, which ad
   quanta re-encodes the blocks in its own forms; each engine's part is measured on the file against an
   F32 file holding exactly its dequantized weights: llama.cpp's spread between the two (its activation
   rounding only; tiny-llama3: max 1.59, median 0.20) plus quanta's (its re-encoding only, fp32
-  activations; Q4_K and Q6_K held in their own blocks: max 0.96, median 0.14), summed (the two engines' errors can add, not cancel by design).
+  activations; Q6_K held in its own blocks: max 1.04, median 0.13), summed (the two engines' errors can add, not cancel by design).
   A quantized MoE file (tiny-qwen3moe Q8_0) is bounded the same way: both engines round activations
   to 8 bits, and at a router's near tie either rounding can swap a token's experts (nats at that
   position), so each engine's spread against the F32 file of its dequantized weights is summed;
