@@ -13,12 +13,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from quanta.launch import load_model
+from quanta.model import gguf_loader
 from quanta.model.form_embedding import FormEmbedding
 from quanta.model.gguf_blocks import load_block_model
 from quanta.model.linear import PackedLinear
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import load_checkpoint, load_config
 from quanta.model.native import forms
+from quanta.tools.make_model import write_direct
 from slot_cache import logits_in_chunks
 
 pytestmark = pytest.mark.skipif(not forms.available(), reason="quanta's C kernels do not build here")
@@ -181,3 +183,22 @@ def test_a_large_file_logs_its_loading_progress(tmp_path, monkeypatch, caplog):
     assert lines and lines[0].startswith(f"loading tiny.gguf: 1 of {LAYERS} layers (50%), ")
     assert len(lines) == 2 and lines[1].startswith(f"loading tiny.gguf: {LAYERS} of {LAYERS} layers, ")
     assert lines[1].endswith("; converting the LM head and embedding (token_embd.weight, 520 x 256 Q8_0)")
+
+
+def test_q6_k_tensors_keep_their_bits_and_a_mixed_fusion_takes_q8_0(tmp_path):
+    """A Q4_K_M file (make-model's, as llama-quantize types it): its Q6_K head / embedding and
+    ffn_down in ``q6_k``, Q4_K in ``q4_1``, a q/k/v whose Q6_K ``attn_v`` meets Q4_K ``attn_q`` in ``q8_0``."""
+    path = write_direct("tiny-llama3", tmp_path / "q4km.gguf", "Q4_K_M", progress=lambda _: None)
+    types = gguf_loader.gguf_tensor_types(path)
+    model = load_block_model(path, load_config(path), torch.float32)
+    assert types["token_embd.weight"] == "Q6_K"
+    assert model.lm_head_form.kind == model.embed_tokens.form.kind == "q6_k"
+    seen = set()
+    for i, layer in enumerate(model.layers):
+        qkv = {types[f"blk.{i}.attn_{p}.weight"] for p in "qkv"}
+        want = "q6_k" if qkv == {"Q6_K"} else "q8_0" if "Q6_K" in qkv else "q4_1"
+        down = "q6_k" if types[f"blk.{i}.ffn_down.weight"] == "Q6_K" else "q4_1"
+        assert (layer.self_attn.qkv_proj.form.kind, layer.mlp.down_proj.form.kind) == (want, down)
+        assert layer.mlp.gate_up_proj.form.kind == "q4_1"
+        seen |= {want, down}
+    assert {"q8_0", "q6_k"} <= seen  # the file has both cases
