@@ -5,8 +5,9 @@ anyway (:meth:`quanta.model.llama.LlamaModel.compute_logits`); with ``--prompt-w
 table itself is dropped and each lookup rebuilds its rows from that form. A model built from a
 GGUF's blocks (:mod:`quanta.model.gguf_blocks`) keeps its ``token_embd`` only as a form too. Rows
 are rebuilt as the kernels read them: ``d * q`` (q8_0), ``d * q + m`` (q4_1) per block of 32,
-``(d * s) * (u - 32)`` (q6_k), or the fp16 value; for a GGUF whose ``token_embd`` is Q8_0 or Q4_1 the form holds the file's own
-blocks, so the rows are the table's, bit for bit (``tests/test_prompt_weights.py``).
+``(d * s) * (u - 32)`` (q6_k), or the fp16 value; for a GGUF whose ``token_embd`` is Q8_0, Q4_1 or
+Q6_K the form holds the file's own blocks, so the rows are the table's, bit for bit
+(``tests/test_prompt_weights.py``, ``tests/test_gguf_repack.py``).
 """
 
 from __future__ import annotations

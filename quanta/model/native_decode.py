@@ -210,7 +210,7 @@ class NativeDecoder:
 
 
 def native_form(form: QuantizedWeight | None) -> QuantizedWeight | None:
-    """``form`` if quanta's C kernels multiply it (q4_1 / q8_0, or fp16 held as its fp16
+    """``form`` if quanta's C kernels multiply it (q4_1 / q8_0 / q6_k, or fp16 held as its fp16
     weight: :attr:`~quanta.model.quant.QuantizedWeight.c_kernel`), else None."""
     return form if form is not None and form.c_kernel else None
 

@@ -83,8 +83,9 @@ class QuantizedWeight:
             weight (quanta's C kernel) or, where the C library does not load, FBGEMM's packed one.
         scales: int8: bf16 ``[N]``; int4: bf16 ``[K / 32, N, 2]`` (scale, zero); q4_1: fp16
             ``[N / 8, K / 32, 2, 8]`` (d, m) with ``data`` uint8 ``[N / 8, K / 32, 128]``;
-            q8_0: fp16 ``[N / 8, K / 32, 8]`` with int8 ``[N / 8, K / 32, 256]``
-            (8 columns interleaved, see ``qmatmul.c``); fp16: empty.
+            q8_0: fp16 ``[N / 8, K / 32, 8]`` with int8 ``[N / 8, K / 32, 256]``; q6_k: fp16
+            ``[N / 8, K / 256, 8]`` with uint8 ``[N / 8, K / 32, 208]`` (8 columns interleaved,
+            see ``qmatmul.c``); fp16: empty.
     """
 
     kind: str

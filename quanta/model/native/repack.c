@@ -188,24 +188,30 @@ static void k_values(const uint8_t *b, const uint8_t *hb, const uint8_t *qs, flo
 static void q4_k_values(const uint8_t *b, float *w) { k_values(b, NULL, b + 16, w); }
 static void q5_k_values(const uint8_t *b, float *w) { k_values(b, b + 16, b + 48, w); }
 
-/* ql (128), qh (64), scales (16 int8, one per 16 values), d. Value v = 128 h + 32 s + l: low
- * nibble (s < 2) or high nibble (s >= 2) of ql[64 h + 32 (s & 1) + l], bits 2s, 2s + 1 of
- * qh[32 h + l] on top, minus 32; times d * scales[v / 16]. */
-static void q6_k_values(const uint8_t *b, float *w) {
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float d = float_at(b + 208);
-    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+/* ql (128), qh (64), scales (16 int8, one per 16 values), d. Value v = 128 h + 32 s + l: its 6-bit
+ * code u is the low nibble (s < 2) or high nibble (s >= 2) of ql[64 h + 32 (s & 1) + l] with bits
+ * 2s, 2s + 1 of qh[32 h + l] on top; the value is d * scales[v / 16] * (u - 32). */
+static inline void q6_k_codes(const uint8_t *b, uint8_t *u) {
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
         __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
         for (int s = 0; s < 4; s++) {
             __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
             __m256i q = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
             __m256i hi = s < 3 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * s)) : _mm256_srli_epi16(qh, 2);
-            hi = _mm256_and_si256(hi, top); /* bits 2s, 2s + 1 of each byte at 4, 5 */
-            q = _mm256_sub_epi8(_mm256_or_si256(q, hi), bias);
-            int v0 = 128 * h + 32 * s;
-            put_values(q, 1, d * (float)sc[v0 / 16], d * (float)sc[v0 / 16 + 1], 0.0f, w + v0);
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * s), _mm256_or_si256(q, _mm256_and_si256(hi, top)));
         }
+    }
+}
+
+static void q6_k_values(const uint8_t *b, float *w) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = float_at(b + 208);
+    uint8_t u[256];
+    q6_k_codes(b, u);
+    for (int v0 = 0; v0 < 256; v0 += 32) {
+        __m256i q = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(u + v0)), _mm256_set1_epi8(32));
+        put_values(q, 1, d * (float)sc[v0 / 16], d * (float)sc[v0 / 16 + 1], 0.0f, w + v0);
     }
 }
 
@@ -321,20 +327,6 @@ static void form_row(const struct repack_job *j, int64_t g, int c) {
         }
         if (!exact) requantize(w, batch * per, u);
         for (int p = 0; p < batch * per; p++) store_unit(j, g, sb * per + p, c, u + p);
-    }
-}
-
-/* The 256 6-bit values u of a Q6_K block (GGUF's order), as q6_k_values reads them. */
-static inline void q6_k_codes(const uint8_t *b, uint8_t *u) {
-    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        for (int s = 0; s < 4; s++) {
-            __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
-            __m256i q = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), low);
-            __m256i hi = s < 3 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * s)) : _mm256_srli_epi16(qh, 2);
-            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * s), _mm256_or_si256(q, _mm256_and_si256(hi, top)));
-        }
     }
 }
 
