@@ -100,9 +100,16 @@ class NativeDecoder:
 
     def covers(self) -> bool:
         """Whether every projection of a decode step is a direct C call (:meth:`plan`) and every MoE
-        layer's experts are C forms (:func:`_experts_in_c`)."""
-        return (all(d is not None for layer in self.plan() for d in layer)
-                and all(_experts_in_c(layer.mlp) for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)))
+        layer's experts are C forms (:meth:`_experts_in_c`)."""
+        return all(d is not None for layer in self.plan() for d in layer) and self._experts_in_c()
+
+    def _experts_in_c(self) -> bool:
+        """Whether every MoE block's matmuls are C kernels alone: routed experts held as C forms
+        (:meth:`~quanta.model.moe.RoutedExperts.use_forms`, a GGUF's blocks: q4_1 / q8_0 / q6_k in one
+        call per projection, fp16 one expert at a time) and no shared expert. True for a dense model."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+        return all(b.experts.forms and all(f.c_kernel for f in b.experts.forms) and b.shared_expert is None
+                   for b in blocks)
 
     def claim_threads(self, decode: bool, torch_threads: int) -> int:
         """Split the cores between the C kernels' pool and torch's for one forward.
@@ -131,8 +138,7 @@ class NativeDecoder:
         1B Q4_K_M took 2x as long)."""
         if self._prompts_covered is None:
             self._prompts_covered = all(getattr(lin, "form_for_prompts", False)
-                                        for layer in self.model.layers for lin in _projections(layer)) and all(
-                _experts_in_c(layer.mlp) for layer in self.model.layers if isinstance(layer.mlp, MoEBlock))
+                                        for layer in self.model.layers for lin in _projections(layer)) and self._experts_in_c()
         return self._prompts_covered
 
     def head_threads(self, torch_threads: int) -> int:
@@ -219,13 +225,6 @@ def _projections(layer) -> tuple:
     attention = layer.self_attn.qkv_proj, layer.self_attn.o_proj
     return attention if isinstance(layer.mlp, MoEBlock) else (*attention, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
-
-def _experts_in_c(block: MoEBlock) -> bool:
-    """Whether an MoE block's matmuls are C kernels alone: routed experts held as C forms
-    (:meth:`~quanta.model.moe.RoutedExperts.use_forms`, a GGUF's blocks: q4_1 / q8_0 in one call
-    per projection, fp16 one expert at a time) and no shared expert."""
-    forms = block.experts.forms
-    return bool(forms) and all(f.c_kernel for f in forms) and block.shared_expert is None
 
 
 class _MatmulScratch:

@@ -42,10 +42,10 @@ SHAPES: dict[str, dict] = {
                    "num_key_value_heads": 8, "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "tie_word_embeddings": False},
-    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "qwen3-30b-a3b": {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
                       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                      "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960},
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "tie_word_embeddings": False},
     # for tests: Llama 3.x layout (rope_freqs, tied embeddings) at toy width; SmolLM2's vocabulary plus 128 reserved tokens;
     # an original context of 64 so that the rope_freqs factors turn positions below 100 (Llama 3's 8192 would not)
     "tiny-llama3": {**_LLAMA3, "vocab_size": 49152 + 128, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,

@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quanta.model import native
+from quanta.model.native import forms
 
 #: the forms each source type converts to, its natural one first
 _TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1", "q8_0"), "Q5_0": ("q8_0",), "Q5_1": ("q8_0",),
@@ -29,7 +30,7 @@ _TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1",
 #: ggml type ids of the source types (repack.c's), and (values, bytes) per block
 _TYPES = {name: int(GGMLQuantizationType[name]) for name in _TARGETS}
 _BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]] for name in _TARGETS}
-_KIND_IDS = {"q4_1": 4, "q6_k": 6, "q8_0": 8, "fp16": 16}
+_KIND_IDS = {**forms.KINDS, "fp16": 16}  # repack.c's TO_* are qmatmul.c's kinds
 
 SUPPORTED = frozenset(_TYPES)
 
