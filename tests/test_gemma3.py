@@ -163,7 +163,8 @@ def test_make_model_file_reads_back_and_both_load_paths_agree(tmp_path: Path):
     if not forms.available():
         pytest.skip("no C kernels: both files take the dequantizing path")
     f32 = write_direct("tiny-gemma3", tmp_path / "g-F32.gguf", "F32", progress=lambda _: None)
-    blocks, dequantized = agreement.load_as_served(f16), agreement.load_as_served(f32)
+    # float32 compute, as the agreement tests: a bf16 host's default would round the F32 file's weights to bf16
+    blocks, dequantized = (agreement.load_as_served(f, torch.float32) for f in (f16, f32))
     assert "from-blocks" in blocks.kernels and "from-blocks" not in dequantized.kernels
     tokens = list(range(1000, 1080))  # 80 positions: past the window of 32
     a, b = (agreement.position_logprobs(m, tokens, 1) for m in (blocks, dequantized))
@@ -195,7 +196,7 @@ def test_decode_rows_agree_with_stored_llama_cpp_outputs(tmp_path: Path):
     record = json.loads((DATA / "tiny-gemma3-Q8_0.json").read_text())
     spec = record["file"]
     path = write_direct(spec["shape"], tmp_path / "g.gguf", spec["type"], spec["seed"], spec["layers"], progress=lambda _: None)
-    loaded = agreement.load_as_served(path)
+    loaded = agreement.load_as_served(path, torch.float32)  # as test_agreement_llama_cpp's bounds assume
     assert all(len(c["tokens"]) > 32 + 8 for c in record["cases"])  # past the window
     results = [agreement.compare(c["top"], logprobs, tolerance(record)["max_diff"])
                for c, logprobs in zip(record["cases"], decode_logprobs(loaded, record["cases"]), strict=True)]
