@@ -40,10 +40,13 @@
 #define CHUNKS(t) ((int)(((t) >> 16) & 0xffff))
 #define MAX_CHUNKS 0x7fff
 
+/* ticket, finished and seq each on a cache line of its own: the caller's claims (ticket), the
+ * worker's count of chunks done (finished) and the worker's spinning on seq would otherwise move
+ * one line between the cores at every step of each */
 static struct {
-    _Atomic uint64_t ticket;
-    _Atomic unsigned seq;      /* the job's number, the word the worker sleeps on */
-    _Atomic int finished;      /* chunks of the job the worker finished */
+    _Alignas(64) _Atomic uint64_t ticket;
+    _Alignas(64) _Atomic int finished; /* chunks of the job the worker finished */
+    _Alignas(64) _Atomic unsigned seq; /* the job's number, the word the worker sleeps on */
     _Atomic int sleeping;
     _Atomic(pool_fn) fn;
     _Atomic(void *) arg;

@@ -586,7 +586,8 @@ int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int 
     int32_t *offs = q6_offsets(kind, rows, k, fine, p);
     if (kind == 6 && !offs) return -1;
     struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, offs, qs, scales, out, acc};
-    pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2)); /* pool_share above: pairs of groups */
+    int64_t bytes = (int64_t)n * k / QK * (kind == 4 ? 160 : kind == 8 ? 272 : 210) / 8; /* codes + scales */
+    pool_run(matmul_part, &job, pool_chunks_sized((n / 8 + 1) / 2, bytes)); /* pool_share above: pairs of groups */
     free(offs);
     return 0;
 }
