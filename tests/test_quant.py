@@ -211,8 +211,7 @@ def test_default_quantization_answers_like_the_reference(dtype):
         tied = {t for t, lp in records[i].top if best - lp <= TIE}
         assert auto[i] in tied, (i, auto, ref, records[i].top)
     if dtype == torch.float32:
-        auto = tokenizer.decode(auto)
-        assert auto.startswith("The capital of France is Paris")
+        assert tokenizer.decode(auto).startswith("The capital of France is Paris")
 
 
 @needs_fp16
