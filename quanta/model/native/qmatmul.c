@@ -573,6 +573,16 @@ static int32_t *q6_offsets(int kind, int rows, int k, int fine, const int8_t *p)
     return offs;
 }
 
+/* A [n, k] weight of `kind` as block_matmul reads it (layouts below): its codes' bytes, and its fp16
+ * scales counted in halves (Q6_K: 8 per 8 blocks of 32). */
+static int64_t form_qs_bytes(int kind, int n, int k) {
+    return (int64_t)(n / 8) * (k / QK) * (kind == 4 ? 128 : kind == 6 ? 208 : 256);
+}
+
+static int64_t form_scale_halves(int kind, int n, int k) {
+    return (int64_t)(n / 8) * (k / QK) * (kind == 4 ? 16 : kind == 6 ? 1 : 8);
+}
+
 /* out [rows, n] = x [rows, k] @ w.T (n a multiple of 8, k of 32), x and out in the io dtype
  * (bf16 when io_bf16, else float32), for Q4_1 (kind 4: qs uint8 [n / 8, k / 32, 128], scales
  * fp16 [n / 8, k / 32, 2, 8]), Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
@@ -586,7 +596,7 @@ int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int 
     int32_t *offs = q6_offsets(kind, rows, k, fine, p);
     if (kind == 6 && !offs) return -1;
     struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, offs, qs, scales, out, acc};
-    int64_t bytes = (int64_t)n * k / QK * (kind == 4 ? 160 : kind == 8 ? 272 : 210) / 8; /* codes + scales */
+    int64_t bytes = form_qs_bytes(kind, n, k) + 2 * form_scale_halves(kind, n, k);
     pool_run(matmul_part, &job, pool_chunks_sized((n / 8 + 1) / 2, bytes)); /* pool_share above: pairs of groups */
     free(offs);
     return 0;
@@ -605,9 +615,7 @@ int block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, co
     quantize_rows(total, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
     int32_t *offs = q6_offsets(kind, total, k, fine, p);
     if (kind == 6 && !offs) return -1;
-    int64_t blocks = (int64_t)(n / 8) * (k / QK);
-    int64_t qs_bytes = blocks * (kind == 4 ? 128 : kind == 6 ? 208 : 256);
-    int64_t scale_halves = blocks * (kind == 4 ? 16 : kind == 6 ? 1 : 8); /* Q6_K: 8 per 8 blocks */
+    int64_t qs_bytes = form_qs_bytes(kind, n, k), scale_halves = form_scale_halves(kind, n, k);
     int64_t r0 = 0;
     for (int g = 0; g < groups; g++) {
         struct matmul_job job = {kind, fine, rows[g], n, k, io_bf16, p + r0 * 2 * k, xs + r0 * (k / QK) * 2,
