@@ -38,9 +38,11 @@ def load_trace_file(path: str) -> list[dict]:
 
 def merge_replica_traces(traces: list[list[dict]]) -> list[dict]:
     """One trace of N replicas' own traces, shaped as one server's: each record gains ``replica``, its
-    sequence ids become ``seq_id * N + replica`` (distinct across replicas), records ordered by start."""
+    sequence ids become ``seq_id * N + replica`` (distinct across replicas; in ``arrivals`` too), records
+    ordered by start."""
     n = len(traces)
-    merged = [{**rec, "replica": i, "seq_ids": [s * n + i for s in rec["seq_ids"]]}
+    merged = [{**rec, "replica": i, "seq_ids": [s * n + i for s in rec["seq_ids"]],
+               **({"arrivals": [[a[0] * n + i, *a[1:]] for a in rec["arrivals"]]} if rec.get("arrivals") else {})}
               for i, records in enumerate(traces) for rec in records]
     return sorted(merged, key=lambda rec: (rec["start"], rec["replica"]))
 

@@ -54,10 +54,13 @@ class Target:
 
 
 class Clock:
-    """Seconds since the run started (``time.perf_counter`` based)."""
+    """Seconds since the run started (``time.perf_counter`` based). ``origin``: ``time.monotonic()`` at the
+    start, so a time of this clock is ``origin + t`` on the host's monotonic clock, the one a local server's
+    trace is written in."""
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
+        self.origin = time.monotonic()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0

@@ -169,7 +169,7 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 async def _measure(target: Target, w: Workload, max_duration: float, request_timeout: float, scrape_every: float | None,
-                   progress: bool, desc: str) -> tuple[list[RequestSample], list[dict]]:
+                   progress: bool, desc: str) -> tuple[list[RequestSample], list[dict], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(request_timeout, connect=min(request_timeout, 10.0))
     scrapes: list[dict] = []
@@ -183,14 +183,15 @@ async def _measure(target: Target, w: Workload, max_duration: float, request_tim
             if scraper:
                 scraper.cancel()
                 await asyncio.gather(scraper, return_exceptions=True)
-    return run.samples, scrapes
+    return run.samples, scrapes, clock.origin
 
 
 def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request_timeout: float = 300.0,
             scrape_every: float | None = None, progress: bool = True, desc: str = "bench") -> dict:
     """Run ``w`` once against ``target`` and compute every figure.
 
-    Returns ``{"samples": [...], "trace": records | None, "scrapes": [...],
+    Returns ``{"samples": [...], "trace": records | None, "scrapes": [...], "clock_origin": the client
+    clock's start on the host's monotonic clock (a local server's trace times minus it are the samples' times),
     "metrics": {"client", "client_busy", "trace", "scrape_overlap", "probe"?}, "load": (1-min loadavg
     before, after)}``; behind a cluster front (``quanta serve --replicas N``) ``trace`` is None,
     ``replica_traces`` holds each replica's own step trace of the run (None for one that did not answer)
@@ -203,7 +204,7 @@ def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request
         replicas = sp.replicas()
         since = sp.next_step() if replicas is None else None
         replica_since = sp.replica_next_steps(replicas) if replicas else []
-        samples, scrapes = asyncio.run(_measure(target, w, max_duration, request_timeout, scrape_every, progress, desc))
+        samples, scrapes, origin = asyncio.run(_measure(target, w, max_duration, request_timeout, scrape_every, progress, desc))
         if scrape_every:
             m = sp.metrics()
             busy = by_kind(m, STEP_SECONDS) if m else {}
@@ -215,7 +216,7 @@ def measure(target: Target, w: Workload, *, max_duration: float = 600.0, request
     finally:
         sp.close()
     out = {"samples": [s.to_dict() for s in samples], "trace": trace, "scrapes": scrapes,
-           "load": [load_before, os.getloadavg()[0]], "finished_at": time.time()}
+           "load": [load_before, os.getloadavg()[0]], "finished_at": time.time(), "clock_origin": origin}
     if replica_traces is not None:
         out["replica_traces"] = replica_traces
     out["metrics"] = compute_metrics(samples, run_trace(out), scrapes, w.kind)

@@ -228,7 +228,8 @@ class AsyncEngine:
         if reservation is None:  # the queue is checked now; the engine thread releases the place on accepting
             reservation = self.reserve()
         loop = asyncio.get_running_loop()
-        sub = Submission(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), True, reservation)
+        sub = Submission(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future(), True, reservation,
+                         submitted=self.engine.clock())
         self._commands.put(("add", sub))
         stream = RequestStream(self._abort, sub)
         if wait:
@@ -323,7 +324,8 @@ class AsyncEngine:
                             raise self._stopping_requests
                         if arg.reservation is None or not arg.reservation.held:
                             self._check_queue()
-                        seq = self.engine.add_request(arg.prompt_token_ids, arg.params, length_checked=arg.length_checked)
+                        seq = self.engine.add_request(arg.prompt_token_ids, arg.params, length_checked=arg.length_checked,
+                                                      submitted=arg.submitted)
                     finally:
                         if arg.reservation is not None:
                             self._release_locked(arg.reservation)

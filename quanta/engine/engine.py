@@ -76,6 +76,7 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._text: dict[int, TextState] = {}
         self._ids = itertools.count()
+        self._arrivals: list[list] = []  # [seq_id, submitted, accepted, prompt tokens] since the last trace record
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` naming both numbers if they exceed ``max_model_len``."""
@@ -87,13 +88,16 @@ class Engine:
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})"
             )
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, length_checked: bool = False) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, length_checked: bool = False,
+                    submitted: float | None = None) -> Sequence:
         """Queue a request; returns its sequence (``seq_id`` identifies it).
 
         Args:
             length_checked: the caller has already run :meth:`check_length` on
                 this prompt and ``params.max_tokens`` (the server does, before
                 it builds the request's grammar), so it does not run twice.
+            submitted: engine-clock time the front handed the request over (the
+                next trace record's ``arrivals``); now when not given.
 
         Raises:
             ValueError: empty prompt, or prompt plus ``max_tokens`` beyond
@@ -103,6 +107,8 @@ class Engine:
             self.check_length(len(prompt_token_ids), params.max_tokens)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_time=self.clock())
         self.sequences[seq.seq_id] = seq
+        self._arrivals.append([seq.seq_id, seq.arrival_time if submitted is None else submitted, seq.arrival_time,
+                               seq.num_prompt_tokens])
         if self.make_text is not None:
             self._text[seq.seq_id] = self.make_text(params)
         self.scheduler.add(seq)
@@ -167,7 +173,9 @@ class Engine:
             [int(t is not None and not isinstance(t, FailedSample)) for t in sampled],
             result.experts,
             positions,
+            self._arrivals,
         )
+        self._arrivals = []
         for listener in self.step_listeners:
             try:
                 listener(rec)

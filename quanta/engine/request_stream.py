@@ -37,6 +37,8 @@ class Submission:
     #: run on the event loop with the seq_id once the engine accepted the request
     on_accept: list[Callable[[int], None]] = field(default_factory=list)
     abort_cause: str = "disconnect"
+    #: engine-clock time the front put it on the engine's command queue
+    submitted: float | None = None
 
 
 class Reservation:

@@ -31,6 +31,10 @@ class StepRecord:
         positions: tokens each sequence had computed before the step (same order): the
             context its rows attend over, a prompt's prefix-cache hit included. None in
             records written without it.
+        arrivals: the requests the engine accepted since the previous record, each
+            ``[seq_id, submitted, accepted, prompt_tokens]``: when the front handed it over
+            (the HTTP request parsed, its prompt tokenized) and when the engine took it in,
+            between steps (engine-clock seconds). None in records written without it.
     """
 
     step: int
@@ -42,6 +46,7 @@ class StepRecord:
     num_emitted: list[int]
     experts: dict | None = None
     positions: list[int] | None = None
+    arrivals: list[list] | None = None
 
     @property
     def duration(self) -> float:
@@ -62,8 +67,10 @@ class Trace:
         self._next_step = 0
 
     def record(self, kind: str, start: float, end: float, seq_ids: list[int], num_new_tokens: list[int],
-               num_emitted: list[int], experts: dict | None = None, positions: list[int] | None = None) -> StepRecord:
-        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, experts, positions)
+               num_emitted: list[int], experts: dict | None = None, positions: list[int] | None = None,
+               arrivals: list[list] | None = None) -> StepRecord:
+        rec = StepRecord(self._next_step, kind, start, end, seq_ids, num_new_tokens, num_emitted, experts, positions,
+                         arrivals)
         self._next_step += 1
         self.counts[kind] += 1
         self.records.append(rec)

@@ -5,6 +5,8 @@ results, names the profile's sources, prints the fit's residuals per step
 kind and, with ``--check-bench``, the residuals on runs the fit did not see.
 The thread counts the server reported in its ``/v1/config`` (every ``*_threads``
 key: ``decode_threads``, ``prefill_threads``) are kept with the step model.
+The server front's latency (:mod:`quanta.sim.front`) is fitted from the same
+runs where they recorded it (a client clock origin and the trace's arrivals).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import json
 from pathlib import Path
 
 from quanta.sim.fit import FitError, check, fit
+from quanta.sim.front import fit_front, front_check
 from quanta.sim.profile import ProfileError
 
 
-def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
+def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict, list[dict]]:
     """The server traces of every measured run of a bench result (behind a cluster front, each replica's
-    own trace), its first applied config and machine.
+    own trace), its first applied config and machine, and the runs.
 
     Raises:
         ValueError: not a readable, measured quanta bench result.
@@ -36,23 +39,24 @@ def bench_traces(path: str) -> tuple[list[list[dict]], dict, dict]:
         raise ValueError(str(exc)) from exc
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path} is not a readable quanta bench result ({type(exc).__name__}: {exc})") from exc
-    return traces, applied, doc.get("machine", {})
+    return traces, applied, doc.get("machine", {}), runs
 
 
-def _read(paths: list[str], flag: str, parser) -> tuple[list[list[dict]], dict, dict]:
+def _read(paths: list[str], flag: str, parser) -> tuple[list[list[dict]], dict, dict, list[dict]]:
     if len(set(paths)) != len(paths):
         parser.error(f"{flag}: the same file is given twice")
-    traces, applied, machine = [], {}, {}
+    traces, applied, machine, runs = [], {}, {}, []
     for path in paths:
         try:
-            t, a, m = bench_traces(path)
+            t, a, m, r = bench_traces(path)
         except ValueError as exc:
             parser.error(f"{flag}: {exc}")
         traces += t
+        runs += r
         applied, machine = applied or a, machine or m
     if not traces:
         parser.error(f"{flag}: the results hold no server trace (was the server quanta?)")
-    return traces, applied, machine
+    return traces, applied, machine, runs
 
 
 def _print_residuals(title: str, residuals: dict) -> None:
@@ -66,8 +70,8 @@ def from_bench(args, parser) -> int:
     checked = args.check_bench or []
     if overlap := set(checked) & set(args.from_bench):
         parser.error(f"--check-bench: {sorted(overlap)[0]} is also fitted (--from-bench); check on other runs")
-    traces, applied, machine = _read(args.from_bench, "--from-bench", parser)
-    others = _read(checked, "--check-bench", parser)[0] if checked else []
+    traces, applied, machine, runs = _read(args.from_bench, "--from-bench", parser)
+    others, other_runs = _read(checked, "--check-bench", parser)[::3] if checked else ([], [])
     meta = {"name": Path(args.out).stem,
             "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
                        + ", ".join(args.from_bench) + " (quanta.sim.fit: step model by non-negative least squares, residual quantiles)"),
@@ -77,6 +81,9 @@ def from_bench(args, parser) -> int:
         prof.validate()
         if others:
             prof.step_model.fit["check"] = {"sources": list(checked), "residuals": check(prof.step_model, others)}
+        prof.front = fit_front(runs)
+        if prof.front is not None and other_runs:
+            prof.front.fit["check"] = front_check(prof.front, other_runs)
     except (FitError, ProfileError) as exc:
         parser.error(f"--from-bench: {exc}")
     except (KeyError, TypeError, AttributeError) as exc:
@@ -88,4 +95,17 @@ def from_bench(args, parser) -> int:
     _print_residuals("residuals on the fitted steps:", prof.step_model.fit["residuals"])
     if others:
         _print_residuals(f"residuals on the {len(others)} runs of --check-bench (not fitted):", prof.step_model.fit["check"]["residuals"])
+    print(_front_line(prof.front))
     return 0
+
+
+def _front_line(front) -> str:
+    if front is None:
+        return "front: not fitted (no run recorded a client clock origin and the trace's arrivals on one host)"
+    f = front.fit
+    line = (f"front: {front.request_s * 1e3:.2f} ms + {front.prompt_token_s * 1e6:.2f} us per prompt token to the engine, "
+            f"{front.response_s * 1e3:.2f} ms back a token ({f['requests']} requests, {f['chunks']} chunks; "
+            f"|error| median {f['residual_median_s'] * 1e3:.2f} ms, p90 {f['residual_p90_s'] * 1e3:.2f} ms")
+    if f.get("check", {}).get("requests"):
+        line += f"; on --check-bench median {f['check']['residual_median_s'] * 1e3:.2f} ms, p90 {f['check']['residual_p90_s'] * 1e3:.2f} ms"
+    return line + ")"

@@ -20,6 +20,8 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
       "step_model": {...},                       # optional: the per-step cost model fitted to engine traces
                                                  # (quanta.sim.step_model); when present it alone prices a step
+      "front": {"request_s": s, "prompt_token_s": s, "response_s": s},  # optional: the server front's
+                                                 # latency, client -> engine and engine -> client (quanta.sim.front)
       "step_noise": {"factors": [...], "source": "...",   # optional: each simulated step's cost is
                      "by_cost": [{"up_to_s": s, "factors": [...]}, ...]},  # multiplied by a factor drawn
                                                  # uniformly from the factors of the first by_cost bin whose
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING
 from quanta.config import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:  # the step model needs numpy, which commands that load no profile do not import
+    from quanta.sim.front import FrontModel
     from quanta.sim.step_model import StepModel
 
 FORMAT = "quanta-cost-profile/1"
@@ -83,6 +86,8 @@ class Profile:
     step_noise_bins: list[tuple[float, list[float]]] | None = None
     #: the per-step cost model fitted to engine traces; when set, :meth:`step_cost` is its cost
     step_model: StepModel | None = None
+    #: the server front's latency (quanta.sim.front); None: requests reach the engine as they are sent
+    front: FrontModel | None = None
 
     # ------------------------------------------------------------------ JSON
     @classmethod
@@ -103,11 +108,12 @@ class Profile:
                 moe=pre.get("moe"),
                 meta={k: v for k, v in d.items()
                       if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor", "step_noise",
-                                   "step_model")},
+                                   "step_model", "front")},
                 step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
                 step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
                 step_noise_bins=_noise_bins((d.get("step_noise") or {}).get("by_cost")),
                 step_model=_step_model(d.get("step_model")),
+                front=_front(d.get("front")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed cost profile: {exc!r}") from exc
@@ -158,6 +164,8 @@ class Profile:
                                               for b, fs in self.step_noise_bins]
         if self.step_model is not None:
             d["step_model"] = self.step_model.to_dict()
+        if self.front is not None:
+            d["front"] = self.front.to_dict()
         return d
 
     @classmethod
@@ -276,6 +284,14 @@ def _step_model(d: dict | None) -> StepModel | None:
     from quanta.sim.step_model import StepModel
 
     return StepModel.from_dict(d)
+
+
+def _front(d: dict | None) -> FrontModel | None:
+    if d is None:
+        return None
+    from quanta.sim.front import FrontModel
+
+    return FrontModel.from_dict(d)
 
 
 def _noise_bins(raw) -> list[tuple[float, list[float]]] | None:

@@ -65,7 +65,7 @@ class ReplicaSimulation(Simulation):
         return front_loads([len(on) for on in self._live_on], self.sched.max_num_seqs)
 
     def _submit(self, r: _Req) -> None:
-        r.sample.sent = self.clock.t
+        r.sample.sent = r.sent_at
         ids = self._prompt_ids(r)
         i = self.router.choose(ids, self.loads())
         self.router.routed(i, ids)

@@ -4,8 +4,9 @@ The Engine and the scheduler are quanta's own (``SchedulerConfig.build()``);
 only the executor is a :class:`CostModelExecutor` and the clock a
 :class:`VirtualClock`. Each request becomes a :class:`RequestSample` as the
 bench client would record it (every token one streamed chunk, arriving at the
-end of the step that emitted it; ``scheduled`` = ``sent`` = arrival, so the
-client adds no queueing), and the engine's trace is kept as dicts, so
+end of the step that emitted it, plus the profile's front ``response_s`` when it
+has a front model; ``scheduled`` = ``sent``, so the client adds no queueing),
+and the engine's trace is kept as dicts, so
 :func:`quanta.bench.runner.compute_metrics` and every ``quanta.analysis``
 function apply unchanged.
 
@@ -25,10 +26,11 @@ scheduling order, as the bench client numbers them; entries <= 0 and requests
 past the end fall back to the plan). Output lengths: the planned ``max_tokens``
 exactly (the simulated tokens are never EOS, like ``--ignore-eos``), or, with
 ``output_lengths``, the i-th request's entry (e.g. a measured run's completion
-tokens; entries <= 0 fall back). With ``send_delays``, request i reaches the
-engine that many seconds after its scheduled time (e.g. the bench client's
+tokens; entries <= 0 fall back). With ``send_delays``, request i is sent
+that many seconds after its scheduled time (e.g. the bench client's
 measured ``sent - scheduled``: a burst's requests arrive spread over some
-milliseconds, not at one instant). KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
+milliseconds, not at one instant). It reaches the engine when sent, or with a
+front model (:mod:`quanta.sim.front`) that model's delay for its prompt later. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
 the budget and prefix sharing ``quanta serve`` would have, so admission waits
 for blocks and a short pool preempts and recomputes as in the engine; without
 it, a pool that never runs short, with prefix sharing when ``prefix_cache``.
@@ -68,6 +70,8 @@ class _Req:
     trace_request: mooncake.TraceRequest | None = None
     prompt_ids: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
+    #: when the client sends it (it reaches the engine the profile's front delay later)
+    sent_at: float = 0.0
 
 
 class Simulation:
@@ -122,9 +126,11 @@ class Simulation:
         s = RequestSample(id=i, scheduled=t, tag=tag, max_tokens=max_tokens, ignore_eos=True, prompt_size=size)
         self.samples.append(s)
         n = len(prompt_ids) if prompt_ids is not None else self.tokens(size, i, trace_request is not None)
-        r = _Req(s, n, max_tokens, on_done, trace_request=trace_request, prompt_ids=prompt_ids)
         delay = self.send_delays[i] if i < len(self.send_delays) else 0.0
-        heapq.heappush(self._pending, (send_at if send_at is not None else t + max(delay, 0.0), next(self._order), r))
+        sent = send_at if send_at is not None else t + max(delay, 0.0)
+        r = _Req(s, n, max_tokens, on_done, trace_request=trace_request, prompt_ids=prompt_ids, sent_at=sent)
+        front = self.profile.front
+        heapq.heappush(self._pending, (sent + (front.delay(n) if front else 0.0), next(self._order), r))
         return r
 
     def schedule_spec(self, spec: RequestSpec, t: float, on_done=None) -> _Req:
@@ -132,7 +138,7 @@ class Simulation:
         return self.schedule(t, spec.prompt_size, spec.max_tokens, spec.tag, on_done, spec.trace_request)
 
     def _submit(self, r: _Req) -> None:
-        r.sample.sent = self.clock.t
+        r.sample.sent = r.sent_at
         self._add(r, self._prompt_ids(r), self.engine, self._live)
 
     def _prompt_ids(self, r: _Req) -> list[int]:
@@ -199,18 +205,20 @@ class Simulation:
         return outputs
 
     def _deliver(self, outs, live: dict[int, _Req]) -> None:
-        """Record a step's outputs on the requests of ``live`` (by sequence id); end the finished ones."""
+        """Record a step's outputs on the requests of ``live`` (by sequence id), each token reaching the client
+        the front's response delay after the step; end the finished ones."""
+        lag = self.profile.front.response_s if self.profile.front else 0.0
         for out in outs:
             r = live.get(out.seq_id)
             if r is None:
                 continue
             for tok in out.token_ids:
-                r.sample.chunks.append([out.time, 1.0])
+                r.sample.chunks.append([out.time + lag, 1.0])
                 r.output_ids.append(tok)
             r.sample.completion_tokens = out.num_output_tokens
             r.sample.cached_tokens = out.num_cached_tokens
             if out.finished:
-                r.sample.done, r.sample.finish_reason = out.time, out.finish_reason
+                r.sample.done, r.sample.finish_reason = out.time + lag, out.finish_reason
                 live.pop(out.seq_id)
                 if r.on_done:
                     r.on_done(r)
@@ -349,7 +357,7 @@ def _session_shaped(sim: Simulation) -> None:
 
         def done(q: _Req) -> None:
             parts[r.id] = parts[r.id] + [list(q.output_ids)]
-            release("done", r.id, sim.clock.t)
+            release("done", r.id, q.sample.done)
 
         sim.schedule(scheduled, r.prompt_tokens or len(ids), r.completion_tokens, step.tag, on_done=done,
                      prompt_ids=ids, send_at=send_at)

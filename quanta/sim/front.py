@@ -1,0 +1,153 @@
+"""The server's front in the simulation: a request's way from the client to the engine, and a token's back.
+
+A simulated request reaches the engine when the client sends it; a real one first crosses the HTTP
+front (the connection, the body parsed, the prompt tokenized; behind a cluster front also the router
+and the Ray hop), and each token it streams crosses it again. :class:`FrontModel` prices both::
+
+    delay in  = request_s + prompt_token_s * prompt tokens     (client send -> engine queue)
+    delay out = response_s                                     (end of the emitting step -> client)
+
+Fitted (:func:`fit_front`) from runs of ``quanta bench`` against a server on the same host: the run's
+``clock_origin`` puts the client's times on the host's monotonic clock, which the server's trace is
+written in; each trace record's ``arrivals`` (``[seq_id, submitted, accepted, prompt_tokens]``) says when
+the front handed a request to the engine. Requests are paired with arrivals in order (the client's by
+send time, the engine's by submission time; a run whose counts differ, or whose delays are negative or
+over a minute, as from a server on another host, is left out). ``prompt_token_s`` is the non-negative
+least-squares slope of the delays on the prompt sizes, ``request_s`` the median of what remains, and
+``response_s`` the median, over every streamed chunk, of its arrival at the client minus the end of the
+latest step that emitted a token of its request before it: medians, so the simulated latency is the
+typical crossing, not one pulled by a few queued ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+#: fewer paired requests than this: no front model
+MIN_REQUESTS = 3
+#: a paired delay outside [0, this] seconds means the clocks are not one host's: the run is left out
+MAX_DELAY_S = 60.0
+
+
+class FrontModelError(ValueError):
+    """A front block that is not valid."""
+
+
+@dataclass
+class FrontModel:
+    """Seconds a request takes from the client's send to the engine's queue, and a token from its step to the client."""
+
+    request_s: float = 0.0
+    prompt_token_s: float = 0.0
+    response_s: float = 0.0
+    #: how it was fitted: requests, chunks, runs left out, residuals
+    fit: dict = field(default_factory=dict)
+
+    def delay(self, prompt_tokens: int) -> float:
+        """Seconds from the client's send to the engine's queue for a prompt of ``prompt_tokens``."""
+        return self.request_s + self.prompt_token_s * prompt_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> FrontModel:
+        """Raises:
+            FrontModelError: not an object, or a coefficient missing, negative or not finite."""
+        if not isinstance(d, dict):
+            raise FrontModelError(f"front must be an object, got {type(d).__name__}")
+        try:
+            m = cls(float(d["request_s"]), float(d.get("prompt_token_s", 0.0)), float(d.get("response_s", 0.0)),
+                    dict(d.get("fit") or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FrontModelError(f"malformed front: {exc!r}") from exc
+        if not all(math.isfinite(x) and x >= 0 for x in (m.request_s, m.prompt_token_s, m.response_s)):
+            raise FrontModelError("front: request_s, prompt_token_s and response_s must be finite and >= 0")
+        return m
+
+
+def paired(run: dict) -> list[tuple[dict, list]] | None:
+    """The run's requests that reached the engine, each with its trace ``arrivals`` entry (times made the
+    client's: seconds since its ``clock_origin``); None when the run cannot be paired (no origin or
+    arrivals, counts that differ, delays outside ``[0, MAX_DELAY_S]``)."""
+    from quanta.bench.runner import run_trace
+
+    origin, trace = run.get("clock_origin"), run_trace(run)
+    if origin is None or not trace:
+        return None
+    arrivals = sorted((a for rec in trace for a in rec.get("arrivals") or []), key=lambda a: a[1])
+    samples = sorted((s for s in run.get("samples") or [] if s.get("error") is None), key=lambda s: s["sent"])
+    if not arrivals or len(arrivals) != len(samples) or any(len(a) < 4 for a in arrivals):
+        return None
+    pairs = [(s, [a[0], a[1] - origin, a[2] - origin, a[3]]) for s, a in zip(samples, arrivals)]
+    if not all(0.0 <= a[1] - s["sent"] <= MAX_DELAY_S for s, a in pairs):
+        return None
+    return pairs
+
+
+def response_lags(run: dict, pairs: list[tuple[dict, list]]) -> list[float]:
+    """Each streamed chunk's arrival at the client minus the end of the latest step before it that emitted
+    a token of its request (seconds)."""
+    from quanta.bench.runner import run_trace
+
+    origin, ends = run["clock_origin"], {}
+    for rec in run_trace(run):
+        for sid, emitted in zip(rec["seq_ids"], rec["num_emitted"]):
+            if emitted:
+                ends.setdefault(sid, []).append(rec["end"] - origin)
+    lags = []
+    for s, a in pairs:
+        times = sorted(ends.get(a[0], []))
+        for t, _ in s.get("chunks") or []:
+            i = bisect.bisect_right(times, t)
+            if i:
+                lags.append(t - times[i - 1])
+    return lags
+
+
+def observations(runs: list[dict]) -> tuple[list[tuple[int, float]], list[float], int]:
+    """``(prompt tokens, delay in)`` of every paired request, every chunk's response lag, and how many
+    runs with a trace could not be paired."""
+    ins, outs, left_out = [], [], 0
+    for run in runs:
+        pairs = paired(run)
+        if pairs is None:
+            left_out += run.get("clock_origin") is not None
+            continue
+        ins += [(a[3], a[1] - s["sent"]) for s, a in pairs]
+        outs += response_lags(run, pairs)
+    return ins, outs, left_out
+
+
+def fit_front(runs: list[dict]) -> FrontModel | None:
+    """The front model of ``runs`` (module docstring); None with fewer than :data:`MIN_REQUESTS` paired requests."""
+    import numpy as np
+
+    from quanta.sim.step_model import nnls
+
+    ins, outs, left_out = observations(runs)
+    if len(ins) < MIN_REQUESTS:
+        return None
+    tokens = np.array([n for n, _ in ins], dtype=float)
+    delays = np.array([d for _, d in ins], dtype=float)
+    slope = float(nnls(np.column_stack([np.ones_like(tokens), tokens]), delays)[1])
+    request_s = max(0.0, float(np.median(delays - slope * tokens)))
+    m = FrontModel(request_s, slope, float(statistics.median(outs)) if outs else 0.0)
+    m.fit = {"requests": len(ins), "chunks": len(outs), "runs_left_out": left_out,
+             **residuals(m, ins)}
+    return m
+
+
+def residuals(m: FrontModel, ins: list[tuple[int, float]]) -> dict:
+    """Median and p90 of ``|predicted - measured|`` delay in, seconds."""
+    err = sorted(abs(m.delay(n) - d) for n, d in ins)
+    return {"residual_median_s": statistics.median(err), "residual_p90_s": err[min(len(err) - 1, int(0.9 * len(err)))]}
+
+
+def front_check(m: FrontModel, runs: list[dict]) -> dict:
+    """The delay-in residuals of ``m`` on other runs (e.g. ``--check-bench``), with their request count."""
+    ins = observations(runs)[0]
+    return {"requests": len(ins), **(residuals(m, ins) if ins else {})}
