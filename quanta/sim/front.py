@@ -4,16 +4,21 @@ A simulated request reaches the engine when the client sends it; a real one firs
 front (the connection, the body parsed, the prompt tokenized; behind a cluster front also the router
 and the Ray hop), and each token it streams crosses it again. :class:`FrontModel` prices both::
 
-    delay in  = request_s + prompt_token_s * prompt tokens     (client send -> engine queue)
-    delay out = response_s                                     (end of the emitting step -> client)
+    delay in  = request_s + prompt_token_s * prompt tokens + e    (client send -> engine queue)
+    delay out = response_s                                        (end of the emitting step -> client)
+
+where ``e`` is drawn per request from ``noise`` (the quantiles of the fitted delays' residuals): the
+requests of a burst, sent within a millisecond or two, reach the engine in an order of the front's own
+(which found a kept-alive connection, which waited for its accept), not in the order they were sent, and
+the order decides which prompt the engine prefills first.
 
 Fitted (:func:`fit_front`) from runs of ``quanta bench`` against a server on the same host: the run's
 ``clock_origin`` puts the client's times on the host's monotonic clock, which the server's trace is
 written in; each trace record's ``arrivals`` (``[seq_id, submitted, accepted, prompt_tokens]``) says when
-the front handed a request to the engine. Requests are paired with arrivals in order (the client's by
-send time, the engine's by submission time; a run whose counts differ, or whose delays are negative or
-over a minute, as from a server on another host, is left out). ``prompt_token_s`` is the non-negative
-least-squares slope of the delays on the prompt sizes, ``request_s`` the median of what remains, and
+the front handed a request to the engine. Requests are paired with arrivals (:func:`paired`: in order,
+by prompt size where the server reported it; a run that cannot be paired, as one with a server on
+another host, is left out). ``prompt_token_s`` is the non-negative least-squares slope of the delays on
+the prompt sizes, ``request_s`` the median of what remains, ``noise`` 20 quantiles of the residuals, and
 ``response_s`` the median, over every streamed chunk, of its arrival at the client minus the end of the
 latest step that emitted a token of its request before it: medians, so the simulated latency is the
 typical crossing, not one pulled by a few queued ones.
@@ -23,11 +28,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 import statistics
 from dataclasses import asdict, dataclass, field
 
 #: fewer paired requests than this: no front model
 MIN_REQUESTS = 3
+#: quantiles of the residuals kept as the delay's noise
+NOISE_QUANTILES = 20
 #: a paired delay outside [0, this] seconds means the clocks are not one host's: the run is left out
 MAX_DELAY_S = 60.0
 
@@ -43,12 +51,16 @@ class FrontModel:
     request_s: float = 0.0
     prompt_token_s: float = 0.0
     response_s: float = 0.0
+    #: residuals of the fitted delays in (seconds, ascending quantiles): one is drawn for each request
+    noise: list[float] = field(default_factory=list)
     #: how it was fitted: requests, chunks, runs left out, residuals
     fit: dict = field(default_factory=dict)
 
-    def delay(self, prompt_tokens: int) -> float:
-        """Seconds from the client's send to the engine's queue for a prompt of ``prompt_tokens``."""
-        return self.request_s + self.prompt_token_s * prompt_tokens
+    def delay(self, prompt_tokens: int, rng: random.Random | None = None) -> float:
+        """Seconds from the client's send to the engine's queue for a prompt of ``prompt_tokens``: the fitted
+        line, plus a residual drawn from ``noise`` with ``rng`` (0 at least)."""
+        e = rng.choice(self.noise) if rng is not None and self.noise else 0.0
+        return max(0.0, self.request_s + self.prompt_token_s * prompt_tokens + e)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,30 +73,41 @@ class FrontModel:
             raise FrontModelError(f"front must be an object, got {type(d).__name__}")
         try:
             m = cls(float(d["request_s"]), float(d.get("prompt_token_s", 0.0)), float(d.get("response_s", 0.0)),
-                    dict(d.get("fit") or {}))
+                    [float(e) for e in d.get("noise") or []], dict(d.get("fit") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise FrontModelError(f"malformed front: {exc!r}") from exc
         if not all(math.isfinite(x) and x >= 0 for x in (m.request_s, m.prompt_token_s, m.response_s)):
             raise FrontModelError("front: request_s, prompt_token_s and response_s must be finite and >= 0")
+        if not all(math.isfinite(e) for e in m.noise):
+            raise FrontModelError("front: noise must be finite residuals")
         return m
 
 
 def paired(run: dict) -> list[tuple[dict, list]] | None:
     """The run's requests that reached the engine, each with its trace ``arrivals`` entry (times made the
     client's: seconds since its ``clock_origin``); None when the run cannot be paired (no origin or
-    arrivals, counts that differ, delays outside ``[0, MAX_DELAY_S]``)."""
+    arrivals, counts that differ, an arrival no request sent before it, a delay over ``MAX_DELAY_S``).
+
+    Arrivals in submission order each take the earliest-sent request not yet taken that was sent before it
+    and whose prompt size, where the server reported one, is the arrival's.
+    """
     from quanta.bench.runner import run_trace
 
     origin, trace = run.get("clock_origin"), run_trace(run)
     if origin is None or not trace:
         return None
-    arrivals = sorted((a for rec in trace for a in rec.get("arrivals") or []), key=lambda a: a[1])
-    samples = sorted((s for s in run.get("samples") or [] if s.get("error") is None), key=lambda s: s["sent"])
-    if not arrivals or len(arrivals) != len(samples) or any(len(a) < 4 for a in arrivals):
+    arrivals = sorted(([a[0], a[1] - origin, a[2] - origin, a[3]] for rec in trace for a in rec.get("arrivals") or []
+                       if len(a) >= 4), key=lambda a: a[1])
+    waiting = sorted((s for s in run.get("samples") or [] if s.get("error") is None), key=lambda s: s["sent"])
+    if not arrivals or len(arrivals) != len(waiting):
         return None
-    pairs = [(s, [a[0], a[1] - origin, a[2] - origin, a[3]]) for s, a in zip(samples, arrivals)]
-    if not all(0.0 <= a[1] - s["sent"] <= MAX_DELAY_S for s, a in pairs):
-        return None
+    pairs = []
+    for a in arrivals:
+        s = next((s for s in waiting if s["sent"] <= a[1] and s.get("prompt_tokens") in (None, a[3])), None)
+        if s is None or a[1] - s["sent"] > MAX_DELAY_S:
+            return None
+        waiting.remove(s)
+        pairs.append((s, a))
     return pairs
 
 
@@ -136,6 +159,8 @@ def fit_front(runs: list[dict]) -> FrontModel | None:
     slope = float(nnls(np.column_stack([np.ones_like(tokens), tokens]), delays)[1])
     request_s = max(0.0, float(np.median(delays - slope * tokens)))
     m = FrontModel(request_s, slope, float(statistics.median(outs)) if outs else 0.0)
+    m.noise = [float(np.quantile(delays - slope * tokens - request_s, (i + 0.5) / NOISE_QUANTILES))
+               for i in range(NOISE_QUANTILES)]
     m.fit = {"requests": len(ins), "chunks": len(outs), "runs_left_out": left_out,
              **residuals(m, ins)}
     return m

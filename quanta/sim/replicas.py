@@ -86,7 +86,7 @@ class ReplicaSimulation(Simulation):
     def run(self) -> dict:
         _WORKLOADS[self.w.kind](self)
         while self.clock.t <= self.max_duration:
-            arrival = self._pending[0][0] if self._pending else math.inf
+            arrival = self._next_arrival()
             step_end = self._steps[0][0] if self._steps else math.inf
             if arrival == step_end == math.inf:
                 break
@@ -97,8 +97,8 @@ class ReplicaSimulation(Simulation):
                 self._deliver(outs, self._live_on[i])
             else:
                 self.clock.advance_to(arrival)
-            while self._pending and self._pending[0][0] <= self.clock.t:
-                self._submit(heapq.heappop(self._pending)[2])
+            for r in self._handed_over():
+                self._submit(r)
             for i in range(len(self.replicas)):
                 self._start(i)
         live = {(i, k): r for i, on in enumerate(self._live_on) for k, r in on.items()}

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,8 +71,9 @@ class _Req:
     trace_request: mooncake.TraceRequest | None = None
     prompt_ids: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
-    #: when the client sends it (it reaches the engine the profile's front delay later)
+    #: when the client sends it, and when the front hands it to the engine (the profile's front delay later)
     sent_at: float = 0.0
+    submitted_at: float = 0.0
 
 
 class Simulation:
@@ -99,7 +101,9 @@ class Simulation:
                                     self.pool.prefix_cache, self.pool.model_len)
         self.engine = Engine(scheduler, self.executor, self.pool.model_len, clock=self.clock)
         self.samples: list[RequestSample] = []
-        self._pending: list[tuple[float, int, _Req]] = []
+        self._pending: list[tuple[float, int, _Req]] = []  # (sent, order, request): not sent yet
+        self._front: list[tuple[float, int, _Req]] = []  # (submitted, order, request): sent, crossing the front
+        self._front_rng = random.Random(f"{self.noise_seed}/front")
         self._order = itertools.count()
         self._live: dict[int, _Req] = {}
         self._hooks: list[Callable[[], None]] = []
@@ -129,9 +133,29 @@ class Simulation:
         delay = self.send_delays[i] if i < len(self.send_delays) else 0.0
         sent = send_at if send_at is not None else t + max(delay, 0.0)
         r = _Req(s, n, max_tokens, on_done, trace_request=trace_request, prompt_ids=prompt_ids, sent_at=sent)
-        front = self.profile.front
-        heapq.heappush(self._pending, (sent + (front.delay(n) if front else 0.0), next(self._order), r))
+        heapq.heappush(self._pending, (sent, next(self._order), r))
         return r
+
+    def _cross_front(self) -> None:
+        """Requests sent by now enter the front, in the order they were sent; each is handed to the engine its
+        front delay after its send (:meth:`FrontModel.delay`, its noise drawn with this run's noise seed)."""
+        front = self.profile.front
+        while self._pending and self._pending[0][0] <= self.clock.t:
+            r = heapq.heappop(self._pending)[2]
+            r.submitted_at = r.sent_at + (front.delay(r.prompt_len, self._front_rng) if front else 0.0)
+            heapq.heappush(self._front, (r.submitted_at, next(self._order), r))
+
+    def _handed_over(self) -> list[_Req]:
+        """The requests the front hands to the engine by now (after :meth:`_cross_front`), in order."""
+        self._cross_front()
+        out = []
+        while self._front and self._front[0][0] <= self.clock.t:
+            out.append(heapq.heappop(self._front)[2])
+        return out
+
+    def _next_arrival(self) -> float:
+        """When the next request is sent or handed to the engine (inf: none is left)."""
+        return min(self._pending[0][0] if self._pending else math.inf, self._front[0][0] if self._front else math.inf)
 
     def schedule_spec(self, spec: RequestSpec, t: float, on_done=None) -> _Req:
         """Request a planned request at ``t`` (its planned time, or now in a closed loop)."""
@@ -153,7 +177,8 @@ class Simulation:
         """Submit ``r`` with prompt ``ids`` to ``engine``; ``live`` maps its sequence id to it. A prompt
         longer than the engine's max_model_len fails at once, as the server's 400."""
         try:
-            seq = engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+            seq = engine.add_request(ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
+                                     submitted=r.submitted_at)
         except ValueError as exc:
             r.sample.error, r.sample.error_detail, r.sample.done = "http_400", str(exc), self.clock.t
             if r.on_done:
@@ -177,16 +202,16 @@ class Simulation:
     def run(self) -> dict:
         _WORKLOADS[self.w.kind](self)
         while True:
-            while self._pending and self._pending[0][0] <= self.clock.t:
-                self._submit(heapq.heappop(self._pending)[2])
+            for r in self._handed_over():
+                self._submit(r)
             for hook in list(self._hooks):
                 hook()
             if self.clock.t > self.max_duration:
                 break
             if self.engine.has_work():
                 self._deliver(self._engine_step(), self._live)
-            elif self._pending:
-                self.clock.advance_to(self._pending[0][0])
+            elif self._pending or self._front:
+                self.clock.advance_to(self._next_arrival())
             elif not self._hooks:
                 break
         return self._finish(self.engine.trace.to_dicts(), self._live)
@@ -225,7 +250,7 @@ class Simulation:
 
     def _finish(self, trace: list[dict], live: dict[int, _Req]) -> dict:
         """The run dict, once the loop stopped: requests still ``live`` or pending fail with "deadline"."""
-        for r in list(live.values()) + [p[2] for p in self._pending]:
+        for r in list(live.values()) + [p[2] for p in self._pending + self._front]:
             if r.sample.done is None:
                 r.sample.error, r.sample.error_detail, r.sample.done = "deadline", "simulated past max_duration", self.clock.t
         while self.clock.t > self.max_duration and len(self.samples) < self.w.total_requests():
@@ -234,7 +259,7 @@ class Simulation:
             self.samples.append(s)
         from quanta.bench.runner import compute_metrics
 
-        return {"samples": [s.to_dict() for s in self.samples], "trace": trace,
+        return {"samples": [s.to_dict() for s in self.samples], "trace": trace, "clock_origin": 0.0,
                 "metrics": compute_metrics(self.samples, trace, [], self.w.kind), "simulated": True,
                 "sim_calls": len(trace), "sim_seconds": self.clock.t, "kv_pool": self._pool_report()}
 
@@ -303,7 +328,7 @@ def _probe(sim: Simulation) -> None:
                 state["t"] += cmd.seconds
                 advance()
             elif sim.clock.t < state["t"]:
-                if not sim.engine.has_work() and not (sim._pending and sim._pending[0][0] < state["t"]):
+                if not sim.engine.has_work() and not sim._next_arrival() < state["t"]:
                     sim.clock.advance_to(state["t"])
                     continue
                 return

@@ -1,0 +1,128 @@
+"""The server front in the simulation: the trace's arrivals, the fit of the front's latency, its use.
+
+The fitted runs come from the simulator run with a known front model, so the fit can be checked against
+the true delays; the engine's own recording is checked on the real (thread-hosted) engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from quanta import cli
+from quanta.analysis.server_trace import merge_replica_traces
+from quanta.bench import output
+from quanta.bench.workloads import Workload
+from quanta.config import SchedulerConfig
+from quanta.engine.async_engine import AsyncEngine
+from quanta.engine.engine import Engine
+from quanta.engine.executor import Executor, StepResult
+from quanta.engine.sampling import SamplingParams
+from quanta.sim import Profile, ProfileError
+from quanta.sim.front import FrontModel, fit_front, paired
+from quanta.sim.run import simulate
+
+BASE = Profile(prefill_points=[(8, 3e-3), (256, 1e-3)], decode_points=[(1, 0.03), (8, 0.04)], overhead_s=0.005)
+FRONT = FrontModel(request_s=0.006, prompt_token_s=4e-6, response_s=0.0015)
+SCHED = SchedulerConfig("batched", 4, {"prefill_quantum": 256, "mixed_prefill_quantum": 64})
+WORK = Workload(kind="poisson", rate=4.0, num_requests=24, prompt_words=300, prompt_dist="uniform:0.9", max_tokens=6)
+
+
+def with_front(front: FrontModel | None) -> Profile:
+    return Profile(**{**BASE.__dict__, "front": front})
+
+
+class Echo(Executor):
+    def execute(self, plan, interrupt=None):
+        return StepResult([7 if c.seq.num_computed_tokens + c.num_new_tokens == c.seq.num_tokens else None for c in plan.chunks])
+
+
+def test_the_engine_records_each_arrival_in_the_next_step_once():
+    clock = iter(float(t) for t in range(100))
+    engine = Engine(SCHED.build(), Echo(), 1000, clock=lambda: next(clock))
+    a = engine.add_request([1] * 5, SamplingParams(max_tokens=2, temperature=0), submitted=-0.5)
+    b = engine.add_request([1] * 3, SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    first = engine.trace.to_dicts()[0]["arrivals"]
+    assert first == [[a.seq_id, -0.5, a.arrival_time, 5], [b.seq_id, b.arrival_time, b.arrival_time, 3]]
+    engine.step()
+    assert engine.trace.to_dicts()[1]["arrivals"] == []
+
+
+def test_the_thread_hosted_engine_records_when_the_front_submitted():
+    eng = AsyncEngine(Engine(SCHED.build(), Echo(), max_model_len=64))
+    eng.start()
+
+    async def one():
+        stream = await eng.submit([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+        return [t async for out in stream for t in out.token_ids]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(one(), 10)) == [7, 7]
+    finally:
+        eng.stop()
+    (seq_id, submitted, accepted, tokens), = [a for r in eng.trace.to_dicts() for a in r["arrivals"]]
+    assert submitted <= accepted and tokens == 3
+
+
+def test_merged_replica_traces_rename_the_arrivals_as_the_steps():
+    recs = [[{"start": 0.0, "seq_ids": [0], "arrivals": [[0, 0.0, 0.1, 4]]}], [{"start": 0.5, "seq_ids": [0], "arrivals": []}],
+            [{"start": 0.2, "seq_ids": [1], "arrivals": [[1, 0.1, 0.2, 9]]}]]
+    merged = merge_replica_traces(recs)
+    assert [(m["seq_ids"], m["arrivals"]) for m in merged] == [([0], [[0, 0.0, 0.1, 4]]), ([5], [[5, 0.1, 0.2, 9]]),
+                                                               ([1], [])]
+
+
+def test_a_simulated_front_delays_each_request_and_token_by_the_model():
+    plain, fronted = simulate(with_front(None), SCHED, WORK), simulate(with_front(FRONT), SCHED, WORK)
+    submitted = sorted(a[1] for r in fronted["trace"] for a in r["arrivals"])
+    assert submitted == pytest.approx(sorted(s["sent"] + FRONT.delay(s["prompt_tokens"]) for s in fronted["samples"]))
+    assert [s["sent"] for s in fronted["samples"]] == [s["sent"] for s in plain["samples"]]  # the client sends alike
+    ttft = {k: sorted(s["chunks"][0][0] - s["sent"] for s in r["samples"]) for k, r in (("plain", plain), ("front", fronted))}
+    assert min(f - p for f, p in zip(ttft["front"], ttft["plain"])) > FRONT.request_s  # every first token later
+
+
+def test_the_fit_recovers_a_known_front_from_simulated_runs():
+    runs = [simulate(with_front(FRONT), SCHED, Workload(**{**WORK.__dict__, "seed": s})) for s in range(3)]
+    m = fit_front(runs)
+    assert m.request_s == pytest.approx(FRONT.request_s, rel=1e-3)
+    assert m.prompt_token_s == pytest.approx(FRONT.prompt_token_s, rel=1e-3)
+    assert m.response_s == pytest.approx(FRONT.response_s, rel=1e-3)
+    assert m.fit["requests"] == 72 and m.fit["runs_left_out"] == 0 and m.fit["residual_p90_s"] < 1e-6
+
+
+def test_runs_that_cannot_be_paired_are_left_out():
+    run = simulate(with_front(FRONT), SCHED, WORK)
+    assert paired(run) is not None
+    for broken in ({**run, "clock_origin": None}, {**run, "samples": run["samples"][1:]},
+                   {**run, "clock_origin": 1e6}):  # a client clock not the server host's: negative delays
+        assert paired(broken) is None
+    assert fit_front([{**run, "clock_origin": 1e6}]) is None
+
+
+def test_a_profile_keeps_its_front_and_refuses_a_bad_one():
+    d = with_front(FRONT).to_dict()
+    assert Profile.from_dict(json.loads(json.dumps(d))).front == FRONT
+    for bad in ({"request_s": -1.0}, {"prompt_token_s": 1.0}, "fast"):
+        with pytest.raises(ProfileError, match="front"):
+            Profile.from_dict({**d, "front": bad})
+
+
+def test_profile_engine_from_bench_fits_the_front_where_runs_recorded_it(tmp_path, capsys):
+    runs = [simulate(with_front(FRONT), SCHED, Workload(**{**WORK.__dict__, "seed": s})) for s in range(3)]
+    doc = output.document("sweep", "test", WORK, 1, [{"name": "c", "flags": [], "valid": True, "runs": runs,
+                                                       "applied": {"model": "m"}}], None)
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "p.json"
+    assert cli.main(["profile-engine", "--from-bench", str(path), "--out", str(out)]) == 0
+    assert "front: 6.00 ms + 4.00 us per prompt token" in capsys.readouterr().out
+    assert Profile.load(out).front.response_s == pytest.approx(FRONT.response_s)
+    for r in runs:
+        del r["clock_origin"]
+    path.write_text(json.dumps(output.document("sweep", "test", WORK, 1, [{"name": "c", "flags": [], "valid": True,
+                                                                             "runs": runs, "applied": {}}], None)))
+    assert cli.main(["profile-engine", "--from-bench", str(path), "--out", str(out)]) == 0
+    assert "front: not fitted" in capsys.readouterr().out and Profile.load(out).front is None
