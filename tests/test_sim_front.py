@@ -21,7 +21,7 @@ from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
 from quanta.sim import Profile, ProfileError
-from quanta.sim.front import FrontModel, fit_front, paired
+from quanta.sim.front import FrontModel, fit_front, paired, reordered_share
 from quanta.sim.run import simulate
 
 BASE = Profile(prefill_points=[(8, 3e-3), (256, 1e-3)], decode_points=[(1, 0.03), (8, 0.04)], overhead_s=0.005)
@@ -126,3 +126,33 @@ def test_profile_engine_from_bench_fits_the_front_where_runs_recorded_it(tmp_pat
                                                                              "runs": runs, "applied": {}}], None)))
     assert cli.main(["profile-engine", "--from-bench", str(path), "--out", str(out)]) == 0
     assert "front: not fitted" in capsys.readouterr().out and Profile.load(out).front is None
+
+
+def test_pairing_follows_prompt_sizes_when_the_front_reorders_a_burst():
+    samples = [{"id": 0, "sent": 1.000, "prompt_tokens": 900, "error": None, "chunks": [[1.5, 1.0]]},
+               {"id": 1, "sent": 1.001, "prompt_tokens": 30, "error": None, "chunks": [[1.2, 1.0]]}]
+    trace = [{"seq_ids": [7], "num_emitted": [1], "end": 101.19, "arrivals": [[7, 101.010, 101.011, 30]]},
+             {"seq_ids": [6], "num_emitted": [1], "end": 101.49, "arrivals": [[6, 101.020, 101.19, 900]]}]
+    pairs = paired({"clock_origin": 100.0, "samples": samples, "trace": trace})
+    assert [(s["id"], a[0]) for s, a in pairs] == [(1, 7), (0, 6)]  # the short prompt got through first
+    assert [round(a[1] - s["sent"], 6) for s, a in pairs] == [0.009, 0.02]
+    assert reordered_share([{"clock_origin": 100.0, "samples": samples, "trace": trace}]) == 1.0
+
+
+def test_the_front_noise_is_fitted_and_a_burst_keeps_its_send_order():
+    noisy = FrontModel(0.006, 2e-6, 0.001, noise=[-0.002, -0.001, 0.0, 0.001, 0.004])
+    burst = Workload(kind="burst", num_requests=8, prompt_words=400, prompt_dist="uniform:0.9", max_tokens=2)
+    delays = set()
+    for seed in range(4):
+        run = simulate(with_front(noisy), SCHED, Workload(**{**burst.__dict__, "seed": seed}))
+        pairs = paired(run)
+        assert len({s["prompt_tokens"] for s, _ in pairs}) == 8  # distinct sizes: the pairing is exact
+        assert [s["sent"] for s, _ in pairs] == sorted(s["sent"] for s, _ in pairs)  # handed over in send order
+        delays |= {round(a[1] - s["sent"], 6) for s, a in pairs}
+        assert all(a[1] - s["sent"] >= 0.004 - 1e-9 for s, a in pairs)
+    assert len(delays) > 8  # the noise varies each request's delay
+    runs = [simulate(with_front(noisy), SCHED, Workload(**{**WORK.__dict__, "seed": s})) for s in range(4)]
+    m = fit_front(runs)
+    assert m.request_s == pytest.approx(0.006, abs=3e-4) and m.prompt_token_s == pytest.approx(2e-6, abs=5e-7)
+    assert m.noise[0] == pytest.approx(-0.002, abs=3e-4) and m.noise[-1] == pytest.approx(0.004, abs=3e-4)
+    assert m.fit["reordered_pairs"] in (None, 0.0)  # the simulated front never reverses a burst

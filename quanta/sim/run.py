@@ -104,6 +104,7 @@ class Simulation:
         self._pending: list[tuple[float, int, _Req]] = []  # (sent, order, request): not sent yet
         self._front: list[tuple[float, int, _Req]] = []  # (submitted, order, request): sent, crossing the front
         self._front_rng = random.Random(f"{self.noise_seed}/front")
+        self._front_free = 0.0  # the front hands requests over in the order they were sent: none before this
         self._order = itertools.count()
         self._live: dict[int, _Req] = {}
         self._hooks: list[Callable[[], None]] = []
@@ -138,11 +139,13 @@ class Simulation:
 
     def _cross_front(self) -> None:
         """Requests sent by now enter the front, in the order they were sent; each is handed to the engine its
-        front delay after its send (:meth:`FrontModel.delay`, its noise drawn with this run's noise seed)."""
+        front delay after its send (:meth:`FrontModel.delay`, its noise drawn with this run's noise seed), and
+        not before one sent earlier: a real front keeps most of a burst's send order (quanta.sim.front)."""
         front = self.profile.front
         while self._pending and self._pending[0][0] <= self.clock.t:
             r = heapq.heappop(self._pending)[2]
-            r.submitted_at = r.sent_at + (front.delay(r.prompt_len, self._front_rng) if front else 0.0)
+            delay = front.delay(r.prompt_len, self._front_rng) if front else 0.0
+            r.submitted_at = self._front_free = max(r.sent_at + delay, self._front_free)
             heapq.heappush(self._front, (r.submitted_at, next(self._order), r))
 
     def _handed_over(self) -> list[_Req]:
