@@ -137,7 +137,14 @@ def test_ratios_between_the_conditions_of_a_file_are_compared():
     (r,) = ratio_rows([base, other, alone])  # n.json has one condition: no ratio
     assert (r["condition"], r["over"]) == ("q2048", "q128")
     assert r["ratio"]["ttft_p99"] == pytest.approx((0.55, 0.5)) and r["rel_error"]["ttft_p99"] == pytest.approx(0.1)
-    assert "| q2048 over q128 | 0.55 / 0.50 +10% |" in ratio_table([r])
+    assert "| q2048 over q128 | 0.55 / 0.50 (0.50-0.50) +10% **miss** |" in ratio_table([r])  # one repeat: no spread
+    # two repeats each: the measured ratio spreads 0.4-0.6 (repeat by repeat), so 0.55 is inside and 0.7 a miss
+    base = row("m.json", "q128", None, BURST, [{k: 2.0 for k in keys}, {k: 2.5 for k in keys}], [{k: 2.0 for k in keys}])
+    wide = row("m.json", "q2048", None, BURST, [{k: 1.2 for k in keys}, {k: 1.0 for k in keys}],
+               [{**{k: 1.1 for k in keys}, "itl_p99": 1.4}])
+    (r,) = ratio_rows([base, wide])
+    assert r["spread"]["ttft_p99"] == pytest.approx((0.4, 0.6)) and r["outside"] == r["misses"] == ["itl_p99"]
+    assert "0.70 / 0.49 (0.40-0.60) +43% **miss**" in ratio_table([r])
 
 
 def test_a_slower_profile_is_flagged_outside_the_spread():

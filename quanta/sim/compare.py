@@ -267,7 +267,8 @@ def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: 
     """One comparison row from per-repeat figures (:func:`repeat_figures`) of both sides:
     ``measured`` / ``simulated`` hold ``(median, p25, p75)`` per figure, ``rel_error`` the error of the medians,
     ``spread`` the measured ``(min, max)``, ``outside`` the figures whose simulated median is outside it and
-    ``misses`` those of them also more than :data:`TOLERANCE` from the measured median."""
+    ``misses`` those of them also more than :data:`TOLERANCE` from the measured median; ``repeats`` each
+    measured repeat's figures, in repeat order (the ratios' spread, :func:`ratio_rows`)."""
     keys = [k for k, _, _ in FIGURES] + list(STEPS)
     missing = (math.nan, math.nan, math.nan)  # a figure one side lacks (a run without any server trace)
     meas, sim = ({k: a.get(k, missing) for k in keys} for a in (aggregate(measured), aggregate(simulated)))
@@ -276,7 +277,12 @@ def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: 
     outside = [k for k, _, _ in FIGURES if not math.isnan(err[k]) and not spread[k][0] <= sim[k][0] <= spread[k][1]]
     return {"source": source, "condition": name, "flags": flags, "workload": w.describe(),
             "measured": meas, "simulated": sim, "rel_error": err, "spread": spread, "outside": outside,
-            "misses": [k for k in outside if abs(err[k]) > TOLERANCE]}
+            "misses": [k for k in outside if abs(err[k]) > TOLERANCE],
+            "repeats": {k: [_number(f.get(k)) for f in measured] for k, _, _ in FIGURES}}
+
+
+def _number(v) -> float:
+    return float(v) if isinstance(v, (int, float)) else math.nan
 
 
 def measured_spread(figures: list[dict], key: str) -> tuple[float, float]:
@@ -325,28 +331,48 @@ def markdown_table(rows: list[dict]) -> str:
 
 def ratio_rows(rows: list[dict]) -> list[dict]:
     """Per measured file with several conditions, each later condition against the file's first: the
-    measured and simulated ratios of every figure (e.g. the probe's TTFT at quantum 2048 over 128) and the
-    ratio's relative error."""
+    measured and simulated ratios of every figure (e.g. the probe's TTFT at quantum 2048 over 128), the
+    ratio's relative error, its measured spread (``(min, max)`` of the ratio repeat by repeat: an
+    interleaved sweep runs repeat r of every condition back to back) and, as for figures, ``outside`` and
+    ``misses``."""
     out = []
     for source in dict.fromkeys(r["source"] for r in rows):
         first, *others = [r for r in rows if r["source"] == source]
         for r in others:
             ratio = {k: tuple(r[side][k][0] / first[side][k][0] if first[side][k][0] else math.nan
                               for side in ("simulated", "measured")) for k, _, _ in FIGURES}
+            err = {k: rel_error(*ratio[k]) for k in ratio}
+            spread = {k: _ratio_spread(r, first, k) for k in ratio}
+            outside = [k for k in ratio if not math.isnan(err[k]) and not spread[k][0] <= ratio[k][0] <= spread[k][1]]
             out.append({"source": source, "condition": r["condition"], "over": first["condition"], "ratio": ratio,
-                        "rel_error": {k: rel_error(*ratio[k]) for k in ratio}})
+                        "rel_error": err, "spread": spread, "outside": outside,
+                        "misses": [k for k in outside if abs(err[k]) > TOLERANCE]})
     return out
 
 
+def _ratio_spread(r: dict, first: dict, key: str) -> tuple[float, float]:
+    """``(min, max)`` over the repeats of ``r``'s figure over ``first``'s of the same repeat (NaN, NaN: none)."""
+    pairs = zip((r.get("repeats") or {}).get(key, []), (first.get("repeats") or {}).get(key, []))
+    vals = [a / b for a, b in pairs if not (math.isnan(a) or math.isnan(b)) and b]
+    return (min(vals), max(vals)) if vals else (math.nan, math.nan)
+
+
 def ratio_table(ratios: list[dict]) -> str:
-    """Markdown: simulated / measured ratio and its error, per figure, for :func:`ratio_rows`."""
-    head = "| conditions | " + " | ".join(f"{h}: sim / meas ratio err" for _, h, _ in FIGURES) + " |"
+    """Markdown: simulated / measured ratio (the measured ratio's min-max over repeats) and its error, per
+    figure, for :func:`ratio_rows`, marked as figures are (:func:`markdown_table`)."""
+    head = "| conditions | " + " | ".join(f"{h}: sim / meas ratio (min-max) err" for _, h, _ in FIGURES) + " |"
     lines = [head, "|---|" + "---|" * len(FIGURES)]
     for r in ratios:
-        cells = ["-" if math.isnan(r["rel_error"][k]) else
-                 f"{r['ratio'][k][0]:.2f} / {r['ratio'][k][1]:.2f} {r['rel_error'][k]:+.0%}" for k, _, _ in FIGURES]
+        cells = ["-" if math.isnan(r["rel_error"][k]) else _ratio_cell(r, k) for k, _, _ in FIGURES]
         lines.append(f"| {r['condition']} over {r['over']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratio_cell(r: dict, key: str) -> str:
+    lo, hi = r.get("spread", {}).get(key, (math.nan, math.nan))
+    spread = "" if math.isnan(lo) else f" ({lo:.2f}-{hi:.2f})"
+    mark = " **miss**" if key in r.get("misses", []) else " out" if key in r.get("outside", []) else ""
+    return f"{r['ratio'][key][0]:.2f} / {r['ratio'][key][1]:.2f}{spread} {r['rel_error'][key]:+.0%}{mark}"
 
 
 def summary_lines(summ: dict) -> str:
