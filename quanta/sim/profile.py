@@ -20,8 +20,9 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
       "step_model": {...},                       # optional: the per-step cost model fitted to engine traces
                                                  # (quanta.sim.step_model); when present it alone prices a step
-      "front": {"request_s": s, "prompt_token_s": s, "response_s": s},  # optional: the server front's
-                                                 # latency, client -> engine and engine -> client (quanta.sim.front)
+      "front": {"request_s": s, "prompt_token_s": s, "response_s": s, "noise": [s, ...]},  # optional: the
+                                                 # server front's latency, client -> engine and engine -> client,
+                                                 # and the residuals drawn per request (quanta.sim.front)
       "step_noise": {"factors": [...], "source": "...",   # optional: each simulated step's cost is
                      "by_cost": [{"up_to_s": s, "factors": [...]}, ...]},  # multiplied by a factor drawn
                                                  # uniformly from the factors of the first by_cost bin whose

@@ -5,8 +5,8 @@ only the executor is a :class:`CostModelExecutor` and the clock a
 :class:`VirtualClock`. Each request becomes a :class:`RequestSample` as the
 bench client would record it (every token one streamed chunk, arriving at the
 end of the step that emitted it, plus the profile's front ``response_s`` when it
-has a front model; ``scheduled`` = ``sent``, so the client adds no queueing),
-and the engine's trace is kept as dicts, so
+has a front model; the client adds no queueing of its own), and the engine's
+trace is kept as dicts, so
 :func:`quanta.bench.runner.compute_metrics` and every ``quanta.analysis``
 function apply unchanged.
 
@@ -30,7 +30,8 @@ tokens; entries <= 0 fall back). With ``send_delays``, request i is sent
 that many seconds after its scheduled time (e.g. the bench client's
 measured ``sent - scheduled``: a burst's requests arrive spread over some
 milliseconds, not at one instant). It reaches the engine when sent, or with a
-front model (:mod:`quanta.sim.front`) that model's delay for its prompt later. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
+front model (:mod:`quanta.sim.front`) that model's delay for its prompt later,
+never before a request sent earlier. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
 the budget and prefix sharing ``quanta serve`` would have, so admission waits
 for blocks and a short pool preempts and recomputes as in the engine; without
 it, a pool that never runs short, with prefix sharing when ``prefix_cache``.
