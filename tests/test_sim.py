@@ -21,6 +21,7 @@ from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
 from quanta.sim import CostModelExecutor, Profile, ProfileError, VirtualClock
+from quanta.sim.front import FrontModel
 from quanta.sim.run import condition, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,9 +199,11 @@ def test_256_request_burst_completes_and_is_deterministic():
     assert c["num_ok"] == 256 and c["num_failed"] == 0 and c["output_tokens"] == 256 * 32
 
 
+@pytest.mark.parametrize("front", [None, FrontModel(0.006, 2e-6, 0.001, noise=[-0.002, 0.0, 0.003])], ids=["no front", "front"])
 @pytest.mark.parametrize("kind", ["poisson", "gamma", "concurrency", "probe", "replay"])
-def test_every_bench_workload_runs_and_feeds_the_bench_analysis(kind):
+def test_every_bench_workload_runs_and_feeds_the_bench_analysis(kind, front):
     p = Profile.load(SEED)
+    p.front = front
     cfg = SchedulerConfig("chunked", 4, {"chunk": 512})
     w = Workload(kind=kind, num_requests=12, prompt_words=100, max_tokens=8, rate=2.0, concurrency=3, sessions=2,
                  session_tokens=400, probe_words=3000, probe_delay=0.5, turns=2, tool_words=50, stagger=1.0, seed=1)
