@@ -71,7 +71,7 @@ def from_bench(args, parser) -> int:
     if overlap := set(checked) & set(args.from_bench):
         parser.error(f"--check-bench: {sorted(overlap)[0]} is also fitted (--from-bench); check on other runs")
     traces, applied, machine, runs = _read(args.from_bench, "--from-bench", parser)
-    others, other_runs = _read(checked, "--check-bench", parser)[::3] if checked else ([], [])
+    others, _, _, other_runs = _read(checked, "--check-bench", parser) if checked else ([], {}, {}, [])
     meta = {"name": Path(args.out).stem,
             "source": ("fitted by quanta profile-engine --from-bench to the server-trace steps (/v1/trace) of "
                        + ", ".join(args.from_bench) + " (quanta.sim.fit: step model by non-negative least squares, residual quantiles)"),

@@ -34,6 +34,8 @@ import random
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from quanta.analysis.server_trace import emission_times
+
 #: fewer paired requests than this: no front model
 MIN_REQUESTS = 3
 #: quantiles of the residuals kept as the delay's noise
@@ -87,7 +89,7 @@ class FrontModel:
         return m
 
 
-def paired(run: dict) -> list[tuple[dict, list]] | None:
+def paired(run: dict, trace: list[dict] | None = None) -> list[tuple[dict, list]] | None:
     """The run's requests that reached the engine, each with its trace ``arrivals`` entry (times made the
     client's: seconds since its ``clock_origin``); None when the run cannot be paired (no origin or
     arrivals, counts that differ, an arrival no request sent before it, a delay over ``MAX_DELAY_S``).
@@ -97,7 +99,7 @@ def paired(run: dict) -> list[tuple[dict, list]] | None:
     """
     from quanta.bench.runner import run_trace
 
-    origin, trace = run.get("clock_origin"), run_trace(run)
+    origin, trace = run.get("clock_origin"), run_trace(run) if trace is None else trace
     if origin is None or not trace:
         return None
     arrivals = sorted(([a[0], a[1] - origin, a[2] - origin, a[3]] for rec in trace for a in rec.get("arrivals") or []
@@ -115,19 +117,13 @@ def paired(run: dict) -> list[tuple[dict, list]] | None:
     return pairs
 
 
-def response_lags(run: dict, pairs: list[tuple[dict, list]]) -> list[float]:
+def response_lags(run: dict, trace: list[dict], pairs: list[tuple[dict, list]]) -> list[float]:
     """Each streamed chunk's arrival at the client minus the end of the latest step before it that emitted
-    a token of its request (seconds)."""
-    from quanta.bench.runner import run_trace
-
-    origin, ends = run["clock_origin"], {}
-    for rec in run_trace(run):
-        for sid, emitted in zip(rec["seq_ids"], rec["num_emitted"]):
-            if emitted:
-                ends.setdefault(sid, []).append(rec["end"] - origin)
+    a token of its request (seconds); ``trace``: the run's (:func:`~quanta.bench.runner.run_trace`)."""
+    origin, ends = run["clock_origin"], emission_times(trace)
     lags = []
     for s, a in pairs:
-        times = sorted(ends.get(a[0], []))
+        times = [t - origin for t in ends.get(a[0], [])]  # ascending: in step order
         for t, _ in s.get("chunks") or []:
             i = bisect.bisect_right(times, t)
             if i:
@@ -135,18 +131,23 @@ def response_lags(run: dict, pairs: list[tuple[dict, list]]) -> list[float]:
     return lags
 
 
-def observations(runs: list[dict]) -> tuple[list[tuple[int, float]], list[float], int]:
-    """``(prompt tokens, delay in)`` of every paired request, every chunk's response lag, and how many
-    runs with a trace could not be paired."""
-    ins, outs, left_out = [], [], 0
+def observations(runs: list[dict], lags: bool = True) -> tuple[list[tuple[int, float]], list[float], int, list[list]]:
+    """``(prompt tokens, delay in)`` of every paired request, every chunk's response lag (none without
+    ``lags``), how many runs with a clock origin could not be paired, and each paired run's pairs."""
+    from quanta.bench.runner import run_trace
+
+    ins, outs, left_out, runs_pairs = [], [], 0, []
     for run in runs:
-        pairs = paired(run)
+        trace = run_trace(run)
+        pairs = paired(run, trace)
         if pairs is None:
             left_out += run.get("clock_origin") is not None
             continue
+        runs_pairs.append(pairs)
         ins += [(a[3], a[1] - s["sent"]) for s, a in pairs]
-        outs += response_lags(run, pairs)
-    return ins, outs, left_out
+        if lags:
+            outs += response_lags(run, trace, pairs)
+    return ins, outs, left_out, runs_pairs
 
 
 def fit_front(runs: list[dict]) -> FrontModel | None:
@@ -155,7 +156,7 @@ def fit_front(runs: list[dict]) -> FrontModel | None:
 
     from quanta.sim.step_model import nnls
 
-    ins, outs, left_out = observations(runs)
+    ins, outs, left_out, runs_pairs = observations(runs)
     if len(ins) < MIN_REQUESTS:
         return None
     tokens = np.array([n for n, _ in ins], dtype=float)
@@ -163,19 +164,24 @@ def fit_front(runs: list[dict]) -> FrontModel | None:
     slope = float(nnls(np.column_stack([np.ones_like(tokens), tokens]), delays)[1])
     request_s = max(0.0, float(np.median(delays - slope * tokens)))
     m = FrontModel(request_s, slope, float(statistics.median(outs)) if outs else 0.0)
-    m.noise = [float(np.quantile(delays - slope * tokens - request_s, (i + 0.5) / NOISE_QUANTILES))
-               for i in range(NOISE_QUANTILES)]
+    m.noise = [float(e) for e in np.quantile(delays - slope * tokens - request_s,
+                                             (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES)]
     m.fit = {"requests": len(ins), "chunks": len(outs), "runs_left_out": left_out,
-             "reordered_pairs": reordered_share(runs), **residuals(m, ins)}
+             "reordered_pairs": _reordered(runs_pairs), **residuals(m, ins)}
     return m
 
 
 def reordered_share(runs: list[dict], within_s: float = BURST_S) -> float | None:
     """Of the pairs of paired requests sent within ``within_s`` of each other, the share the front handed to
     the engine in the other order than they were sent (None: no such pair)."""
+    return _reordered([paired(run) or [] for run in runs], within_s)
+
+
+def _reordered(runs_pairs: list[list[tuple[dict, list]]], within_s: float = BURST_S) -> float | None:
+    """:func:`reordered_share` of runs already paired (:func:`paired`)."""
     pairs = reversed_ = 0
-    for run in runs:
-        sent = sorted((s["sent"], a[1]) for s, a in paired(run) or [])
+    for run_pairs in runs_pairs:
+        sent = sorted((s["sent"], a[1]) for s, a in run_pairs)
         for i, (t, sub) in enumerate(sent):
             for t2, sub2 in sent[i + 1:]:
                 if t2 - t > within_s:
@@ -193,5 +199,5 @@ def residuals(m: FrontModel, ins: list[tuple[int, float]]) -> dict:
 
 def front_check(m: FrontModel, runs: list[dict]) -> dict:
     """The delay-in residuals of ``m`` on other runs (e.g. ``--check-bench``), with their request count."""
-    ins = observations(runs)[0]
+    ins = observations(runs, lags=False)[0]
     return {"requests": len(ins), **(residuals(m, ins) if ins else {})}
