@@ -113,6 +113,46 @@ def test_step_noise_is_fitted_per_bin_of_predicted_cost(tmp_path):
     assert all(abs(t / exact - 1) < 0.07 for t in prefill), (prefill, exact)  # drawn from the narrow bin
 
 
+def test_steady_decode_noise_is_fitted_apart_from_first_decodes_and_drawn_for_them(tmp_path):
+    # a sequence's first decode step now and then waits several times its cost, a steady decode step does
+    # not: the steady steps keep their own narrow spread instead of the short steps' wide one
+    true = Profile(**{**TRUE.__dict__, "step_noise": [1.0], "step_noise_bins": [(math.inf, [0.6, 1.0, 1.0, 3.0])],
+                      "steady_noise": [0.98, 1.0, 1.02]})
+    fitted = fit(calibration_traces(true))
+    steady, short = fitted.steady_noise, fitted.step_noise_bins[0][1]
+    # the fit's own error, pulled by the first decodes' stalls, widens the steady spread a little
+    assert steady is not None and steady[95] - steady[5] < 0.25, steady
+    assert min(short) < 0.7 and max(short) > 2.5 and short[95] - short[5] > 1.5
+    assert fitted.noise_factors(0.03, steady=True) is steady and fitted.noise_factors(0.03) is short
+    fitted.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").steady_noise == steady
+    # drawn: every decode step of a sequence that decoded before takes its cost within the steady spread;
+    # among the first decodes some draw the wide factors
+    w = Workload(kind="burst", num_requests=8, prompt_words=16, max_tokens=32)
+    trace = simulate(true, SchedulerConfig("static", 8), w)["trace"]
+    steps, _ = steps_from_trace(trace)
+    ratios = {kind: [s.t / true.step_cost(s.prefill, s.decode) for s in steps if s.kind == "decode" and s.steady == kind]
+              for kind in (True, False)}
+    assert len(ratios[True]) > 20 and all(0.97 < r < 1.03 for r in ratios[True]), ratios[True]
+    assert ratios[False] and all(r in (0.6, 1.0, 3.0) for r in map(lambda r: round(r, 6), ratios[False]))
+
+
+def test_first_decodes_are_marked_in_the_rebuilt_steps():
+    records = [rec(0, [1, 2], [10, 12], [1, 1], 0.0), rec(1, [1, 2], [1, 1], [1, 1], 0.02), rec(2, [3], [5], [1], 0.04),
+               rec(3, [1, 2, 3], [1, 1, 1], [1, 1, 1], 0.06), rec(4, [1, 2, 3], [1, 1, 1], [1, 1, 1], 0.08)]
+    steps, _ = steps_from_trace(records)
+    assert [(s.kind, s.first_decode, s.steady) for s in steps] == [
+        ("prefill", False, False), ("decode", True, False), ("prefill", False, False), ("decode", True, False),
+        ("decode", False, True)]
+
+
+@pytest.mark.parametrize("steady, message", [([], "steady_decode"), ([1.0, -1.0], "steady_decode")])
+def test_bad_steady_decode_noise_is_refused(steady, message):
+    raw = {**TRUE.to_dict(), "step_noise": {"factors": [1.0], "source": "", "steady_decode": steady}}
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_dict(raw)
+
+
 @pytest.mark.parametrize("bins, message", [([{"up_to_s": 0.1, "factors": [1.0]}], "the last null"),
                                            ([{"up_to_s": 0.1, "factors": [1.0]}, {"up_to_s": 0.05, "factors": [1.0]},
                                              {"up_to_s": None, "factors": [1.0]}], "strictly ascending"),
@@ -159,6 +199,8 @@ def test_profile_engine_from_bench_writes_a_loadable_profile(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "fitted" in printed and "decode" in printed and "p90" in printed
     p = Profile.load(out)
+    steady = "/".join(f"{p.steady_noise[i]:.2f}" for i in (50, 90, 99))
+    assert f"step noise (measured / predicted time, p50/p90/p99): steady decode steps {steady}; others up to" in printed
     assert p.step_model is not None and p.step_model.threads == {"decode_threads": 3}
     assert {"prefill", "decode"} <= set(p.step_model.fit["residuals"])
     raw = json.loads(out.read_text())

@@ -36,6 +36,12 @@ and the same per bin of predicted cost (``by_cost``, :func:`noise_bins`): a
 10 ms decode step jitters by tens of percent where a 4 s prefill step varies
 by a few, so one pooled distribution would lengthen long steps on average
 (their simulated prompt rate came out ~8% low on a Mooncake window).
+``steady_decode``: the same quantiles over the steady decode steps alone
+(decode rows only, each of a sequence that decoded before; :attr:`Step.steady`),
+whose steps leave the bins: a sequence's first decode step now and then
+waits 5-20 times its cost (on the Mooncake windows of
+``benchmarks/sim_holdout.sh``: p99 8.2 against 1.8 for the other decode
+steps), so drawn by cost alone a quiet decode's p99 gap came out 40-60% long.
 The profile's ``prefill``/``decode`` points, overhead and context
 coefficients are the step model's own (read by tools that know no step
 model; they leave out interference and prefix hits).
@@ -80,19 +86,29 @@ class Step:
     prefill: list[tuple[int, int]] = field(default_factory=list)
     decode: list[int] = field(default_factory=list)
     hit: int = 0
+    #: a decode row of the step is its sequence's first (the step after its prompt's last chunk)
+    first_decode: bool = False
 
     @property
     def kind(self) -> str:
         return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
 
+    @property
+    def steady(self) -> bool:
+        """Decode rows only, each of a sequence that decoded before (:data:`~quanta.sim.profile.Profile.steady_noise`)."""
+        return self.kind == "decode" and not self.first_decode
+
 
 def steps_from_trace(records: list[dict]) -> tuple[list[Step], list[float]]:
     """The steps of one run's trace, and the idle gaps between back-to-back steps (seconds)."""
-    steps, gaps, prev_end, seen = [], [], None, set()
+    steps, gaps, prev_end, seen, decoded = [], [], None, set(), set()
     for r, row in trace_entries(records):
         s = Step(r["end"] - r["start"])
         recorded = r.get("positions")
         for i, (sid, pos, n, is_decode, _) in enumerate(row):
+            if is_decode:
+                s.first_decode |= sid not in decoded
+                decoded.add(sid)
             if recorded is not None:
                 pos = int(recorded[i])
                 if not is_decode and sid not in seen:
@@ -227,14 +243,20 @@ def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None
     prof = Profile(prefill_points=list(zip(model.prefill_knots, model.prefill_s_per_row)),
                    decode_points=list(zip(model.decode_knots, model.decode_s)), overhead_s=model.overhead_s,
                    prefill_ctx=model.prefill_ctx_s, decode_ctx=model.decode_ctx_s, meta=dict(meta or {}), step_model=model)
-    priced = [(c, s.t / c) for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
+    priced = [(c, s.t / c, s.steady) for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
     if not priced:
         raise FitError("no step has a positive predicted cost to measure the step-time spread against")
-    prof.step_noise = _quantiles([r for _, r in priced])
-    prof.step_noise_bins = noise_bins(priced)
+    steady = [r for _, r, st in priced if st]
+    if len(steady) < MIN_NOISE_STEPS or len(steady) == len(priced):
+        steady = []  # too few steady steps to stand alone, or no other step: one set of bins for all
+    prof.step_noise = _quantiles([r for _, r, _ in priced])
+    prof.step_noise_bins = noise_bins([(c, r) for c, r, st in priced if not (st and steady)])
+    prof.steady_noise = _quantiles(steady) if steady else None
     prof.step_noise_source = (f"quantiles (i + 0.5) / 100 of measured / predicted step time over the {len(priced)} "
-                              f"fitted steps; by_cost: the same per bin of predicted cost (bounds {NOISE_BOUNDS_S} s, "
-                              f"a bin of fewer than {MIN_NOISE_STEPS} steps joins its neighbour)")
+                              f"fitted steps; steady_decode: the same over the {len(steady)} steps of decode rows "
+                              f"that all decoded before; by_cost: over the other steps, per bin of predicted cost "
+                              f"(bounds {NOISE_BOUNDS_S} s, a bin of fewer than {MIN_NOISE_STEPS} steps joins its "
+                              f"neighbour)")
     prof.meta.setdefault("created", datetime.now(UTC).isoformat(timespec="seconds"))
     kinds = [s.kind for s in steps]
     prof.meta["fit"] = {"steps": len(steps), "decode_steps": kinds.count("decode"), "prefill_steps": kinds.count("prefill"),

@@ -12,6 +12,7 @@ runs where they recorded it (a client clock origin and the trace's arrivals).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from quanta.sim.fit import FitError, check, fit
@@ -95,8 +96,20 @@ def from_bench(args, parser) -> int:
     _print_residuals("residuals on the fitted steps:", prof.step_model.fit["residuals"])
     if others:
         _print_residuals(f"residuals on the {len(others)} runs of --check-bench (not fitted):", prof.step_model.fit["check"]["residuals"])
+    print(_noise_line(prof))
     print(_front_line(prof.front))
     return 0
+
+
+def _noise_line(prof) -> str:
+    """The fitted step noise's p50 / p90 / p99 (measured / predicted step time): steady decode steps, the others."""
+    def q(fs: list[float]) -> str:
+        return "/".join(f"{fs[i]:.2f}" for i in (50, 90, 99))
+
+    parts = ([f"steady decode steps {q(prof.steady_noise)}"] if prof.steady_noise else []) + [
+        f"{'others' if prof.steady_noise else 'steps'} up to {'any' if math.isinf(b) else f'{b:g} s'} {q(fs)}"
+        for b, fs in prof.step_noise_bins or []]
+    return "step noise (measured / predicted time, p50/p90/p99): " + "; ".join(parts)
 
 
 def _front_line(front) -> str:

@@ -24,8 +24,9 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
                                                  # server front's latency, client -> engine and engine -> client,
                                                  # and the residuals drawn per request (quanta.sim.front)
       "step_noise": {"factors": [...], "source": "...",   # optional: each simulated step's cost is
-                     "by_cost": [{"up_to_s": s, "factors": [...]}, ...]},  # multiplied by a factor drawn
-                                                 # uniformly from the factors of the first by_cost bin whose
+                     "by_cost": [{"up_to_s": s, "factors": [...]}, ...],  # multiplied by a factor drawn
+                     "steady_decode": [...]},    # uniformly from steady_decode for a step of decode rows that
+                                                 # all decoded before, else from the first by_cost bin whose
                                                  # up_to_s (null: no bound) is at least the step's predicted
                                                  # cost, or from factors without by_cost
       "kv": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "bfloat16"},  # optional: the model's
@@ -85,6 +86,10 @@ class Profile:
     #: step_noise by predicted step cost: ``(up_to_s, factors)`` in ascending ``up_to_s``, the last ``inf``;
     #: a step draws from the first bin whose bound is at least its cost (short steps jitter more, relatively)
     step_noise_bins: list[tuple[float, list[float]]] | None = None
+    #: step_noise of a steady decode step (decode rows only, each of a sequence that decoded before): a
+    #: sequence's first decode step now and then waits ten times its cost, a steady one does not, and a
+    #: quiet decode's p99 ITL is made of the steady steps' jitter; None: such steps draw by cost too
+    steady_noise: list[float] | None = None
     #: the per-step cost model fitted to engine traces; when set, :meth:`step_cost` is its cost
     step_model: StepModel | None = None
     #: the server front's latency (quanta.sim.front); None: requests reach the engine as they are sent
@@ -113,6 +118,7 @@ class Profile:
                 step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
                 step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
                 step_noise_bins=_noise_bins((d.get("step_noise") or {}).get("by_cost")),
+                steady_noise=_factors((d.get("step_noise") or {}).get("steady_decode")),
                 step_model=_step_model(d.get("step_model")),
                 front=_front(d.get("front")),
             )
@@ -142,6 +148,9 @@ class Profile:
             raise ProfileError("prefill.moe needs integer num_experts and top_k >= 1")
         if self.step_noise is not None and (not self.step_noise or any(not (f > 0 and math.isfinite(f)) for f in self.step_noise)):
             raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
+        if self.steady_noise is not None and (not self.steady_noise or self.step_noise is None or any(
+                not (f > 0 and math.isfinite(f)) for f in self.steady_noise)):
+            raise ProfileError("step_noise.steady_decode must be a non-empty list of finite factors > 0, with factors")
         if self.step_noise_bins is not None:
             bounds = [b for b, _ in self.step_noise_bins]
             if not bounds or bounds != sorted(set(bounds)) or bounds[-1] != math.inf or bounds[0] <= 0:
@@ -163,6 +172,8 @@ class Profile:
             if self.step_noise_bins:
                 d["step_noise"]["by_cost"] = [{"up_to_s": None if math.isinf(b) else b, "factors": list(fs)}
                                               for b, fs in self.step_noise_bins]
+            if self.steady_noise:
+                d["step_noise"]["steady_decode"] = list(self.steady_noise)
         if self.step_model is not None:
             d["step_model"] = self.step_model.to_dict()
         if self.front is not None:
@@ -217,8 +228,11 @@ class Profile:
             return 0.0
         return _interp_lin(self.decode_points, float(len(positions))) + self.decode_ctx * sum(positions)
 
-    def noise_factors(self, cost: float) -> list[float] | None:
-        """The step-noise factors a step of predicted ``cost`` seconds draws from (None: no noise)."""
+    def noise_factors(self, cost: float, steady: bool = False) -> list[float] | None:
+        """The step-noise factors a step of predicted ``cost`` seconds draws from (None: no noise); ``steady``:
+        the step is a steady decode (:attr:`steady_noise`)."""
+        if steady and self.steady_noise:
+            return self.steady_noise
         if self.step_noise_bins:
             return next(fs for bound, fs in self.step_noise_bins if cost <= bound)
         return self.step_noise
@@ -293,6 +307,10 @@ def _front(d: dict | None) -> FrontModel | None:
     from quanta.sim.front import FrontModel
 
     return FrontModel.from_dict(d)
+
+
+def _factors(raw) -> list[float] | None:
+    return None if raw is None else [float(f) for f in raw]
 
 
 def _noise_bins(raw) -> list[tuple[float, list[float]]] | None:
