@@ -11,6 +11,7 @@
 #   long contexts (PART=all or long, after single): a second profile fitted to single's fitting runs and a
 #          probe with a 6,000-word prompt that then decodes 64 tokens (contexts to ~7.8k), checked on the
 #          recorded codex and opencode sessions (benchmarks/data/agent_sessions: 9.3k- and 7.8k-token prompts)
+#          and on a probe with a 12,000-word prompt (~15.6k tokens)
 # The probe's sessions decode for 3 s before and after its prompt (--probe-delay 3): with the default 1 s
 # they make ~570 gaps, of which 6 are the prompt's two stalls, so their p99 falls between the 6th and 7th
 # largest gap and moves with (gaps - 1) mod 100, i.e. with the decode step's speed; at 3 s (~1,400 gaps)
@@ -18,8 +19,8 @@
 # A shared machine's speed drifts by 10-25% over tens of minutes, so the workloads run in ROUNDS alternating
 # rounds of one repeat each (fit, check, fit, check, ...), and each workload's rounds are joined
 # (benchmarks/merge_bench.py): fitted and checked runs sample the same stretch of time.
-# Usage: QUANTA=.venv/bin/quanta [ROUNDS=3] [PART=single|replicas|long|all] bash benchmarks/sim_holdout.sh [OUT_PREFIX]
-#        (single: about 20 minutes on a quiet 2-core machine; replicas: about 10 more; long: about 6 more)
+# Usage: QUANTA=.venv/bin/quanta [ROUNDS=3] [LONG_ROUNDS=2] [PART=single|replicas|long|all] bash benchmarks/sim_holdout.sh [OUT_PREFIX]
+#        (single: about 20 minutes on a quiet 2-core machine; replicas: about 10 more; long: about 10 more)
 set -euo pipefail
 OUT=${1:-benchmarks/results/sim_holdout}
 Q=${QUANTA:-quanta}
@@ -43,6 +44,7 @@ probe() {  # probe OUT QUANTA REPEATS TITLE
 }
 
 ROUNDS=${ROUNDS:-3}
+LONG_ROUNDS=${LONG_ROUNDS:-2}
 PY=$(dirname "$Q")/python
 [ -x "$PY" ] || PY=python
 join() {  # join NAME: RDIR/NAME_r1.json ... -> OUT_NAME.json
@@ -80,22 +82,29 @@ replicas() {
     --title "quanta simulate vs 2 real replicas on a window the replica profile was not fitted to (10 simulated draws per measured repeat)" \
     --out "${OUT}_rep"
 }
-long() {  # needs single's fitting runs
-  local long_serve="--max-model-len 17664"
-  sweep --grid "--scheduler batched --mixed-prefill-quantum 2048" --server-flags "--max-num-seqs 8 $long_serve" \
-    --workload probe --sessions 3 --prompt-words 16 --session-tokens 1024 --probe-words 6000 --max-tokens 64 \
-    --repeats 2 --request-timeout 600 --out "${OUT}_fit_long" --title "probe with a 6,000-word prompt (fit, long contexts)"
-  for s in codex opencode; do
-    sweep --grid "--scheduler batched" --server-flags "$long_serve" --workload sessions \
-      --sessions-file "benchmarks/data/agent_sessions/$s.jsonl" --endpoint chat --repeats 2 --request-timeout 900 \
-      --out "${OUT}_sessions_$s" --title "agent sessions $s, for simulator validation"
+long() {  # needs single's fitting runs; the long probes and the sessions alternate round by round as single's do
+  local long_serve="--max-model-len 17664" lp="--workload probe --sessions 3 --prompt-words 16 --session-tokens 1024"
+  for r in $(seq 1 "$LONG_ROUNDS"); do
+    sweep --grid "--scheduler batched --mixed-prefill-quantum 2048" --server-flags "--max-num-seqs 8 $long_serve" $lp \
+      --probe-words 6000 --max-tokens 64 --repeats 1 --request-timeout 600 --out "$RDIR/fit_long_r$r" \
+      --title "probe with a 6,000-word prompt (fit, long contexts)"
+    sweep --grid "--scheduler batched --mixed-prefill-quantum 2048" --server-flags "--max-num-seqs 8 $long_serve" $lp \
+      --probe-words 12000 --max-tokens 64 --repeats 1 --request-timeout 600 --out "$RDIR/check_long16k_r$r" \
+      --title "probe with a 12,000-word prompt (check, long contexts)"
+    for s in codex opencode; do
+      sweep --grid "--scheduler batched" --server-flags "$long_serve" --workload sessions \
+        --sessions-file "benchmarks/data/agent_sessions/$s.jsonl" --endpoint chat --repeats 1 --request-timeout 900 \
+        --out "$RDIR/sessions_${s}_r$r" --title "agent sessions $s, for simulator validation"
+    done
   done
+  for n in fit_long check_long16k sessions_codex sessions_opencode; do ROUNDS=$LONG_ROUNDS join "$n"; done
   $Q profile-engine --from-bench "${OUT}_fit_x4.json" --from-bench "${OUT}_fit_x2.json" --from-bench "${OUT}_fit_probe.json" \
     --from-bench "${OUT}_fit_long.json" --check-bench "${OUT}_sessions_codex.json" \
-    --check-bench "${OUT}_sessions_opencode.json" --out "${OUT}_profile_long.json"
+    --check-bench "${OUT}_sessions_opencode.json" --check-bench "${OUT}_check_long16k.json" --out "${OUT}_profile_long.json"
   $Q simulate --profile "${OUT}_profile_long.json" --also-profile "${OUT}_profile.json" --draws 10 \
-    --compare "${OUT}_sessions_codex.json" --compare "${OUT}_sessions_opencode.json" \
-    --title "quanta simulate vs recorded agent sessions replayed (prompts of 7.8k and 9.3k tokens)" --out "${OUT}_sessions"
+    --compare "${OUT}_sessions_codex.json" --compare "${OUT}_sessions_opencode.json" --compare "${OUT}_check_long16k.json" \
+    --title "quanta simulate vs recorded agent sessions replayed (prompts of 7.8k and 9.3k tokens) and a 15.6k-token probe" \
+    --out "${OUT}_sessions"
 }
 case "${PART:-single}" in
   single) single ;;
