@@ -133,6 +133,32 @@ def test_a_prompt_rows_logits_do_not_depend_on_chunking(pair):
     assert torch.equal(logits_in_chunks(blocks, ids, [7, 13, 19, 1]), whole)
 
 
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's memory mappings of the file ``path`` (/proc/self/maps)."""
+    target, out = str(path.resolve()), []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == target:
+            a, b = (int(x, 16) for x in fields[0].split("-"))
+            out.append((a, b))
+    return out
+
+
+def test_a_lone_f16_tensor_is_the_files_mapped_pages(tmp_path):
+    path = tmp_path / "f16.gguf"
+    write_tiny(path, *MIXES["qwen2-f16"])
+    model = load_block_model(path, load_config(path), torch.float32)
+    maps = _mapped_ranges(path)
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(a <= t.data_ptr() and t.data_ptr() + t.nbytes <= b for a, b in maps)
+
+    layer = model.layers[0]
+    assert in_file(layer.self_attn.o_proj.form.data) and in_file(layer.mlp.down_proj.form.data)
+    assert in_file(model._tied_head_form.data)
+    assert not in_file(layer.self_attn.qkv_proj.form.data)  # q, k, v fused: copied into one matrix
+
+
 def test_an_unsupported_type_is_one_line_naming_the_tensor(tmp_path):
     path = tmp_path / "iq.gguf"
     write_tiny(path, "llama", {})
