@@ -41,7 +41,8 @@ by a few, so one pooled distribution would lengthen long steps on average
 whose steps leave the bins: a sequence's first decode step now and then
 waits 5-20 times its cost (on the Mooncake windows of
 ``benchmarks/sim_holdout.sh``: p99 8.2 against 1.8 for the other decode
-steps), so drawn by cost alone a quiet decode's p99 gap came out 40-60% long.
+steps), so drawn by cost alone a quiet decode's p99 gap came out 43-133% long
+(a replayed codex session; the probe at quantum 2048).
 The profile's ``prefill``/``decode`` points, overhead and context
 coefficients are the step model's own (read by tools that know no step
 model; they leave out interference and prefix hits).

@@ -150,7 +150,7 @@ class Profile:
             raise ProfileError("step_noise.factors must be a non-empty list of finite factors > 0")
         if self.steady_noise is not None and (not self.steady_noise or self.step_noise is None or any(
                 not (f > 0 and math.isfinite(f)) for f in self.steady_noise)):
-            raise ProfileError("step_noise.steady_decode must be a non-empty list of finite factors > 0, with factors")
+            raise ProfileError("step_noise.steady_decode must be a non-empty list of finite factors > 0, beside step_noise.factors")
         if self.step_noise_bins is not None:
             bounds = [b for b, _ in self.step_noise_bins]
             if not bounds or bounds != sorted(set(bounds)) or bounds[-1] != math.inf or bounds[0] <= 0:
