@@ -17,7 +17,6 @@ import quanta  # noqa: F401  first: it sets libgomp's spin count before torch lo
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,17 +25,9 @@ from pathlib import Path
 
 import torch
 
+from quanta.bench.output import code_version, machine, machine_text
+
 GIB = 1 << 30
-
-
-def cpu_flags() -> str:
-    """The SIMD flags of /proc/cpuinfo that decide the kernels (empty where there is none)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return ""
-    keep = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in keep if f in flags)
 
 
 def read_gb_s(threads: int, repeats: int) -> list[float]:
@@ -67,8 +58,8 @@ def main() -> int:
     best = max(statistics.median(r) for r in rates.values())
     lines = ["# Memory read bandwidth and the one-stream decode bound", "",
              f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-             f"- machine: {platform.processor() or platform.machine()} ({cpu_flags()}), {os.cpu_count()} logical cores",
-             f"- command: `python benchmarks/memory_bandwidth.py {' '.join(sys.argv[1:])}`", "",
+             f"- machine: {machine_text(machine())}",
+             f"- command: `python benchmarks/memory_bandwidth.py {' '.join(sys.argv[1:])}`; quanta {code_version()}", "",
              "| threads | read GB/s, median (min-max) |", "|---|---|"]
     lines += [f"| {n} | {statistics.median(r):.1f} ({min(r):.1f}-{max(r):.1f}) |" for n, r in rates.items()]
     models = []
@@ -87,7 +78,7 @@ def main() -> int:
     if args.out:
         Path(f"{args.out}.md").write_text(text)
         Path(f"{args.out}.json").write_text(json.dumps({"rates_gb_s": rates, "best_gb_s": best, "models": models,
-                                                        "cpu_flags": cpu_flags()}, indent=2))
+                                                        "machine": machine()}, indent=2))
     return 0
 
 

@@ -82,17 +82,18 @@ replicas() {
     --title "quanta simulate vs 2 real replicas on a window the replica profile was not fitted to (10 simulated draws per measured repeat)" \
     --out "${OUT}_rep"
 }
+LONG_SERVE="--max-model-len 17664"
+long_probe() {  # long_probe OUT WORDS TITLE: the probe with a long prompt that then decodes 64 tokens
+  sweep --grid "--scheduler batched --mixed-prefill-quantum 2048" --server-flags "--max-num-seqs 8 $LONG_SERVE" \
+    --workload probe --sessions 3 --prompt-words 16 --session-tokens 1024 --probe-words "$2" --max-tokens 64 \
+    --repeats 1 --request-timeout 600 --out "$1" --title "$3"
+}
 long() {  # needs single's fitting runs; the long probes and the sessions alternate round by round as single's do
-  local long_serve="--max-model-len 17664" lp="--workload probe --sessions 3 --prompt-words 16 --session-tokens 1024"
   for r in $(seq 1 "$LONG_ROUNDS"); do
-    sweep --grid "--scheduler batched --mixed-prefill-quantum 2048" --server-flags "--max-num-seqs 8 $long_serve" $lp \
-      --probe-words 6000 --max-tokens 64 --repeats 1 --request-timeout 600 --out "$RDIR/fit_long_r$r" \
-      --title "probe with a 6,000-word prompt (fit, long contexts)"
-    sweep --grid "--scheduler batched --mixed-prefill-quantum 2048" --server-flags "--max-num-seqs 8 $long_serve" $lp \
-      --probe-words 12000 --max-tokens 64 --repeats 1 --request-timeout 600 --out "$RDIR/check_long16k_r$r" \
-      --title "probe with a 12,000-word prompt (check, long contexts)"
+    long_probe "$RDIR/fit_long_r$r" 6000 "probe with a 6,000-word prompt (fit, long contexts)"
+    long_probe "$RDIR/check_long16k_r$r" 12000 "probe with a 12,000-word prompt (check, long contexts)"
     for s in codex opencode; do
-      sweep --grid "--scheduler batched" --server-flags "$long_serve" --workload sessions \
+      sweep --grid "--scheduler batched" --server-flags "$LONG_SERVE" --workload sessions \
         --sessions-file "benchmarks/data/agent_sessions/$s.jsonl" --endpoint chat --repeats 1 --request-timeout 900 \
         --out "$RDIR/sessions_${s}_r$r" --title "agent sessions $s, for simulator validation"
     done

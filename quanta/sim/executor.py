@@ -33,7 +33,7 @@ class CostModelExecutor(Executor):
     :meth:`Profile.step_cost` seconds of the virtual ``clock`` (prefix-hit tokens of the
     sequences it runs for the first time included), times a factor
     drawn from ``profile.noise_factors(cost, steady)`` (seeded by ``seed``) when the profile has step noise;
-    ``steady``: every chunk is a decode of a sequence that had a decode chunk before.
+    ``steady``: every chunk is a decode of a sequence past its first (its computed tokens beyond its prompt).
 
     It charges exactly the plan's chunks: a prompt admitted past its cached
     prefix starts there, and a preempted sequence's tokens come back as chunks
@@ -46,7 +46,6 @@ class CostModelExecutor(Executor):
         self.rng = random.Random(seed)
         self.computed_tokens = self.recomputed_tokens = 0
         self._reached: dict[int, int] = {}  # seq_id -> positions computed at least once
-        self._decoded: set[int] = set()  # seq_ids that had a decode chunk
 
     def cost(self, plan: StepPlan) -> float:
         """Predicted seconds of ``plan`` (sequences not yet advanced)."""
@@ -64,9 +63,8 @@ class CostModelExecutor(Executor):
         """Advance the virtual clock by the plan's predicted cost (``interrupt``: never called,
         a simulated step has no point inside it)."""
         cost = self.cost(plan)
-        steady = all(c.is_decode and c.seq.seq_id in self._decoded for c in plan.chunks)
+        steady = all(c.is_decode and c.seq.num_computed_tokens > c.seq.num_prompt_tokens for c in plan.chunks)
         factors = self.profile.noise_factors(cost, steady)
-        self._decoded.update(c.seq.seq_id for c in plan.chunks if c.is_decode)
         self.clock.t += cost * (self.rng.choice(factors) if factors else 1.0)
         for c in plan.chunks:
             start, end = c.seq.num_computed_tokens, c.seq.num_computed_tokens + c.num_new_tokens
@@ -79,4 +77,3 @@ class CostModelExecutor(Executor):
 
     def release(self, seq_id: int) -> None:
         self._reached.pop(seq_id, None)
-        self._decoded.discard(seq_id)
