@@ -12,6 +12,7 @@ import argparse
 import difflib
 import gc
 import logging
+import os
 import signal
 import sys
 import threading
@@ -169,6 +170,7 @@ def _model_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
             check_listen(args.host, args.port)
             chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+        _prefetch_weights(args, engine_cfg)
         from quanta.launch import check_kv_budget
 
         check_kv_budget(engine_cfg, sched_cfg.max_num_seqs)  # from the file's header, before any weight is read
@@ -192,6 +194,17 @@ def _model_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         return _run(args, engine_cfg, sched_cfg, chat_template)
     except (KVBudgetError, RayStartError, PromptWeightsError, ModelLoadError) as exc:  # known at or after the load: one line
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def _prefetch_weights(args: argparse.Namespace, engine_cfg) -> None:
+    """Start converting a GGUF file's weights into their forms now, beside the imports of torch and the
+    server (:mod:`quanta.model.gguf_prefetch`), where this process will load it from its blocks."""
+    path = engine_cfg.model
+    if (path and path.endswith(".gguf") and engine_cfg.quantization == "auto" and engine_cfg.prompt_weights in ("auto", "blocks")
+            and getattr(args, "replicas", None) is None and os.path.isfile(path)):
+        from quanta.model import gguf_prefetch
+
+        gguf_prefetch.start(path)
 
 
 def _run(args, engine_cfg, sched_cfg, chat_template):

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
-import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -32,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quanta.model import gguf_loader
+from quanta.model import gguf_loader, gguf_plan, gguf_prefetch
 from quanta.model.config import ModelConfig
 from quanta.model.form_embedding import FormEmbedding
 from quanta.model.gguf_expert_blocks import BLOCK_ARCHITECTURES, load_moe_block
@@ -44,11 +42,6 @@ from quanta.model.native import repack
 from quanta.model.quant import QuantizedWeight
 from quanta.model.rope import RotaryEmbedding
 
-#: form kinds from narrowest to widest (a fused projection takes its widest part's; q6_k, converted
-#: from Q6_K alone, only where every part is Q6_K: beside another type it takes q8_0)
-_WIDTH = {"q4_1": 0, "q6_k": 1, "q8_0": 2, "fp16": 3}
-#: MoE routers, float32 in llama.cpp's files and held as floats here
-_ROUTER = re.compile(r"\.ffn_gate_inp(_shexp)?\.weight$")
 #: GGUF tensor types held as plain float values (norms, biases, rope factors)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 #: files from this size on log their load's progress, a line at most every PROGRESS_EVERY_S seconds
@@ -66,7 +59,7 @@ def unsupported_reason(cfg: ModelConfig, path: Path) -> str | None:
         return f"MoE experts of {cfg.architecture} (read from blocks: {', '.join(BLOCK_ARCHITECTURES)})"
     if not native_forms.available():
         return "no C kernels on this machine"
-    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" and not _ROUTER.search(t.name)
+    if any(len(t.shape) == 2 and t.tensor_type.name == "F32" and not gguf_plan.ROUTER.search(t.name)
            for t in read_header(path).tensors):
         return "float32 matrices"
     return None
@@ -85,24 +78,17 @@ def check_types(path: Path) -> None:
 
 
 class _File:
-    """The tensors of one GGUF file by name; raw bytes mapped on demand."""
+    """The tensors of one GGUF file by name; raw bytes mapped on demand; forms taken from ``prefetch``
+    where it converted them ahead (:mod:`quanta.model.gguf_prefetch`)."""
 
-    def __init__(self, path: Path, cfg: ModelConfig) -> None:
-        self.path, self.cfg = path, cfg
+    def __init__(self, path: Path, cfg: ModelConfig, prefetch: gguf_prefetch.Prefetch | None = None) -> None:
+        self.path, self.cfg, self.prefetch = path, cfg, prefetch
         self.tensors = {t.name: t for t in read_header(path).tensors}
         self.permuted = cfg.architecture == "llama"  # dense llama: llama.cpp's q/k row order
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes in the file's pages, mapped (and read ahead) for as long as the array
-        lives: no copy (a read copied them into fresh memory). The header's reader has checked
-        that they are in the file."""
-        t = self.tensors[name]
-        start, size = int(t.data_offset), int(t.n_bytes)
-        skip = start % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a multiple of it
-        with open(self.path, "rb") as f:
-            pages = mmap.mmap(f.fileno(), skip + size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                              prot=mmap.PROT_READ, offset=start - skip)
-        return np.frombuffer(pages, dtype=np.uint8, count=size, offset=skip)
+        """The tensor's bytes in the file's pages (:func:`quanta.model.gguf_plan.mapped`): no copy."""
+        return gguf_plan.mapped(self.path, self.tensors[name])
 
     def mapped_f16(self, name: str) -> torch.Tensor:
         """An F16 tensor as the fp16 form's ``[N, K]`` matrix in the file's own pages: no copy and no
@@ -114,15 +100,14 @@ class _File:
             return torch.from_numpy(self.raw(name).view(np.float16).reshape(n, k))
 
     def shape(self, name: str) -> tuple[int, int]:
-        """``(N, K)``: output rows, input columns (ggml lists the input dimension first)."""
-        k, n = (int(d) for d in self.tensors[name].shape)
-        return n, k
+        """``(N, K)``: output rows, input columns."""
+        return gguf_plan.shape(self.tensors[name])
 
     def kind(self, name: str) -> str:
-        kind = repack.natural_kind(self.tensors[name].tensor_type.name)
-        if kind is None:
-            raise ValueError(f"{self.path.name}: tensor {name} of type {self.tensors[name].tensor_type.name} has no C form")
-        return kind
+        try:
+            return gguf_plan.natural(self.tensors[name])
+        except ValueError as exc:
+            raise ValueError(f"{self.path.name}: {exc}") from exc
 
     def floats(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A small tensor (norm, bias) dequantized, in ``dtype``."""
@@ -130,37 +115,31 @@ class _File:
 
     def rows(self, name: str) -> np.ndarray | None:
         """The row map that undoes llama.cpp's q/k row order for the ``llama`` architecture, else None."""
-        if not self.permuted or not re.search(r"\.attn_[qk]\.", name):
+        if not self.permuted:
             return None
-        n_head = self.cfg.num_attention_heads if ".attn_q." in name else self.cfg.num_key_value_heads
-        n = self.shape(name)[0]
-        half = n // n_head // 2
-        h, a, b = np.meshgrid(np.arange(n_head), np.arange(2), np.arange(half), indexing="ij")
-        return (h * 2 * half + 2 * b + a).reshape(-1).astype(np.int32)
+        return gguf_plan.row_map(name, self.shape(name)[0], self.cfg.num_attention_heads, self.cfg.num_key_value_heads)
 
     def widest(self, names: list[str]) -> str:
-        """The widest natural form of the tensors ``names`` (a fused projection takes it); ``q8_0``
-        for a mix with ``q6_k``, which only Q6_K tensors convert to."""
-        kinds = {self.kind(n) for n in names}
-        if "q6_k" in kinds and len(kinds) > 1:
-            kinds = kinds - {"q6_k"} | {"q8_0"}
-        return max(kinds, key=_WIDTH.__getitem__)
+        """The kind of a form stacked from ``names`` (:func:`quanta.model.gguf_plan.widest`)."""
+        return gguf_plan.widest({self.kind(n) for n in names})
 
     def form(self, names: list[str], kind: str | None = None, fine: bool = False) -> QuantizedWeight:
         """The tensors ``names`` stacked along their output rows, in ``kind`` (default: the widest
         part's natural form), read and converted one at a time; a lone F16 tensor in its file order
-        is its mapped pages (:meth:`mapped_f16`)."""
+        is its mapped pages (:meth:`mapped_f16`); a form the prefetch converted is taken from it."""
         kind = kind or self.widest(names)
-        if kind == "fp16" and len(names) == 1 and self.tensors[names[0]].tensor_type.name == "F16" and (
-                self.rows(names[0]) is None):
+        if gguf_plan.is_mapped_f16(self.tensors, names, kind, self.permuted):
             return QuantizedWeight(kind, self.mapped_f16(names[0]), torch.empty(0), fine)
+        rows = [self.rows(n) for n in names]
+        if self.prefetch is not None and (done := self.prefetch.take(names, kind, rows)) is not None:
+            return QuantizedWeight(kind, torch.from_numpy(done[0]), torch.from_numpy(done[1]), fine)
         k = self.shape(names[0])[1]
         whole = QuantizedWeight(kind, *repack.empty_form(kind, sum(self.shape(n)[0] for n in names), k), fine)
         start = 0
-        for name in names:
+        for name, row_map in zip(names, rows, strict=True):
             n = self.shape(name)[0]
             part = whole.part(start, start + n)
-            repack.to_form(self.raw(name), self.tensors[name].tensor_type.name, n, k, kind, self.rows(name),
+            repack.to_form(self.raw(name), self.tensors[name].tensor_type.name, n, k, kind, row_map,
                            out=(part.data, part.scales))
             start += n
         return whole
@@ -174,7 +153,16 @@ def load_block_model(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaM
         ValueError: a tensor type without a C form, a shape a form cannot take, a truncated tensor.
     """
     check_types(path)
-    file = _File(path, cfg)
+    prefetch = gguf_prefetch.claim(path)
+    try:
+        return _build(_File(path, cfg, prefetch), cfg, dtype)
+    finally:
+        if prefetch is not None:
+            prefetch.close()
+
+
+def _build(file: _File, cfg: ModelConfig, dtype: torch.dtype) -> LlamaModel:
+    path = file.path
     with _shapes_only():
         model = LlamaModel(cfg)
     model.rope = RotaryEmbedding(cfg)
@@ -185,7 +173,7 @@ def load_block_model(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaM
         progress.layer_done(i + 1)
     model.norm.weight = nn.Parameter(file.floats("output_norm.weight", dtype), requires_grad=False)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-    head_kind = file.kind(head) if file.kind(head) in ("fp16", "q6_k") else "q8_0"
+    head_kind = gguf_plan.head_kind(file.tensors[head])
     progress.tensor(file, head, "LM head and embedding" if cfg.tie_word_embeddings else "LM head")
     head_form = file.form([head], head_kind, fine=True)
     if cfg.tie_word_embeddings:
@@ -244,19 +232,14 @@ def _load_layer(file: _File, layer, prefix: str, dtype: torch.dtype, counts: dic
     norms += getattr(layer, "gguf_norms", list)()  # Gemma's post-attention and post-MLP norms
     for norm, stem in norms:
         norm.weight = nn.Parameter(file.floats(f"{prefix}{stem}.weight", dtype), requires_grad=False)
-    qkv = ["attn_qkv"] if f"{prefix}attn_qkv.weight" in file.tensors else ["attn_q", "attn_k", "attn_v"]
-    bias = [f"{prefix}{p}.bias" for p in qkv] if attn.qkv_proj.bias is not None else None
-    fused = {
-        "qkv_proj": (attn, [f"{prefix}{p}.weight" for p in qkv], bias),
-        "o_proj": (attn, [f"{prefix}attn_output.weight"], None),
-    }
+    parts = gguf_plan.projections(file.tensors, prefix)
+    bias = [n.removesuffix(".weight") + ".bias" for n in parts["qkv_proj"]] if attn.qkv_proj.bias is not None else None
+    fused = {"qkv_proj": (attn, parts["qkv_proj"], bias), "o_proj": (attn, parts["o_proj"], None)}
     if isinstance(mlp, MoEBlock):
         load_moe_block(file, mlp, prefix, dtype, counts, _form_linear)
-    else:
-        # phi3: one attn_qkv (q, k, v rows), and ffn_up holding the gate rows, then the up rows
-        gate_up = ["ffn_gate", "ffn_up"] if f"{prefix}ffn_gate.weight" in file.tensors else ["ffn_up"]
-        fused["gate_up_proj"] = (mlp, [f"{prefix}{p}.weight" for p in gate_up], None)
-        fused["down_proj"] = (mlp, [f"{prefix}ffn_down.weight"], None)
+    else:  # phi3: one attn_qkv (q, k, v rows), and ffn_up holding the gate rows, then the up rows
+        fused["gate_up_proj"] = (mlp, parts["gate_up_proj"], None)
+        fused["down_proj"] = (mlp, parts["down_proj"], None)
     for attr, (owner, names, bias_names) in fused.items():
         form = file.form(names)
         counts[form.kind] = counts.get(form.kind, 0) + 1

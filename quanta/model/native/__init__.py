@@ -25,6 +25,8 @@ from quanta.model.cpu import cpu_flags
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("decode.c", "qmatmul.c", "dequant.c", "f16matmul.c", "repack.c", "pool.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "pool.h"))
+#: qmatmul.c's kind of each block form (repack.c's TO_* too; 16: fp16 there)
+KINDS = {"q4_1": 4, "q6_k": 6, "q8_0": 8}
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC")
 LIBS = ("-lmvec", "-lm", "-lpthread")
 

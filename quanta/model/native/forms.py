@@ -19,8 +19,7 @@ import torch
 from quanta.model import native
 
 BLOCK = 32
-#: qmatmul.c's kind of each block form
-KINDS = {"q4_1": 4, "q6_k": 6, "q8_0": 8}
+KINDS = native.KINDS
 
 
 def available() -> bool:

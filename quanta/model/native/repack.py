@@ -12,17 +12,19 @@ Conversions (details and bounds in ``repack.c``):
   requantizing each block of 32 float values (``|w - d8 q| <= d8 / 2``, ``d8 = fp16(max|w| / 127)``).
 - ``fp16`` (a plain ``[N, K]`` matrix) from F16 exactly, from BF16 rounded to nearest even.
 
-The result is laid out as :func:`quanta.model.native.forms.pack` lays out the same kind.
+The result is laid out as :func:`quanta.model.native.forms.pack` lays out the same kind, in numpy
+arrays (:func:`empty_arrays`; this module imports no torch, so a load can convert weights while torch
+is still being imported, :mod:`quanta.model.gguf_prefetch`) or torch tensors (:func:`empty_form`).
 """
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quanta.model import native
-from quanta.model.native import forms
 
 #: the forms each source type converts to, its natural one first
 _TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1", "q8_0"), "Q5_0": ("q8_0",), "Q5_1": ("q8_0",),
@@ -30,7 +32,7 @@ _TARGETS = {"Q4_0": ("q4_1", "q8_0"), "Q4_1": ("q4_1", "q8_0"), "Q4_K": ("q4_1",
 #: ggml type ids of the source types (repack.c's), and (values, bytes) per block
 _TYPES = {name: int(GGMLQuantizationType[name]) for name in _TARGETS}
 _BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]] for name in _TARGETS}
-_KIND_IDS = {**forms.KINDS, "fp16": 16}  # repack.c's TO_* are qmatmul.c's kinds
+_KIND_IDS = {**native.KINDS, "fp16": 16}  # repack.c's TO_* are qmatmul.c's kinds
 
 SUPPORTED = frozenset(_TYPES)
 
@@ -77,30 +79,52 @@ def _as_rows(rows: np.ndarray | None, n: int) -> np.ndarray | None:
     return rows
 
 
-def empty_form(kind: str, n: int, k: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised ``(data, scales)`` of form ``kind`` for an ``[n, k]`` weight; rows ``[i, j)``
-    (multiples of 8) are the slices ``[i // 8 : j // 8]`` of both (``[i:j]`` of fp16's matrix)."""
+def layout(kind: str, n: int, k: int) -> tuple[tuple[tuple[int, ...], np.dtype], tuple[tuple[int, ...], np.dtype]]:
+    """``((shape, dtype), (shape, dtype))`` of form ``kind``'s data and scales for an ``[n, k]`` weight;
+    rows ``[i, j)`` (multiples of 8) are the slices ``[i // 8 : j // 8]`` of both (``[i:j]`` of fp16's matrix)."""
+    f16, g, b = np.dtype(np.float16), n // 8, k // 32
     if kind == "fp16":
-        return torch.empty(n, k, dtype=torch.float16, device=device), torch.empty(0, device=device)
-    g, b = n // 8, k // 32
+        return ((n, k), f16), ((0,), np.dtype(np.float32))
     if kind == "q4_1":
-        return (torch.empty(g, b, 128, dtype=torch.uint8, device=device),
-                torch.empty(g, b, 2, 8, dtype=torch.float16, device=device))
+        return ((g, b, 128), np.dtype(np.uint8)), ((g, b, 2, 8), f16)
     if kind == "q6_k":
-        return (torch.empty(g, b, 208, dtype=torch.uint8, device=device),
-                torch.empty(g, k // 256, 8, dtype=torch.float16, device=device))
-    return torch.empty(g, b, 256, dtype=torch.int8, device=device), torch.empty(g, b, 8, dtype=torch.float16, device=device)
+        return ((g, b, 208), np.dtype(np.uint8)), ((g, k // 256, 8), f16)
+    return ((g, b, 256), np.dtype(np.int8)), ((g, b, 8), f16)
 
 
-def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | None = None,
-            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_arrays(kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy ``(data, scales)`` of form ``kind`` (:func:`layout`), to be overwritten, each in private
+    anonymous pages of its own, made resident in one call (``MAP_POPULATE``, without the GIL): faulting
+    them in one by one from the conversion's threads cost twice that (1.3 GB: ~0.76 s against ~0.43 s,
+    a 2-core AMD EPYC VM), and ``np.empty`` asks for huge pages from 4 MiB on, whose first touch took
+    0.4-3.2 s (the kernel compacting memory for them)."""
+    return tuple(_resident(shape, dtype) for shape, dtype in layout(kind, n, k))
+
+
+def _resident(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    size = int(np.prod(shape)) * dtype.itemsize
+    if size == 0:
+        return np.empty(shape, dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(-1, size, flags=flags), dtype=dtype).reshape(shape)
+
+
+def empty_form(kind: str, n: int, k: int) -> tuple:
+    """Uninitialised torch ``(data, scales)`` of form ``kind`` (:func:`layout`)."""
+    import torch  # here: the module itself is imported before torch is (a load beside the imports)
+
+    return tuple(torch.from_numpy(a) for a in empty_arrays(kind, n, k))
+
+
+def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | None = None, out: tuple | None = None) -> tuple:
     """``(data, scales)`` of form ``kind`` from the raw bytes ``raw`` (a uint8 numpy array or any
     bytes-like object) of a GGUF ``[n, k]`` tensor of type ``ggml_type`` (e.g. ``"Q4_K"``), laid
     out as :func:`quanta.model.native.forms.pack` lays out ``kind``; for ``fp16``, the ``[n, k]``
     fp16 matrix and an empty tensor. ``rows``: output row ``i`` is the file's row ``rows[i]``
-    (int32 ``[n]``; None: the file's order). ``out``: where to write, as :func:`empty_form`
-    gives it or contiguous row slices of a larger one (fused projections are written in place,
-    not concatenated). Runs on the C pool's threads.
+    (int32 ``[n]``; None: the file's order). ``out``: where to write, as :func:`empty_form` (torch)
+    or :func:`empty_arrays` (numpy) give it or contiguous row slices of a larger one (fused
+    projections are written in place, not concatenated); None: new torch tensors. Runs on the C
+    pool's threads.
 
     Raises:
         ValueError: a type or kind with no conversion, a shape the form cannot take (``n % 8``,
@@ -111,11 +135,20 @@ def to_form(raw, ggml_type: str, n: int, k: int, kind: str, rows: np.ndarray | N
     _check(ggml_type, n, k, kind)
     buf, row_map = _as_bytes(raw, ggml_type, n, k), _as_rows(rows, n)
     data, scales = out if out is not None else empty_form(kind, n, k)
-    if (data.shape, scales.shape) != tuple(t.shape for t in empty_form(kind, n, k, "meta")) or not (
-            data.is_contiguous() and scales.is_contiguous()):
+    if (tuple(data.shape), tuple(scales.shape)) != tuple(shape for shape, _ in layout(kind, n, k)) or not (
+            _contiguous(data) and _contiguous(scales)):
         raise ValueError(f"out must be contiguous {kind} tensors of [{n}, {k}]")
     done = native.load().gguf_repack(_TYPES[ggml_type], _KIND_IDS[kind], n, k, buf.ctypes.data,
-                                     None if row_map is None else row_map.ctypes.data, data.data_ptr(), scales.data_ptr())
+                                     None if row_map is None else row_map.ctypes.data, _address(data), _address(scales))
     if done != 0:
         raise ValueError(f"repack.c has no conversion from {ggml_type} to {kind}")
     return data, scales
+
+
+def _contiguous(a) -> bool:
+    return a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_contiguous()
+
+
+def _address(a) -> int:
+    """Where a numpy array's or a torch tensor's data starts."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
