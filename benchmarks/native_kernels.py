@@ -12,7 +12,9 @@ Compiles two small C drivers (``benchmarks/native/matmul.c``, ``attention.c``) a
 - ``--prompt``: block_matmul at prompt sizes instead (``benchmarks/native/prompt.c``): Llama-3.2-1B's
   projection shapes at 64 and 1,024 rows, 8-bit activations, on 1 and 2 threads, in multiply-adds a
   second, beside the ceiling of the instructions its inner step issues (``peak``: the 8 ``maddubs``,
-  7 adds and one ``madd`` of 256 multiply-adds, from registers, on every thread).
+  7 adds and one ``madd`` of 256 multiply-adds, from registers, on every thread; with AVX-512 VNNI
+  also the 512-bit tile's row step, 8 ``dpbusd`` of 512 multiply-adds, alone and with the block's
+  float epilogue).
 
 Each driver prints the best of 10-20 passes (the attention driver also a hash of its output, so
 two builds can be checked to agree bit for bit); the table gives the median (min-max) of those
@@ -37,6 +39,7 @@ from pathlib import Path
 from quanta.bench.output import machine
 from quanta.launch import cpu_summary
 from quanta.model import native
+from quanta.model.cpu import cpu_flags
 
 HERE = Path(__file__).parent / "native"
 MATMUL = [("q4_1, 8-bit activations", ["4", "0"]), ("q8_0, 15-bit activations", ["8", "1"])]
@@ -78,6 +81,10 @@ def prompt_table(exe: Path, repeats: int) -> None:
             print(f"| {name} {n} x {k} | {'q4_1' if kind == '4' else 'q8_0'} | {rows:,} | " + " | ".join(cells) + " |")
     peaks = [cell([r[0] for r in times([str(exe), str(t), "peak"], repeats, "GMAC/s")]) for t in (1, 2)]
     print("| ceiling: the inner step's instructions alone (maddubs x 8, add x 7, madd) | - | - | " + " | ".join(peaks) + " |")
+    if "avx512_vnni" in cpu_flags():  # the 512-bit tile's row step, without and with its float epilogue
+        for mode, what in (("vnni", "dpbusd x 8 (512-bit)"), ("vnni-scaled", "dpbusd x 8, then add, convert, mul, 2 FMA")):
+            cells = [cell([r[0] for r in times([str(exe), str(t), mode], repeats, "GMAC/s")]) for t in (1, 2)]
+            print(f"| ceiling: the 512-bit row step alone ({what}) | - | - | " + " | ".join(cells) + " |")
 
 
 def cell(values: list[float]) -> str:

@@ -389,6 +389,13 @@ static inline __m512i load_pair(const void *a, const void *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
+/* The 4 activation bytes at a in every int32 lane, broadcast from memory (folded into the dpbusd
+ * operand): a set1 of an int32 that the compiler merges with its neighbour into one 8-byte load goes
+ * through a general register, two vector uops a broadcast, as many as the dpbusd it feeds. */
+static inline __m512i bcast16(const int8_t *a) {
+    return _mm512_broadcastd_epi32(_mm_loadu_si32(a));
+}
+
 static inline __m512 scales_pair(const uint16_t *a, const uint16_t *b) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a))),
                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
@@ -410,16 +417,14 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
         }
         __m512 d = scales_pair(dm + gb0 * 16, dm + gb1 * 16), m = scales_pair(dm + gb0 * 16 + 8, dm + gb1 * 16 + 8);
         for (int r = 0; r < R; r++) {
-            int32_t hh[8], ll[8];
-            memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
-            if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            const int8_t *hh = p + (int64_t)r * 2 * k + b * QK, *ll = hh + k;
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512(), sh2 = sh, sl2 = sl;
             for (int i = 0; i < 8; i += 2) { /* two chains per sum (dpbusd latency) */
-                sh = _mm512_dpbusd_epi32(sh, w[i], _mm512_set1_epi32(hh[ORDER_Q4[i]]));
-                sh2 = _mm512_dpbusd_epi32(sh2, w[i + 1], _mm512_set1_epi32(hh[ORDER_Q4[i + 1]]));
+                sh = _mm512_dpbusd_epi32(sh, w[i], bcast16(hh + 4 * ORDER_Q4[i]));
+                sh2 = _mm512_dpbusd_epi32(sh2, w[i + 1], bcast16(hh + 4 * ORDER_Q4[i + 1]));
                 if (!F) continue;
-                sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(ll[ORDER_Q4[i]]));
-                sl2 = _mm512_dpbusd_epi32(sl2, w[i + 1], _mm512_set1_epi32(ll[ORDER_Q4[i + 1]]));
+                sl = _mm512_dpbusd_epi32(sl, w[i], bcast16(ll + 4 * ORDER_Q4[i]));
+                sl2 = _mm512_dpbusd_epi32(sl2, w[i + 1], bcast16(ll + 4 * ORDER_Q4[i + 1]));
             }
             sh = _mm512_add_epi32(sh, sh2);
             sl = _mm512_add_epi32(sl, sl2);
@@ -439,7 +444,7 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
 static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
                                                              const int8_t *qs, const uint16_t *dd, float *out, int ldo) {
     int blocks = k / QK;
-    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -453,13 +458,11 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
         __m512i offset = _mm512_mullo_epi32(sum, _mm512_set1_epi32(F ? 16512 : 128));
         __m512 d = scales_pair(dd + gb0 * 8, dd + gb1 * 8);
         for (int r = 0; r < R; r++) {
-            int32_t hh[8], ll[8];
-            memcpy(hh, p + (int64_t)r * 2 * k + b * QK, 32);
-            if (F) memcpy(ll, p + (int64_t)r * 2 * k + k + b * QK, 32);
+            const int8_t *hh = p + (int64_t)r * 2 * k + b * QK, *ll = hh + k;
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) {
-                sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(hh[i] ^ (int32_t)0x80808080), w[i]);
-                if (F) sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(ll[i] ^ (int32_t)0x80808080), w[i]);
+                sh = _mm512_dpbusd_epi32(sh, _mm512_xor_si512(bcast16(hh + 4 * i), flip), w[i]);
+                if (F) sl = _mm512_dpbusd_epi32(sl, _mm512_xor_si512(bcast16(ll + 4 * i), flip), w[i]);
             }
             __m512i total = F ? _mm512_add_epi32(_mm512_slli_epi32(sh, 7), sl) : sh;
             __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(total, offset));
