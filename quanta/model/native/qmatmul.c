@@ -471,6 +471,64 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
+
+/* Q6_K's dot_q6 for two groups (16 columns) a vector: the same integer sums. */
+static inline __attribute__((always_inline)) void dot_q6_16(const __m512i *w, const int8_t *a, __m512i *s) {
+    for (int half = 0; half < 2; half++) {
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[half], bcast16(a + 4 * ORDER_Q4[half]));
+        for (int i = half + 2; i < 8; i += 2) t = _mm512_dpbusd_epi32(t, w[i], bcast16(a + 4 * ORDER_Q4[i]));
+        s[half] = t;
+    }
+}
+
+/* Q6_K, 16 columns (groups g, g + 1) of R rows: q6_group8's steps lane for lane, so its bits. */
+static inline __attribute__((always_inline)) void q6_group16(int F, int R, int64_t g, int k, const int8_t *p, const float *xs,
+                                                             const int32_t *offs, const uint8_t *qs, const uint16_t *dd,
+                                                             float *out, int ldo) {
+    int blocks = k / QK;
+    const __m512i nib = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *w0 = qs + (g * blocks + b) * 208, *w1 = qs + ((g + 1) * blocks + b) * 208;
+        __m512i w[8], hb[2];
+        hb[0] = load_pair(w0 + 128, w1 + 128);
+        hb[1] = load_pair(w0 + 160, w1 + 160);
+        for (int i = 0; i < 4; i++) {
+            __m512i v = load_pair(w0 + 32 * i, w1 + 32 * i);
+            w[2 * i] = _mm512_and_si512(v, nib);
+            w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+        for (int t = 0; t < 8; t++) { /* bits 2 (t % 4), + 1 of hb[t / 4] to bits 4, 5 */
+            __m512i h = hb[t / 4];
+            int at = t % 4;
+            h = at < 2 ? _mm512_slli_epi16(h, 4 - 2 * at) : at == 2 ? h : _mm512_srli_epi16(h, 2);
+            w[t] = _mm512_or_si512(w[t], _mm512_and_si512(h, top));
+        }
+        __m128i sc0 = _mm_loadu_si128((const __m128i *)(w0 + 192)), sc1 = _mm_loadu_si128((const __m128i *)(w1 + 192));
+        __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(sc0, sc1)));
+        __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(sc0, sc1)));
+        __m512 d = scales_pair(dd + (g * (blocks / 8) + b / 8) * 8, dd + ((g + 1) * (blocks / 8) + b / 8) * 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int8_t *h = p + (int64_t)r * 2 * k + b * QK;
+            const int32_t *o = offs + 2 * ((int64_t)r * blocks + b);
+            __m512i sh[2], sl[2];
+            dot_q6_16(w, h, sh);
+            if (F) {
+                dot_q6_16(w, h + k, sl);
+                for (int half = 0; half < 2; half++) sh[half] = _mm512_add_epi32(_mm512_slli_epi32(sh[half], 7), sl[half]);
+            }
+            __m512 t0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(sh[0], _mm512_set1_epi32(o[0])));
+            __m512 t1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(sh[1], _mm512_set1_epi32(o[1])));
+            __m512 dot = _mm512_fmadd_ps(s0, t0, _mm512_mul_ps(s1, t1));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
+}
 #endif
 
 /* ---- drivers ---- */
@@ -511,11 +569,16 @@ static inline __attribute__((always_inline)) void q8_rows(int F, int R, int64_t 
     for (; g < g1; g++) q8_group8(F, R, g, k, p, xs, qs, dd, out, ldo);
 }
 
-/* column groups [g0, g1) of R rows */
+/* column groups [g0, g1) (g0 even) of R rows */
 static inline __attribute__((always_inline)) void q6_rows(int F, int R, int64_t g0, int64_t g1, int k, const int8_t *p,
                                                           const float *xs, const int32_t *offs, const uint8_t *qs,
                                                           const uint16_t *dd, float *out, int ldo) {
-    for (int64_t g = g0; g < g1; g++) q6_group8(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
+    int64_t g = g0;
+#ifdef HAVE_ZMM
+    if (R >= 3) /* as q4_rows */
+        for (; g + 1 < g1; g += 2) q6_group16(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
+#endif
+    for (; g < g1; g++) q6_group8(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
 }
 
 struct matmul_job {
