@@ -25,7 +25,7 @@ import numpy as np
 
 from quanta.model import gguf_plan
 from quanta.model.gguf_header import read_header
-from quanta.model.native import NativeUnavailable, repack
+from quanta.model.native import repack
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Prefetch:
                 with self._cond:
                     self._done[p.names] = arrays
                     self._cond.notify_all()
-        except (OSError, ValueError, NativeUnavailable) as exc:  # the loader meets it again and reports it
+        except Exception as exc:  # a bad file, no C library: the loader meets it again and reports it, once
             self.error = exc
         finally:
             with self._cond:

@@ -389,9 +389,9 @@ static inline __m512i load_pair(const void *a, const void *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
-/* The 4 activation bytes at a in every int32 lane, broadcast from memory (folded into the dpbusd
- * operand): a set1 of an int32 that the compiler merges with its neighbour into one 8-byte load goes
- * through a general register, two vector uops a broadcast, as many as the dpbusd it feeds. */
+/* The 4 activation bytes at a in every int32 lane, broadcast from memory (a load alone): a set1 of an
+ * int32 copied out of the row, which GCC merged with its neighbour into one 8-byte load, went through
+ * a general register, two vector uops a broadcast, as many as the dpbusd it fed. */
 static inline __m512i bcast16(const int8_t *a) {
     return _mm512_broadcastd_epi32(_mm_loadu_si32(a));
 }
