@@ -12,7 +12,6 @@ import argparse
 import difflib
 import gc
 import logging
-import os
 import signal
 import sys
 import threading
@@ -199,12 +198,11 @@ def _model_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 def _prefetch_weights(args: argparse.Namespace, engine_cfg) -> None:
     """Start converting a GGUF file's weights into their forms now, beside the imports of torch and the
     server (:mod:`quanta.model.gguf_prefetch`), where this process will load it from its blocks."""
-    path = engine_cfg.model
-    if (path and path.endswith(".gguf") and engine_cfg.quantization == "auto" and engine_cfg.prompt_weights in ("auto", "blocks")
-            and getattr(args, "replicas", None) is None and os.path.isfile(path)):
-        from quanta.model import gguf_prefetch
+    from quanta.model import gguf_plan, gguf_prefetch
 
-        gguf_prefetch.start(path)
+    if getattr(args, "replicas", None) is None and gguf_plan.asks_for_blocks(
+            engine_cfg.model, engine_cfg.quantization, engine_cfg.prompt_weights):
+        gguf_prefetch.start(engine_cfg.model)
 
 
 def _run(args, engine_cfg, sched_cfg, chat_template):

@@ -27,6 +27,7 @@ from quanta.model.config import ModelConfig
 from quanta.model.cpu import ISA_FLAGS, cpu_flags, cpu_has_native_bf16, cpu_summary, isa_flags  # noqa: F401 (read here by machine.py, server/run.py)
 from quanta.model.gguf_blocks import load_block_model
 from quanta.model.gguf_blocks import unsupported_reason as blocks_unsupported
+from quanta.model.gguf_plan import asks_for_blocks
 from quanta.model.llama import LlamaModel
 from quanta.model.loader import embedded_model_path, gguf_tensor_types, load_checkpoint, load_config
 from quanta.model.native.forms import available as native_forms_available
@@ -194,7 +195,7 @@ def _blocks_config(path: Path, quantization: str, prompt_weights: str) -> ModelC
     """
     if prompt_weights not in ("auto", "blocks") or quantization != "auto":
         return None
-    is_gguf = path.is_file() and path.suffix == ".gguf"
+    is_gguf = asks_for_blocks(path, quantization, prompt_weights)
     cfg = load_config(path) if is_gguf else None
     reason = blocks_unsupported(cfg, path) if is_gguf else "not a GGUF file"
     if reason and prompt_weights == "blocks":

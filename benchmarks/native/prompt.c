@@ -44,14 +44,15 @@ static void *peak_thread(void *arg) {
     return NULL;
 }
 
-static int peak(int threads) {
+/* `threads` threads of `step`, each `macs` multiply-adds: prints the rate they reached. */
+static int ceiling(void *(*step)(void *), int threads, double macs) {
     pthread_t tid[2];
     int sink[2];
     double t = now();
-    for (int i = 0; i < threads; i++) pthread_create(&tid[i], NULL, peak_thread, &sink[i]);
+    for (int i = 0; i < threads; i++) pthread_create(&tid[i], NULL, step, &sink[i]);
     for (int i = 0; i < threads; i++) pthread_join(tid[i], NULL);
     t = now() - t;
-    printf("peak (sink %d): %.1f GMAC/s\n", sink[0] & 1, threads * PEAK_STEPS * 8.0 * 256 / t / 1e9);
+    printf("peak (sink %d): %.1f GMAC/s\n", sink[0] & 1, threads * macs / t / 1e9);
     return 0;
 }
 
@@ -93,25 +94,15 @@ static void *vnni_thread(void *arg) {
     return NULL;
 }
 
-static int vnni(int threads) {
-    pthread_t tid[2];
-    int sink[2];
-    double t = now();
-    for (int i = 0; i < threads; i++) pthread_create(&tid[i], NULL, vnni_thread, &sink[i]);
-    for (int i = 0; i < threads; i++) pthread_join(tid[i], NULL);
-    t = now() - t;
-    printf("peak (sink %d): %.1f GMAC/s\n", sink[0] & 1, threads * (PEAK_STEPS / 2) * 8.0 * 512 / t / 1e9);
-    return 0;
-}
 #endif
 
 int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 1;
-    if (argc > 2 && strcmp(argv[2], "peak") == 0) return peak(threads < 2 ? 1 : 2);
+    if (argc > 2 && strcmp(argv[2], "peak") == 0) return ceiling(peak_thread, threads < 2 ? 1 : 2, PEAK_STEPS * 8.0 * 256);
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
     if (argc > 2 && strncmp(argv[2], "vnni", 4) == 0) {
         scaled = strcmp(argv[2], "vnni-scaled") == 0;
-        return vnni(threads < 2 ? 1 : 2);
+        return ceiling(vnni_thread, threads < 2 ? 1 : 2, (PEAK_STEPS / 2) * 8.0 * 512);
     }
 #endif
     if (argc < 6) { fprintf(stderr, "usage: prompt THREADS KIND ROWS N K | prompt THREADS peak\n"); return 2; }

@@ -32,6 +32,13 @@ WIDTH = {"q4_1": 0, "q6_k": 1, "q8_0": 2, "fp16": 3}
 ROUTER = re.compile(r"\.ffn_gate_inp(_shexp)?\.weight$")
 
 
+def asks_for_blocks(path: str | Path | None, quantization: str, prompt_weights: str) -> bool:
+    """Whether a load of ``path`` with these settings reads a GGUF from its blocks where the file allows:
+    a ``.gguf`` file, ``--quantization auto`` and ``--prompt-weights`` ``auto`` or ``blocks``."""
+    return (prompt_weights in ("auto", "blocks") and quantization == "auto" and path is not None
+            and Path(path).suffix == ".gguf" and Path(path).is_file())
+
+
 def projections(tensors: Container[str], prefix: str) -> dict[str, list[str]]:
     """A dense layer's projections (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``), each the
     file's tensors stacked along their output rows into it; ``prefix``: ``blk.3.``."""

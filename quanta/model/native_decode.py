@@ -248,7 +248,7 @@ class _Direct:
 
     def __init__(self, form: QuantizedWeight) -> None:
         self.form = form  # keeps data and scales alive
-        self.kind = forms.KINDS.get(form.kind, 16)  # block_matmul's kinds; 16: fp16
+        self.kind = native.KINDS.get(form.kind, 16)  # block_matmul's kinds; 16: fp16
         self.fine = int(form.fine)
         self.n, self.k = form.shape
         self.data, self.scales = form.data.data_ptr(), form.scales.data_ptr()

@@ -19,7 +19,6 @@ import torch
 from quanta.model import native
 
 BLOCK = 32
-KINDS = native.KINDS
 
 
 def available() -> bool:
@@ -82,7 +81,7 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     n = data.shape[0] * 8
     out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
     _done((lib or native.load()).block_matmul(
-        KINDS[kind], int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
+        native.KINDS[kind], int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
         scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), sums))
     return out
 
@@ -126,7 +125,7 @@ def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch
         raise ValueError(f"groups {groups} of {n}-row experts do not fit x's {rows} rows and a form of {data.shape[0] * 8}")
     out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
     _done(native.load().block_matmul_experts(
-        KINDS[kind], int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
+        native.KINDS[kind], int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
         int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(), out.data_ptr(), quantized.data_ptr(),
         work.data_ptr(), sums))
     return out
