@@ -229,14 +229,14 @@ def _projections(layer) -> tuple:
 
 class _MatmulScratch:
     """``block_matmul``'s scratch for ``rows`` rows of up to ``k`` inputs and ``n`` outputs (the
-    ``n`` float sums only for bf16 output: float32 output takes them itself, as in
+    float sums only for bf16 output: float32 output takes them itself, as in
     :func:`quanta.model.native.forms.matmul`); its floats (``xs`` on) also hold ``f16_matmul``'s
     widened bf16 rows."""
 
     def __init__(self, rows: int, k: int, n: int, io_bf16: int) -> None:
         self.quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-        sums = n if io_bf16 else 0
-        self.floats = torch.empty(rows * max((k // forms.BLOCK) * 2 + sums, k), dtype=torch.float32)
+        sums = forms.sum_floats(rows, n) if io_bf16 else 0
+        self.floats = torch.empty(max(rows * (k // forms.BLOCK) * 2 + sums, rows * k), dtype=torch.float32)
         self.q, self.xs = self.quantized.data_ptr(), self.floats.data_ptr()
         self.acc = self.xs + rows * (k // forms.BLOCK) * 2 * 4
 

@@ -21,6 +21,12 @@ from quanta.model import native
 BLOCK = 32
 
 
+def sum_floats(rows: int, n: int) -> int:
+    """Floats of ``block_matmul``'s bf16-output sums: each of the pool's 2 threads (``POOL_MAX_THREADS``)
+    holds one row tile's (at most 8 rows, the widest) ``n`` sums at a time."""
+    return 2 * min(rows, 8) * n
+
+
 def available() -> bool:
     """Whether the C kernels build and load on this machine."""
     try:
@@ -102,10 +108,10 @@ def _io_rows(x: torch.Tensor) -> torch.Tensor:
 def _block_buffers(rows: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``block_matmul``'s output ``[rows, n]`` in ``dtype`` and scratch for ``rows`` x ``k``: the
     quantized activations (two bytes each), the float work (activation scales, then for bf16 output
-    the float sums; float32 output takes the sums itself) and the sums' address in it."""
+    the float sums (:func:`sum_floats`; float32 output takes the sums itself) and the sums' address in it."""
     out = torch.empty(rows, n, dtype=dtype)
     quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-    sums = rows * n if dtype == torch.bfloat16 else 0
+    sums = sum_floats(rows, n) if dtype == torch.bfloat16 else 0
     work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)
     return out, quantized, work, work.data_ptr() + rows * (k // BLOCK) * 2 * 4
 

@@ -406,6 +406,7 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
     int blocks = k / QK;
     const __m512i nib = _mm512_set1_epi8(0x0f);
     __m512 acc[ROW_TILE], accm[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
@@ -416,6 +417,7 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
             w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         }
         __m512 d = scales_pair(dm + gb0 * 16, dm + gb1 * 16), m = scales_pair(dm + gb0 * 16 + 8, dm + gb1 * 16 + 8);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int8_t *hh = p + (int64_t)r * 2 * k + b * QK, *ll = hh + k;
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512(), sh2 = sh, sl2 = sl;
@@ -434,6 +436,7 @@ static inline __attribute__((always_inline)) void q4_group16(int F, int R, int64
             accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[1]), accm[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, _mm512_add_ps(acc[r], accm[r]));
 }
 
@@ -446,6 +449,7 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
     int blocks = k / QK;
     const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[ROW_TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         int64_t gb0 = g * blocks + b, gb1 = (g + 1) * blocks + b;
@@ -457,6 +461,7 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
         /* the offset's share: 128 sum for h alone; with l, 128 (128 sum) + 128 sum = 16512 sum */
         __m512i offset = _mm512_mullo_epi32(sum, _mm512_set1_epi32(F ? 16512 : 128));
         __m512 d = scales_pair(dd + gb0 * 8, dd + gb1 * 8);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int8_t *hh = p + (int64_t)r * 2 * k + b * QK, *ll = hh + k;
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
@@ -469,6 +474,7 @@ static inline __attribute__((always_inline)) void q8_group16(int F, int R, int64
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xs[2 * ((int64_t)r * blocks + b)])), dot, acc[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (int64_t)r * ldo + g * 8, acc[r]);
 }
 
@@ -581,6 +587,9 @@ static inline __attribute__((always_inline)) void q6_rows(int F, int R, int64_t 
     for (; g < g1; g++) q6_group8(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
 }
 
+/* Rows of float sums a thread's share of acc holds (the scratch is sized for 8, the widest tile). */
+#define ACC_ROWS(rows) ((rows) < ROW_TILE ? (rows) : ROW_TILE)
+
 struct matmul_job {
     int kind, fine, rows, n, k, io_bf16;
     const int8_t *p;
@@ -594,7 +603,6 @@ struct matmul_job {
 
 /* The job's column groups of share `part`: every row, 4 at a time, each weight block unpacked once for them. */
 static void matmul_part(void *arg, int part, int parts, int thread) {
-    (void)thread;
     const struct matmul_job *j = arg;
     int n = j->n, k = j->k, blocks = k / QK;
     int64_t g0, g1;
@@ -602,13 +610,16 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
     if (g0 >= g1) return;
     const void *qs = j->qs;
     const uint16_t *scales = j->scales;
-    float *sums = j->io_bf16 ? j->acc : (float *)j->out; /* float32 output: the sums go there directly */
+    /* bf16 output: a row tile's float sums in this thread's own ROW_TILE rows of acc, converted
+     * while in cache (a [rows, n] float buffer was fresh pages every prompt call); float32 output
+     * takes the sums directly */
+    float *tile_sums = j->io_bf16 ? j->acc + (int64_t)thread * ACC_ROWS(j->rows) * n : NULL;
     for (int r0 = 0; r0 < j->rows; r0 += ROW_TILE) {
         int R = j->rows - r0 < ROW_TILE ? j->rows - r0 : ROW_TILE;
         const int8_t *pr = j->p + (int64_t)r0 * 2 * k;
         const float *xr = j->xs + (int64_t)r0 * blocks * 2;
         const int32_t *offs = j->offs ? j->offs + (int64_t)r0 * blocks * 2 : NULL;
-        float *o = sums + (int64_t)r0 * n;
+        float *o = tile_sums ? tile_sums : (float *)j->out + (int64_t)r0 * n;
 #define ROWS_CASE(kind, F, R, rows) \
     case kind * 100 + F * 10 + R: rows(F, R, g0, g1, k, pr, xr, qs, scales, o, n); break;
 #define ROWS_CASES(kind, F, rows) \
@@ -625,10 +636,10 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
             ROWS_CASES(6, 0, q6_rows)
             ROWS_CASES(6, 1, q6_rows)
         }
+        if (tile_sums)
+            for (int r = 0; r < R; r++)
+                store_row(j->out, 1, (int64_t)(r0 + r) * n + g0 * 8, (g1 - g0) * 8, tile_sums + (int64_t)r * n + g0 * 8);
     }
-    if (j->io_bf16)
-        for (int r = 0; r < j->rows; r++)
-            store_row(j->out, 1, (int64_t)r * n + g0 * 8, (g1 - g0) * 8, j->acc + (int64_t)r * n + g0 * 8);
 }
 
 /* Q6_K's half-block offsets for `rows` quantized rows (NULL for the other kinds); free() it. */
@@ -654,7 +665,7 @@ static int64_t form_scale_halves(int kind, int n, int k) {
  * fp16 [n / 8, k / 32, 2, 8]), Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
  * [n / 8, k / 32, 8]) or Q6_K (kind 6, k a multiple of 256: qs uint8 [n / 8, k / 32, 208],
  * scales fp16 [n / 8, k / 256, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
- * acc float32 [rows, n] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
+ * acc float32 [POOL_MAX_THREADS, min(rows, 8), n] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
  * into chunks for the pool's threads (pool.c). Returns 0, or -1 where memory ran out. */
 int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                  const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
@@ -687,7 +698,7 @@ int block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, co
         struct matmul_job job = {kind, fine, rows[g], n, k, io_bf16, p + r0 * 2 * k, xs + r0 * (k / QK) * 2,
                                  offs ? offs + r0 * (k / 16) : NULL, (const char *)qs + experts[g] * qs_bytes,
                                  scales + experts[g] * scale_halves, (char *)out + r0 * n * (io_bf16 ? 2 : 4),
-                                 acc ? acc + r0 * n : NULL};
+                                 acc};
         pool_run(matmul_part, &job, pool_chunks((n / 8 + 1) / 2));
         r0 += rows[g];
     }
