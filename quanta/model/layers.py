@@ -93,4 +93,4 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, decode).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up, decode)
+        return self.down_proj(F.silu(gate).mul_(up), decode)  # in place: one [rows, I] buffer, not two
