@@ -11,9 +11,9 @@ Forms per GGUF type (:func:`quanta.model.native.repack.natural_kind`): Q4_0 / Q4
 ``q4_1``; Q6_K -> ``q6_k`` (its own blocks); Q5_0 / Q5_1 / Q5_K / Q8_0 -> ``q8_0``; F16 / BF16 ->
 ``fp16``. A fused projection (q/k/v, gate/up) whose parts differ takes the widest part's form, and
 ``q8_0`` where a Q6_K part meets another type (Q4_K_M files keep ``attn_v`` in Q6_K: that layer's
-q/k/v is ``q8_0``). The LM head takes ``q8_0`` with 15-bit activations (``q6_k`` from a Q6_K tensor,
-``fp16`` from an F16 / BF16 one), as :func:`quanta.launch.resolve_quantization` gives the
-dequantized path.
+q/k/v is ``q8_0``). The LM head takes ``q8_0`` (``q6_k`` from a Q6_K tensor, ``fp16`` from an F16
+/ BF16 one) with 8-bit activations, as the projections (the dequantized path's head, from
+:func:`quanta.launch.resolve_quantization`, takes 15-bit ones).
 """
 
 from __future__ import annotations
@@ -175,7 +175,9 @@ def _build(file: _File, cfg: ModelConfig, dtype: torch.dtype) -> LlamaModel:
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     head_kind = gguf_plan.head_kind(file.tensors[head])
     progress.tensor(file, head, "LM head and embedding" if cfg.tie_word_embeddings else "LM head")
-    head_form = file.form([head], head_kind, fine=True)
+    # 8-bit activations per block of 32, as the projections (llama.cpp quantizes a Q6_K head's rows
+    # to 8 bits per 256): 15-bit ones are two integer dot products a block, ~15% of an 8-row step
+    head_form = file.form([head], head_kind)
     if cfg.tie_word_embeddings:
         model._tied_head_form = head_form
         model.embed_tokens = FormEmbedding(head_form, dtype)

@@ -67,7 +67,7 @@ def widest(kinds: set[str]) -> str:
 
 
 def head_kind(tensor: GGUFTensorInfo) -> str:
-    """The LM head's kind: its own where that is ``fp16`` or ``q6_k``, else ``q8_0`` (15-bit activations)."""
+    """The LM head's kind: its own where that is ``fp16`` or ``q6_k``, else ``q8_0``."""
     kind = natural(tensor)
     return kind if kind in ("fp16", "q6_k") else "q8_0"
 
