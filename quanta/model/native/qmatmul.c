@@ -601,7 +601,7 @@ struct matmul_job {
     float *acc;
 };
 
-/* The job's column groups of share `part`: every row, 4 at a time, each weight block unpacked once for them. */
+/* The job's column groups of share `part`: every row, ROW_TILE at a time, each weight block unpacked once for them. */
 static void matmul_part(void *arg, int part, int parts, int thread) {
     const struct matmul_job *j = arg;
     int n = j->n, k = j->k, blocks = k / QK;
@@ -611,8 +611,8 @@ static void matmul_part(void *arg, int part, int parts, int thread) {
     const void *qs = j->qs;
     const uint16_t *scales = j->scales;
     /* bf16 output: a row tile's float sums in this thread's own ROW_TILE rows of acc, converted
-     * while in cache (a [rows, n] float buffer was fresh pages every prompt call); float32 output
-     * takes the sums directly */
+     * while in cache (not a [rows, n] float buffer: fresh pages at every prompt call); float32
+     * output takes the sums directly */
     float *tile_sums = j->io_bf16 ? j->acc + (int64_t)thread * ACC_ROWS(j->rows) * n : NULL;
     for (int r0 = 0; r0 < j->rows; r0 += ROW_TILE) {
         int R = j->rows - r0 < ROW_TILE ? j->rows - r0 : ROW_TILE;
