@@ -174,7 +174,7 @@ class NativeDecoder:
         attn = torch.empty(rows, heads * dim, dtype=self.dtype)
         mid = torch.empty(rows, c.intermediate_size, dtype=self.dtype)  # a dense MLP's (the config's size)
         outs = [torch.empty(rows, n, dtype=self.dtype) for n in (width, c.hidden_size, 2 * c.intermediate_size, c.hidden_size)]
-        work = _MatmulScratch(rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size), io)
+        work = _MatmulScratch(lib, rows, max(c.hidden_size, c.intermediate_size), max(width, 2 * c.intermediate_size), io)
         xp, hp, ap, mp = x.data_ptr(), h.data_ptr(), attn.data_ptr(), mid.data_ptr()
         row_table, positions, tables = batch.row_table.data_ptr(), batch.positions.data_ptr(), batch.tables.data_ptr()
         table_width, block_size, max_len = batch.tables.shape[1], kv.block_size, batch.max_len
@@ -233,9 +233,9 @@ class _MatmulScratch:
     :func:`quanta.model.native.forms.matmul`); its floats (``xs`` on) also hold ``f16_matmul``'s
     widened bf16 rows."""
 
-    def __init__(self, rows: int, k: int, n: int, io_bf16: int) -> None:
+    def __init__(self, lib, rows: int, k: int, n: int, io_bf16: int) -> None:
         self.quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-        sums = forms.sum_floats(rows, n) if io_bf16 else 0
+        sums = lib.block_sums_scratch(rows, n) if io_bf16 else 0
         self.floats = torch.empty(max(rows * (k // forms.BLOCK) * 2 + sums, rows * k), dtype=torch.float32)
         self.q, self.xs = self.quantized.data_ptr(), self.floats.data_ptr()
         self.acc = self.xs + rows * (k // forms.BLOCK) * 2 * 4

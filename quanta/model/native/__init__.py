@@ -37,6 +37,7 @@ _SIGNATURES = {
     "attention_rows": (_I, _P, _I, _I, _I, _I, _P, _P, _P, _L, _L, _P, _P, _I, _L, _P, _P),
     "kv_store_rows": (_L, _I, _P, _I, _P),
     "attention_scratch": (_I, _I, _I, _I, _L),
+    "block_sums_scratch": (_I, _I),
     "pool_set_threads": (_I,),
     "pool_threads": (),
     "silu_mul": (_I, _I, _P, _I, _P, _P),
@@ -48,7 +49,8 @@ _SIGNATURES = {
     "gguf_repack": (_I, _I, _L, _L, _P, _P, _P, _P),
 }
 
-_RESULTS = {"attention_scratch": _L, "pool_threads": _I, "gguf_repack": _I, "block_matmul": _I, "block_matmul_experts": _I}
+_RESULTS = {"attention_scratch": _L, "block_sums_scratch": _L, "pool_threads": _I, "gguf_repack": _I, "block_matmul": _I,
+            "block_matmul_experts": _I}
 
 
 class NativeUnavailable(RuntimeError):

@@ -21,12 +21,6 @@ from quanta.model import native
 BLOCK = 32
 
 
-def sum_floats(rows: int, n: int) -> int:
-    """Floats of ``block_matmul``'s bf16-output sums: each of the pool's 2 threads (``POOL_MAX_THREADS``)
-    holds one row tile's (at most 8 rows, the widest) ``n`` sums at a time."""
-    return 2 * min(rows, 8) * n
-
-
 def available() -> bool:
     """Whether the C kernels build and load on this machine."""
     try:
@@ -85,8 +79,9 @@ def matmul(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     x = _io_rows(x)
     rows, k = x.shape
     n = data.shape[0] * 8
-    out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
-    _done((lib or native.load()).block_matmul(
+    lib = lib or native.load()
+    out, quantized, work, sums = _block_buffers(lib, rows, k, n, x.dtype)
+    _done(lib.block_matmul(
         native.KINDS[kind], int(fine), rows, n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), data.data_ptr(),
         scales.data_ptr(), out.data_ptr(), quantized.data_ptr(), work.data_ptr(), sums))
     return out
@@ -105,13 +100,15 @@ def _io_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def _block_buffers(rows: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _block_buffers(lib: ctypes.CDLL, rows: int, k: int, n: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``block_matmul``'s output ``[rows, n]`` in ``dtype`` and scratch for ``rows`` x ``k``: the
     quantized activations (two bytes each), the float work (activation scales, then for bf16 output
-    the float sums (:func:`sum_floats`; float32 output takes the sums itself) and the sums' address in it."""
+    the float sums, ``lib.block_sums_scratch``; float32 output takes the sums itself) and the sums'
+    address in it."""
     out = torch.empty(rows, n, dtype=dtype)
     quantized = torch.empty(rows * 2 * k, dtype=torch.int8)
-    sums = sum_floats(rows, n) if dtype == torch.bfloat16 else 0
+    sums = lib.block_sums_scratch(rows, n) if dtype == torch.bfloat16 else 0
     work = torch.empty(rows * (k // BLOCK) * 2 + sums, dtype=torch.float32)
     return out, quantized, work, work.data_ptr() + rows * (k // BLOCK) * 2 * 4
 
@@ -129,8 +126,9 @@ def matmul_experts(kind: str, x: torch.Tensor, data: torch.Tensor, scales: torch
     counts = torch.tensor([n for _, n in groups], dtype=torch.int32)
     if int(counts.sum()) != rows or n % 8 or not all(0 <= e < data.shape[0] * 8 // n for e, _ in groups):
         raise ValueError(f"groups {groups} of {n}-row experts do not fit x's {rows} rows and a form of {data.shape[0] * 8}")
-    out, quantized, work, sums = _block_buffers(rows, k, n, x.dtype)
-    _done(native.load().block_matmul_experts(
+    lib = native.load()
+    out, quantized, work, sums = _block_buffers(lib, rows, k, n, x.dtype)
+    _done(lib.block_matmul_experts(
         native.KINDS[kind], int(fine), len(groups), counts.data_ptr(), experts.data_ptr(), n, k, x.data_ptr(),
         int(x.dtype == torch.bfloat16), data.data_ptr(), scales.data_ptr(), out.data_ptr(), quantized.data_ptr(),
         work.data_ptr(), sums))

@@ -587,8 +587,13 @@ static inline __attribute__((always_inline)) void q6_rows(int F, int R, int64_t 
     for (; g < g1; g++) q6_group8(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
 }
 
-/* Rows of float sums a thread's share of acc holds (the scratch is sized for 8, the widest tile). */
+/* Rows of float sums a thread's share of acc holds: one row tile's. */
 #define ACC_ROWS(rows) ((rows) < ROW_TILE ? (rows) : ROW_TILE)
+
+/* Floats of block_matmul's acc for bf16 output of rows x n: each pool thread's ACC_ROWS rows. */
+int64_t block_sums_scratch(int rows, int n) {
+    return (int64_t)POOL_MAX_THREADS * ACC_ROWS(rows) * n;
+}
 
 struct matmul_job {
     int kind, fine, rows, n, k, io_bf16;
@@ -665,7 +670,7 @@ static int64_t form_scale_halves(int kind, int n, int k) {
  * fp16 [n / 8, k / 32, 2, 8]), Q8_0 (kind 8: qs int8 [n / 8, k / 32, 256], scales fp16
  * [n / 8, k / 32, 8]) or Q6_K (kind 6, k a multiple of 256: qs uint8 [n / 8, k / 32, 208],
  * scales fp16 [n / 8, k / 256, 8]) weights. Scratch: p int8 [rows, 2, k]; xs float32 [rows, k / 32, 2];
- * acc float32 [POOL_MAX_THREADS, min(rows, 8), n] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
+ * acc float32 [block_sums_scratch(rows, n)] (unused for float32 output, which takes the sums directly). fine: 15-bit activations, else 8-bit. The output columns are split
  * into chunks for the pool's threads (pool.c). Returns 0, or -1 where memory ran out. */
 int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                  const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
