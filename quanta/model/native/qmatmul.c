@@ -74,7 +74,8 @@ static inline void pack_words(__m256i a0, __m256i a1, int16_t *dst) {
 }
 
 /* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
- * fine = 0: 8-bit activations, h = a, l = a ^ 0x80 (a + 128 as unsigned), dx = max|x| / 127; wide (with fine): p holds
+ * fine = 0: 8-bit activations, h = a, dx = max|x| / 127, and with AVX-512 l = a ^ 0x80 (a + 128 as
+ * unsigned; else l unused); wide (with fine): p holds
  * a itself, int16 [rows, k], in the same bytes. a = x * (1 / dx) rounded to nearest even (the
  * vector conversion under the default rounding mode, as lrintf). */
 static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int wide, int8_t *p, float *xs) {
@@ -118,12 +119,15 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
                     __m256i lo[4];
                     for (int i = 0; i < 4; i++) lo[i] = _mm256_sub_epi32(a[i], _mm256_slli_epi32(hi[i], 7));
                     pack_bytes(lo[0], lo[1], lo[2], lo[3], l + b * QK);
-                } else {
+                }
+#ifdef HAVE_ZMM
+                else {
                     /* 8-bit: l holds a with its sign bit flipped (a + 128, unsigned), the form
                      * q8_group16's dpbusd takes, made once here, not once a column pair */
                     __m256i hb = _mm256_loadu_si256((const __m256i *)(h + b * QK));
                     _mm256_storeu_si256((__m256i *)(l + b * QK), _mm256_xor_si256(hb, _mm256_set1_epi8((char)0x80)));
                 }
+#endif
             }
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
