@@ -74,11 +74,12 @@ static inline void pack_words(__m256i a0, __m256i a1, int16_t *dst) {
 }
 
 /* x [rows, k] (io dtype) -> p [rows][2][k] int8 (h, then l) and xs [rows, k / 32, 2] = (dx, sx);
- * fine = 0: 8-bit activations, h = a, dx = max|x| / 127, and with AVX-512 l = a ^ 0x80 (a + 128 as
- * unsigned; else l unused); wide (with fine): p holds
- * a itself, int16 [rows, k], in the same bytes. a = x * (1 / dx) rounded to nearest even (the
- * vector conversion under the default rounding mode, as lrintf). */
-static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int wide, int8_t *p, float *xs) {
+ * fine = 0: 8-bit activations, h = a, dx = max|x| / 127 (l unused, or with flip l = a ^ 0x80: a + 128
+ * as unsigned); wide (with fine): p holds a itself, int16 [rows, k], in the same bytes. a = x * (1 /
+ * dx) rounded to nearest even (the vector conversion under the default rounding mode, as lrintf).
+ * quantize_for picks wide and flip for a kind. */
+static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine, int wide, int flip, int8_t *p,
+                          float *xs) {
     float buf[QK];
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int r = 0; r < rows; r++) {
@@ -119,15 +120,12 @@ static void quantize_rows(int rows, int k, const void *x, int io_bf16, int fine,
                     __m256i lo[4];
                     for (int i = 0; i < 4; i++) lo[i] = _mm256_sub_epi32(a[i], _mm256_slli_epi32(hi[i], 7));
                     pack_bytes(lo[0], lo[1], lo[2], lo[3], l + b * QK);
-                }
-#ifdef HAVE_ZMM
-                else {
-                    /* 8-bit: l holds a with its sign bit flipped (a + 128, unsigned), the form
-                     * q8_group16's dpbusd takes, made once here, not once a column pair */
+                } else if (flip) {
+                    /* l holds a with its sign bit flipped (a + 128, unsigned), the form q8_group16's
+                     * dpbusd takes, made once here, not once a column pair */
                     __m256i hb = _mm256_loadu_si256((const __m256i *)(h + b * QK));
                     _mm256_storeu_si256((__m256i *)(l + b * QK), _mm256_xor_si256(hb, _mm256_set1_epi8((char)0x80)));
                 }
-#endif
             }
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
@@ -600,6 +598,17 @@ static inline __attribute__((always_inline)) void q6_rows(int F, int R, int64_t 
     for (; g < g1; g++) q6_group8(F, R, g, k, p, xs, offs, qs, dd, out, ldo);
 }
 
+/* quantize_rows for a kind's tiles: Q8_0's 15-bit activations as int16 where no VNNI (q8_wide8), its
+ * 8-bit ones also flipped to unsigned where the 512-bit tile (q8_group16) reads them. */
+static void quantize_for(int kind, int fine, int rows, int k, const void *x, int io_bf16, int8_t *p, float *xs) {
+#ifdef HAVE_ZMM
+    int flip = kind == 8 && !fine;
+#else
+    int flip = 0;
+#endif
+    quantize_rows(rows, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, flip, p, xs);
+}
+
 /* Rows of float sums a thread's share of acc holds: one row tile's. */
 #define ACC_ROWS(rows) ((rows) < ROW_TILE ? (rows) : ROW_TILE)
 
@@ -687,7 +696,7 @@ static int64_t form_scale_halves(int kind, int n, int k) {
  * into chunks for the pool's threads (pool.c). Returns 0, or -1 where memory ran out. */
 int block_matmul(int kind, int fine, int rows, int n, int k, const void *x, int io_bf16, const void *qs,
                  const uint16_t *scales, void *out, int8_t *p, float *xs, float *acc) {
-    quantize_rows(rows, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
+    quantize_for(kind, fine, rows, k, x, io_bf16, p, xs);
     int32_t *offs = q6_offsets(kind, rows, k, fine, p);
     if (kind == 6 && !offs) return -1;
     struct matmul_job job = {kind, fine, rows, n, k, io_bf16, p, xs, offs, qs, scales, out, acc};
@@ -707,7 +716,7 @@ int block_matmul_experts(int kind, int fine, int groups, const int32_t *rows, co
                          float *xs, float *acc) {
     int total = 0;
     for (int g = 0; g < groups; g++) total += rows[g];
-    quantize_rows(total, k, x, io_bf16, fine, kind == 8 && fine && WIDE_Q8, p, xs);
+    quantize_for(kind, fine, total, k, x, io_bf16, p, xs);
     int32_t *offs = q6_offsets(kind, total, k, fine, p);
     if (kind == 6 && !offs) return -1;
     int64_t qs_bytes = form_qs_bytes(kind, n, k), scale_halves = form_scale_halves(kind, n, k);
