@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from quanta.model import gguf_prefetch
 from quanta.model.gguf_blocks import load_block_model
 from quanta.model.linear import PackedLinear
 from quanta.model.loader import load_config
-from quanta.model.native import forms
+from quanta.model.native import forms, repack
 from test_gguf_blocks import MIXES, write_tiny
 
 pytestmark = pytest.mark.skipif(not forms.available(), reason="quanta's C kernels do not build here")
@@ -64,6 +66,45 @@ def test_a_truncated_file_is_reported_by_the_load(tmp_path):
     gguf_prefetch.start(path)
     with pytest.raises(ValueError, match="cut.gguf"):
         load_block_model(path, cfg, torch.float32)
+
+
+def test_fresh_pages_are_populated_only_once_claimed(tmp_path, monkeypatch):
+    """Beside the imports a form's pages are faulted in by its writes: a populating ``mmap`` holds the
+    memory map lock that every library torch loads waits for. Once the loader claims it, they are
+    made resident in one call."""
+    path = tmp_path / "llama.gguf"
+    write_tiny(path, *MIXES["llama-q8_0"])
+    asked, go = [], threading.Event()
+    empty_arrays = repack.empty_arrays
+
+    def recorded(kind, n, k, populate=True):
+        asked.append(populate)
+        assert go.wait(30)
+        return empty_arrays(kind, n, k, populate)
+
+    monkeypatch.setattr(repack, "empty_arrays", recorded)
+    go.set()
+    alone = gguf_prefetch.start(path)
+    _wait_asked(alone, asked)
+    alone.close()
+    assert alone.planned > 1 and asked == [False] * alone.planned
+    asked.clear()
+    go.clear()
+    prefetch = gguf_prefetch.start(path)
+    while not asked:  # the first form is being converted, unclaimed
+        time.sleep(0.001)
+    assert gguf_prefetch.claim(path) is prefetch
+    go.set()
+    _wait_asked(prefetch, asked)
+    prefetch.close()
+    assert prefetch.error is None and asked == [False] + [True] * (prefetch.planned - 1)
+
+
+def _wait_asked(prefetch: gguf_prefetch.Prefetch, asked: list) -> None:
+    """Until every planned form's arrays were asked for (close() stops after the form being converted)."""
+    deadline = time.monotonic() + 30
+    while (not prefetch.planned or len(asked) < prefetch.planned) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_the_prefetch_imports_no_torch(tmp_path):

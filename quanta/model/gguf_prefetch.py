@@ -9,9 +9,14 @@ waiting for it if it is not done yet) instead of converting it, and converts its
 not planned. Nothing here imports torch.
 
 The memory is the load's own: each form is made once, by one of the two, and the mapped bytes of
-one tensor at a time. The C pool takes one caller at a time, so the loader converts nothing of its
-own while the thread runs (:meth:`Prefetch.take` of an unplanned form waits for the thread to end).
-A failure on the thread (a truncated file) only leaves its forms to the loader, which reports it.
+one tensor at a time. Until the loader claims the prefetch (:func:`claim`, once the imports are done)
+a form's fresh pages are faulted in by the conversion's own writes, not made resident in one call
+(``MAP_POPULATE``): populating holds the process's memory map lock for each mapping, and every
+``mmap`` of the libraries torch loads beside it waits for that (a 1B Q8_0's 1.3 GB populated beside
+``import torch`` made the import 0.4-0.5 s slower, 2-core AMD EPYC VM; faulting in, no slower).
+The C pool takes one caller at a time, so the loader converts nothing of its own while the thread
+runs (:meth:`Prefetch.take` of an unplanned form waits for the thread to end). A failure on the
+thread (a truncated file) only leaves its forms to the loader, which reports it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class Prefetch:
         self.path, self.error = path, None
         #: forms handed to the loader
         self.taken = 0
+        #: set by :func:`claim`: the imports are done, fresh pages are populated in one call
+        self.claimed = threading.Event()
         self._plan: dict[tuple[str, ...], gguf_plan.Planned] | None = None
         self._done: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
         self._cond = threading.Condition()
@@ -60,7 +67,7 @@ class Prefetch:
                 with self._cond:
                     if not self._running:
                         return
-                arrays = _convert_one(self.path, tensors, p)
+                arrays = _convert_one(self.path, tensors, p, populate=self.claimed.is_set())
                 with self._cond:
                     self._done[p.names] = arrays
                     self._cond.notify_all()
@@ -107,11 +114,12 @@ def _same(p: gguf_plan.Planned | None, kind: str, rows: list[np.ndarray | None])
         for a, b in zip(p.rows, rows, strict=True))
 
 
-def _convert_one(path: Path, tensors: dict, p: gguf_plan.Planned) -> tuple[np.ndarray, np.ndarray]:
-    """The form ``p`` from the file's bytes, its parts converted one at a time into their rows."""
+def _convert_one(path: Path, tensors: dict, p: gguf_plan.Planned, populate: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The form ``p`` from the file's bytes, its parts converted one at a time into their rows
+    (``populate``: its pages made resident before, :func:`~quanta.model.native.repack.empty_arrays`)."""
     k = gguf_plan.shape(tensors[p.names[0]])[1]
     sizes = [gguf_plan.shape(tensors[n])[0] for n in p.names]
-    data, scales = repack.empty_arrays(p.kind, sum(sizes), k)
+    data, scales = repack.empty_arrays(p.kind, sum(sizes), k, populate)
     start = 0
     for name, n, rows in zip(p.names, sizes, p.rows, strict=True):
         part = slice(start, start + n) if p.kind == "fp16" else slice(start // 8, (start + n) // 8)
@@ -140,4 +148,5 @@ def claim(path: str | os.PathLike[str]) -> Prefetch | None:
         if _current is None or _current.path != Path(os.path.realpath(path)):
             return None
         taken, _current = _current, None
+        taken.claimed.set()
         return taken

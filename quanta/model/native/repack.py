@@ -92,20 +92,22 @@ def layout(kind: str, n: int, k: int) -> tuple[tuple[tuple[int, ...], np.dtype],
     return ((g, b, 256), np.dtype(np.int8)), ((g, b, 8), f16)
 
 
-def empty_arrays(kind: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def empty_arrays(kind: str, n: int, k: int, populate: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Numpy ``(data, scales)`` of form ``kind`` (:func:`layout`), to be overwritten, each in private
-    anonymous pages of its own, made resident in one call (``MAP_POPULATE``, without the GIL): faulting
-    them in one by one from the conversion's threads cost twice that (1.3 GB: ~0.76 s against ~0.43 s,
-    a 2-core AMD EPYC VM), and ``np.empty`` asks for huge pages from 4 MiB on, whose first touch took
-    0.4-3.2 s (the kernel compacting memory for them)."""
-    return tuple(_resident(shape, dtype) for shape, dtype in layout(kind, n, k))
+    anonymous pages of its own, with ``populate`` made resident in one call (``MAP_POPULATE``, without
+    the GIL): faulting them in one by one from the conversion's threads cost twice that (1.3 GB: ~0.76 s
+    against ~0.43 s, a 2-core AMD EPYC VM), but a populating call holds the memory map lock that other
+    threads' ``mmap`` calls wait for (:mod:`quanta.model.gguf_prefetch` converts beside imports without
+    it). ``np.empty`` asks for huge pages from 4 MiB on, whose first touch took 0.4-3.2 s (the kernel
+    compacting memory for them)."""
+    return tuple(_resident(shape, dtype, populate) for shape, dtype in layout(kind, n, k))
 
 
-def _resident(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _resident(shape: tuple[int, ...], dtype: np.dtype, populate: bool) -> np.ndarray:
     size = int(np.prod(shape)) * dtype.itemsize
     if size == 0:
         return np.empty(shape, dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return np.frombuffer(mmap.mmap(-1, size, flags=flags), dtype=dtype).reshape(shape)
 
 
