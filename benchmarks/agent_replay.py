@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"kind": "agent_replay", "date": datetime.now(UTC).isoformat(timespec="seconds"),
            "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
            "code_version": code_version(), "machine": machine(), "args": vars(args), "conditions": conditions}
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    out.with_name(out.name + ".json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)
-    out.with_suffix(".md").write_text(text)
+    out.with_name(out.name + ".md").write_text(text)
     print(text)
     return 0
 

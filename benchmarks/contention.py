@@ -142,7 +142,7 @@ def measure(cmd: list[str], loads: list[int], quick: bool, prefix: Path) -> dict
     """Start the server, warm it, then run the measured workloads under each background load in turn
     (the server goes on across loads, as one would while other work comes and goes)."""
     port = int(cmd[cmd.index("--port") + 1])
-    proc = start(cmd, port, prefix.with_suffix(".log"))
+    proc = start(cmd, port, prefix.with_name(prefix.name + ".log"))
     try:
         url = f"http://127.0.0.1:{port}"
         bench(url, WARMUP, "throughput", prefix.with_name(prefix.name + "-warmup"))

@@ -61,6 +61,7 @@ from peer_llama_cpp import (  # noqa: E402
     WORKLOADS,
     ServerStartError,
     bench_run,
+    beside,
     build_llama_server,
     figure,
     free_port,
@@ -245,7 +246,7 @@ def main() -> int:
         out = Path(args.out) if "/" in args.out else Path(__file__).parent / "results" / args.out
         summary = {key: {s: summarize(v) for s in SERVERS if (v := values(rounds[s], key))} for key in ROWS}
         write_result(out, table, {**info, "summary": summary, "per_round": rounds})
-        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+        print(f"wrote {beside(out, '.md')} and {beside(out, '.json')}")
     return 0
 
 

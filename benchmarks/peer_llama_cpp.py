@@ -214,7 +214,7 @@ def bench_run(url: str, flags: list[str], out: Path) -> dict:
 
 def read_run(out: Path) -> dict:
     """The single run of the ``quanta bench run`` result ``out``.json."""
-    return json.loads(out.with_suffix(".json").read_text())["conditions"][0]["runs"][0]
+    return json.loads(beside(out, ".json").read_text())["conditions"][0]["runs"][0]
 
 
 def summarize(values: list[float]) -> dict:
@@ -269,11 +269,17 @@ def main() -> int:
     return 0
 
 
+def beside(prefix: Path, ext: str) -> Path:
+    """``prefix`` with ``ext`` appended, as ``quanta bench`` names its files: a name may hold dots
+    (``llama-3.2-1b``), which ``with_suffix`` would cut."""
+    return prefix.with_name(prefix.name + ext)
+
+
 def write_result(out: Path, table: str, record: dict) -> None:
     """``out``.md (the table) and ``out``.json (the record), the folder made if missing."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    beside(out, ".md").write_text(table)
+    beside(out, ".json").write_text(json.dumps(record, indent=2))
 
 
 def startup_line(log: Path) -> str:

@@ -51,7 +51,7 @@ def measured(prefix: Path, name: str) -> tuple[Workload, dict]:
 
 def measured_routed(prefix: Path) -> dict[str, list[int] | None]:
     """Requests per replica of each condition, as the real run's front counted them (``PREFIX.json``)."""
-    return {r["condition"]: r["routed"] for r in json.loads(prefix.with_suffix(".json").read_text(encoding="utf-8"))}
+    return {r["condition"]: r["routed"] for r in json.loads(prefix.with_name(prefix.name + ".json").read_text(encoding="utf-8"))}
 
 
 def simulated(profile: Profile, name: str, w: Workload, cond: dict) -> dict:
