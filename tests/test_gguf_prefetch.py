@@ -91,9 +91,10 @@ def test_fresh_pages_are_populated_only_once_claimed(tmp_path, monkeypatch):
     asked.clear()
     go.clear()
     prefetch = gguf_prefetch.start(path)
-    while not asked:  # the first form is being converted, unclaimed
+    deadline = time.monotonic() + 30
+    while not asked and time.monotonic() < deadline:  # the first form is being converted, unclaimed
         time.sleep(0.001)
-    assert gguf_prefetch.claim(path) is prefetch
+    assert asked and gguf_prefetch.claim(path) is prefetch
     go.set()
     _wait_asked(prefetch, asked)
     prefetch.close()
