@@ -139,15 +139,15 @@ def test_pairing_follows_prompt_sizes_when_the_front_reorders_a_burst():
     assert reordered_share([{"clock_origin": 100.0, "samples": samples, "trace": trace}]) == 1.0
 
 
-def test_the_front_noise_is_fitted_and_a_burst_keeps_its_send_order():
-    noisy = FrontModel(0.006, 2e-6, 0.001, noise=[-0.002, -0.001, 0.0, 0.001, 0.004])
+def test_the_front_noise_is_fitted_and_its_loop_keeps_the_send_order():
+    noisy = FrontModel(0.006, 2e-6, 0.001, noise=[-0.002, -0.001, 0.0, 0.001, 0.004], workers=1)
     burst = Workload(kind="burst", num_requests=8, prompt_words=400, prompt_dist="uniform:0.9", max_tokens=2)
     delays = set()
     for seed in range(4):
         run = simulate(with_front(noisy), SCHED, Workload(**{**burst.__dict__, "seed": seed}))
         pairs = paired(run)
         assert len({s["prompt_tokens"] for s, _ in pairs}) == 8  # distinct sizes: the pairing is exact
-        assert [s["sent"] for s, _ in pairs] == sorted(s["sent"] for s, _ in pairs)  # handed over in send order
+        assert [s["sent"] for s, _ in pairs] == sorted(s["sent"] for s, _ in pairs)  # one thread: in send order
         delays |= {round(a[1] - s["sent"], 6) for s, a in pairs}
         assert all(a[1] - s["sent"] >= 0.004 - 1e-9 for s, a in pairs)
     assert len(delays) > 8  # the noise varies each request's delay
@@ -155,4 +155,32 @@ def test_the_front_noise_is_fitted_and_a_burst_keeps_its_send_order():
     m = fit_front(runs)
     assert m.request_s == pytest.approx(0.006, abs=3e-4) and m.prompt_token_s == pytest.approx(2e-6, abs=5e-7)
     assert m.noise[0] == pytest.approx(-0.002, abs=3e-4) and m.noise[-1] == pytest.approx(0.004, abs=3e-4)
-    assert m.fit["reordered_pairs"] in (None, 0.0)  # the simulated front never reverses a burst
+
+
+@pytest.mark.parametrize("workers, handed", [
+    (2, [(1, 0.0065), (2, 0.0076), (3, 0.0087), (0, 0.025)]),  # the long prompt holds one thread, the rest pass
+    (1, [(0, 0.025), (1, 0.0255), (2, 0.0261), (3, 0.0268)]),  # one thread: each waits for the one before
+    (4, [(1, 0.0065), (2, 0.0076), (3, 0.0087), (0, 0.025)]),
+])
+def test_a_burst_crosses_the_loop_in_send_order_then_the_tokenizing_threads(workers, handed):
+    front = FrontModel(request_s=0.005, prompt_token_s=1e-5, workers=workers)
+    w = Workload(kind="burst", num_requests=4, prompt_words=10, max_tokens=1)
+    # sent at 0, 1, 2, 3 ms; the loop takes each 5 ms after its send, then a thread 10 us per token
+    run = simulate(with_front(front), SCHED, w, prompt_lengths=[2000, 50, 60, 70], send_delays=[0.0, 0.001, 0.002, 0.003])
+    sent = {s["prompt_tokens"]: s["id"] for s in run["samples"]}
+    arrivals = sorted((a[1], sent[a[3]]) for rec in run["trace"] for a in rec["arrivals"])
+    assert [i for _, i in arrivals] == [i for i, _ in handed]
+    assert [t for t, _ in arrivals] == pytest.approx([t for _, t in handed])
+    if workers > 1:
+        assert reordered_share([{**run, "clock_origin": 0.0}]) == pytest.approx(0.5)  # 3 of the 6 pairs
+
+
+def test_a_profile_front_without_workers_has_the_servers_and_refuses_bad_ones():
+    from quanta.server.limits import PROMPT_WORKERS
+
+    d = with_front(FRONT).to_dict()
+    del d["front"]["workers"]
+    assert Profile.from_dict(d).front.workers == PROMPT_WORKERS
+    for bad in (0, 1.5, "2", None):
+        with pytest.raises(ProfileError, match="workers"):
+            Profile.from_dict({**d, "front": {**d["front"], "workers": bad}})

@@ -2,17 +2,27 @@
 
 A simulated request reaches the engine when the client sends it; a real one first crosses the HTTP
 front (the connection, the body parsed, the prompt tokenized; behind a cluster front also the router
-and the Ray hop), and each token it streams crosses it again. :class:`FrontModel` prices both::
+and the Ray hop), and each token it streams crosses it again. :class:`FrontModel` prices both, in the
+front's two stages::
 
-    delay in  = request_s + prompt_token_s * prompt tokens + e    (client send -> engine queue)
-    delay out = response_s                                        (end of the emitting step -> client)
+    loop       = request_s + e                  (client send -> the prompt ready to tokenize)
+    tokenizing = prompt_token_s * prompt tokens (on the first free of ``workers`` threads -> engine queue)
+    delay out  = response_s                     (end of the emitting step -> client)
 
-where ``e`` is drawn per request from ``noise`` (the quantiles of the fitted delays' residuals), and no
-request is handed over before one sent earlier. A real front keeps most of a burst's send order (of the
-pairs of requests sent within 5 ms of each other, ``fit.reordered_pairs`` is the share it handed over the
-other way round: 10-16% on the Mooncake windows of ``benchmarks/sim_holdout.sh``), whatever the prompt
-sizes; the order decides which prompt the batched scheduler prefills first. Independent noise alone would
-shuffle a burst (half the pairs), a per-token term alone would sort it shortest first.
+where ``e`` is drawn per request from ``noise`` (the quantiles of the fitted delays' residuals). The loop
+stage keeps the send order (no request leaves it before one sent earlier); the tokenizing stage is the
+server's prompt pool (``quanta.server.limits.PROMPT_WORKERS`` threads): a long prompt holds one thread
+while shorter ones sent after it pass on the other, and a burst's requests queue for the threads. A lone
+request's delay is the sum of the two (:meth:`FrontModel.delay`).
+
+What the two stages reproduce of a real front, on the Mooncake windows of ``benchmarks/sim_holdout.sh``:
+of the pairs of requests sent within 5 ms of each other (``fit.reordered_pairs``), a real front hands
+10-23% over the other way round; its burst's requests reach the engine within a few milliseconds of each
+other, tens of milliseconds after the send; and the longest prompt of a burst is often handed over last
+whatever its place in the send order. The order decides which prompt the batched scheduler prefills
+first, and so a window's tail time to first token. Independent noise alone would shuffle a burst (half the
+pairs), a per-token term outside the send order would sort every burst shortest first, and the send order
+alone never moves a long prompt back.
 
 Fitted (:func:`fit_front`) from runs of ``quanta bench`` against a server on the same host: the run's
 ``clock_origin`` puts the client's times on the host's monotonic clock, which the server's trace is
@@ -23,7 +33,9 @@ another host, is left out). ``prompt_token_s`` is the non-negative least-squares
 the prompt sizes, ``request_s`` the median of what remains, ``noise`` 20 quantiles of the residuals, and
 ``response_s`` the median, over every streamed chunk, of its arrival at the client minus the end of the
 latest step that emitted a token of its request before it: medians, so the simulated latency is the
-typical crossing, not one pulled by a few queued ones.
+typical crossing, not one pulled by a few queued ones. The per-token term is fitted under the measured
+load, so it holds what tokenizing costs beside a running engine (whose threads take the cores), and the
+body's transfer and parsing with it; the simulation charges all of it to the tokenizing stage.
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ NOISE_QUANTILES = 20
 BURST_S = 0.005
 #: a paired delay outside [0, this] seconds means the clocks are not one host's: the run is left out
 MAX_DELAY_S = 60.0
+#: threads of the front's tokenizing stage: the server's prompt pool (``quanta.server.limits.PROMPT_WORKERS``)
+WORKERS = 2
 
 
 class FrontModelError(ValueError):
@@ -61,12 +75,23 @@ class FrontModel:
     noise: list[float] = field(default_factory=list)
     #: how it was fitted: requests, chunks, runs left out, residuals
     fit: dict = field(default_factory=dict)
+    #: threads of the tokenizing stage
+    workers: int = WORKERS
+
+    def loop_delay(self, rng: random.Random | None = None) -> float:
+        """Seconds from the client's send to the prompt ready to tokenize, when nothing sent earlier is still
+        in the loop stage: ``request_s`` plus a residual drawn from ``noise`` with ``rng`` (0 at least)."""
+        e = rng.choice(self.noise) if rng is not None and self.noise else 0.0
+        return max(0.0, self.request_s + e)
+
+    def tokenize_s(self, prompt_tokens: int) -> float:
+        """Seconds one tokenizing thread takes for a prompt of ``prompt_tokens``."""
+        return self.prompt_token_s * prompt_tokens
 
     def delay(self, prompt_tokens: int, rng: random.Random | None = None) -> float:
-        """Seconds from the client's send to the engine's queue for a prompt of ``prompt_tokens``: the fitted
-        line, plus a residual drawn from ``noise`` with ``rng`` (0 at least)."""
-        e = rng.choice(self.noise) if rng is not None and self.noise else 0.0
-        return max(0.0, self.request_s + self.prompt_token_s * prompt_tokens + e)
+        """Seconds from the client's send to the engine's queue for a prompt of ``prompt_tokens`` that finds
+        the front idle: the fitted line, plus a residual drawn from ``noise`` with ``rng`` (0 at least)."""
+        return self.loop_delay(rng) + self.tokenize_s(prompt_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,9 +104,11 @@ class FrontModel:
             raise FrontModelError(f"front must be an object, got {type(d).__name__}")
         try:
             m = cls(float(d["request_s"]), float(d.get("prompt_token_s", 0.0)), float(d.get("response_s", 0.0)),
-                    [float(e) for e in d.get("noise") or []], dict(d.get("fit") or {}))
+                    [float(e) for e in d.get("noise") or []], dict(d.get("fit") or {}), d.get("workers", WORKERS))
         except (KeyError, TypeError, ValueError) as exc:
             raise FrontModelError(f"malformed front: {exc!r}") from exc
+        if type(m.workers) is not int or m.workers < 1:
+            raise FrontModelError(f"front: workers must be an integer >= 1, got {m.workers!r}")
         if not all(math.isfinite(x) and x >= 0 for x in (m.request_s, m.prompt_token_s, m.response_s)):
             raise FrontModelError("front: request_s, prompt_token_s and response_s must be finite and >= 0")
         if not all(math.isfinite(e) for e in m.noise):

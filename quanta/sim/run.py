@@ -30,8 +30,8 @@ tokens; entries <= 0 fall back). With ``send_delays``, request i is sent
 that many seconds after its scheduled time (e.g. the bench client's
 measured ``sent - scheduled``: a burst's requests arrive spread over some
 milliseconds, not at one instant). It reaches the engine when sent, or with a
-front model (:mod:`quanta.sim.front`) that model's delay for its prompt later,
-never before a request sent earlier. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
+front model (:mod:`quanta.sim.front`) later, when it has crossed the model's
+two stages: the loop's in send order, then the first free tokenizing thread's. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
 the budget and prefix sharing ``quanta serve`` would have, so admission waits
 for blocks and a short pool preempts and recomputes as in the engine; without
 it, a pool that never runs short, with prefix sharing when ``prefix_cache``.
@@ -105,7 +105,8 @@ class Simulation:
         self._pending: list[tuple[float, int, _Req]] = []  # (sent, order, request): not sent yet
         self._front: list[tuple[float, int, _Req]] = []  # (submitted, order, request): sent, crossing the front
         self._front_rng = random.Random(f"{self.noise_seed}/front")
-        self._front_free = 0.0  # the front hands requests over in the order they were sent: none before this
+        self._front_free = 0.0  # the front's loop takes requests in the order they were sent: none before this
+        self._workers: list[float] = []  # when each of the front's tokenizing workers is free (a heap)
         self._order = itertools.count()
         self._live: dict[int, _Req] = {}
         self._hooks: list[Callable[[], None]] = []
@@ -139,14 +140,22 @@ class Simulation:
         return r
 
     def _cross_front(self) -> None:
-        """Requests sent by now enter the front, in the order they were sent; each is handed to the engine its
-        front delay after its send (:meth:`FrontModel.delay`, its noise drawn with this run's noise seed), and
-        not before one sent earlier: a real front keeps most of a burst's send order (quanta.sim.front)."""
+        """Requests sent by now enter the front in the order they were sent and cross its two stages
+        (quanta.sim.front): the loop's, :meth:`FrontModel.loop_delay` after the send (its noise drawn with this
+        run's noise seed) and not before one sent earlier; then the first free tokenizing thread's,
+        :meth:`FrontModel.tokenize_s`, after which the request is handed to the engine."""
         front = self.profile.front
         while self._pending and self._pending[0][0] <= self.clock.t:
             r = heapq.heappop(self._pending)[2]
-            delay = front.delay(r.prompt_len, self._front_rng) if front else 0.0
-            r.submitted_at = self._front_free = max(r.sent_at + delay, self._front_free)
+            if front is None:
+                r.submitted_at = r.sent_at
+            else:
+                self._front_free = max(r.sent_at + front.loop_delay(self._front_rng), self._front_free)
+                if len(self._workers) < front.workers:
+                    heapq.heappush(self._workers, 0.0)
+                start = max(self._front_free, heapq.heappop(self._workers))
+                r.submitted_at = start + front.tokenize_s(r.prompt_len)
+                heapq.heappush(self._workers, r.submitted_at)
             heapq.heappush(self._front, (r.submitted_at, next(self._order), r))
 
     def _handed_over(self) -> list[_Req]:
