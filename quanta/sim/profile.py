@@ -20,9 +20,10 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
       "mixed_decode_factor": 1.0,                # share of the decode cost a fused step pays
       "step_model": {...},                       # optional: the per-step cost model fitted to engine traces
                                                  # (quanta.sim.step_model); when present it alone prices a step
-      "front": {"request_s": s, "prompt_token_s": s, "response_s": s, "noise": [s, ...]},  # optional: the
-                                                 # server front's latency, client -> engine and engine -> client,
-                                                 # and the residuals drawn per request (quanta.sim.front)
+      "front": {"request_s": s, "prompt_token_s": s, "response_s": s, "noise": [s, ...], "workers": 2},
+                                                 # optional: the server front's latency, client -> engine (its
+                                                 # loop, then one of `workers` tokenizing threads) and engine ->
+                                                 # client, and the residuals drawn per request (quanta.sim.front)
       "step_noise": {"factors": [...], "source": "...",   # optional: each simulated step's cost is
                      "by_cost": [{"up_to_s": s, "factors": [...]}, ...],  # multiplied by a factor drawn
                      "steady_decode": [...]},    # uniformly from steady_decode for a step of decode rows that
