@@ -41,6 +41,7 @@ body's transfer and parsing with it; the simulation charges all of it to the tok
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import random
 import statistics
@@ -96,6 +97,10 @@ class FrontModel:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def stages(self, rng: random.Random | None = None) -> FrontStages:
+        """A front of this model, empty, drawing its residuals with ``rng``."""
+        return FrontStages(self, rng)
+
     @classmethod
     def from_dict(cls, d) -> FrontModel:
         """Raises:
@@ -114,6 +119,22 @@ class FrontModel:
         if not all(math.isfinite(e) for e in m.noise):
             raise FrontModelError("front: noise must be finite residuals")
         return m
+
+
+class FrontStages:
+    """The front's two stages as requests cross them, in the order they are sent (module docstring)."""
+
+    def __init__(self, model: FrontModel, rng: random.Random | None = None) -> None:
+        self.model, self.rng = model, rng
+        self._loop_free = 0.0  # the loop lets no request go before one sent earlier
+        self._threads = [0.0] * model.workers  # when each tokenizing thread is free (a heap)
+
+    def cross(self, sent: float, prompt_tokens: int) -> float:
+        """When a request sent at ``sent`` (not before any earlier call's) reaches the engine."""
+        self._loop_free = max(sent + self.model.loop_delay(self.rng), self._loop_free)
+        done = max(self._loop_free, heapq.heappop(self._threads)) + self.model.tokenize_s(prompt_tokens)
+        heapq.heappush(self._threads, done)
+        return done
 
 
 def paired(run: dict, trace: list[dict] | None = None) -> list[tuple[dict, list]] | None:

@@ -104,9 +104,8 @@ class Simulation:
         self.samples: list[RequestSample] = []
         self._pending: list[tuple[float, int, _Req]] = []  # (sent, order, request): not sent yet
         self._front: list[tuple[float, int, _Req]] = []  # (submitted, order, request): sent, crossing the front
-        self._front_rng = random.Random(f"{self.noise_seed}/front")
-        self._front_free = 0.0  # the front's loop takes requests in the order they were sent: none before this
-        self._workers: list[float] = []  # when each of the front's tokenizing workers is free (a heap)
+        front = profile.front
+        self._front_stages = front.stages(random.Random(f"{self.noise_seed}/front")) if front else None
         self._order = itertools.count()
         self._live: dict[int, _Req] = {}
         self._hooks: list[Callable[[], None]] = []
@@ -144,18 +143,10 @@ class Simulation:
         (quanta.sim.front): the loop's, :meth:`FrontModel.loop_delay` after the send (its noise drawn with this
         run's noise seed) and not before one sent earlier; then the first free tokenizing thread's,
         :meth:`FrontModel.tokenize_s`, after which the request is handed to the engine."""
-        front = self.profile.front
         while self._pending and self._pending[0][0] <= self.clock.t:
             r = heapq.heappop(self._pending)[2]
-            if front is None:
-                r.submitted_at = r.sent_at
-            else:
-                self._front_free = max(r.sent_at + front.loop_delay(self._front_rng), self._front_free)
-                if len(self._workers) < front.workers:
-                    heapq.heappush(self._workers, 0.0)
-                start = max(self._front_free, heapq.heappop(self._workers))
-                r.submitted_at = start + front.tokenize_s(r.prompt_len)
-                heapq.heappush(self._workers, r.submitted_at)
+            stages = self._front_stages
+            r.submitted_at = stages.cross(r.sent_at, r.prompt_len) if stages else r.sent_at
             heapq.heappush(self._front, (r.submitted_at, next(self._order), r))
 
     def _handed_over(self) -> list[_Req]:
