@@ -17,7 +17,7 @@ request's delay is the sum of the two (:meth:`FrontModel.delay`).
 
 What the two stages reproduce of a real front, on the Mooncake windows of ``benchmarks/sim_holdout.sh``:
 of the pairs of requests sent within 5 ms of each other (``fit.reordered_pairs``), a real front hands
-10-23% over the other way round; its burst's requests reach the engine within a few milliseconds of each
+10-25% over the other way round; its burst's requests reach the engine within a few milliseconds of each
 other, tens of milliseconds after the send; and the longest prompt of a burst is often handed over last
 whatever its place in the send order. The order decides which prompt the batched scheduler prefills
 first, and so a window's tail time to first token. Independent noise alone would shuffle a burst (half the
