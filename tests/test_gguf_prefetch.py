@@ -91,9 +91,7 @@ def test_fresh_pages_are_populated_only_once_claimed(tmp_path, monkeypatch):
     asked.clear()
     go.clear()
     prefetch = gguf_prefetch.start(path)
-    deadline = time.monotonic() + 30
-    while not asked and time.monotonic() < deadline:  # the first form is being converted, unclaimed
-        time.sleep(0.001)
+    _until(lambda: asked)  # the first form is being converted, unclaimed
     assert asked and gguf_prefetch.claim(path) is prefetch
     go.set()
     _wait_asked(prefetch, asked)
@@ -103,8 +101,13 @@ def test_fresh_pages_are_populated_only_once_claimed(tmp_path, monkeypatch):
 
 def _wait_asked(prefetch: gguf_prefetch.Prefetch, asked: list) -> None:
     """Until every planned form's arrays were asked for (close() stops after the form being converted)."""
-    deadline = time.monotonic() + 30
-    while (not prefetch.planned or len(asked) < prefetch.planned) and time.monotonic() < deadline:
+    _until(lambda: prefetch.planned and len(asked) >= prefetch.planned)
+
+
+def _until(done, seconds: float = 30.0) -> None:
+    """Poll ``done()`` every millisecond until it is true or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
