@@ -24,15 +24,15 @@ from quanta.sim.compare import (
     FIGURES,
     STEPS,
     CompareError,
+    chance,
     compare,
-    markdown_table,
     ratio_rows,
-    ratio_table,
     row,
     sched_config,
     simulate_condition,
     summary,
 )
+from quanta.sim.compare_report import markdown_table, ratio_table, summary_lines
 from quanta.sim.run import Simulation, condition
 
 
@@ -120,7 +120,7 @@ def test_each_figure_is_checked_against_the_measured_spread():
     keys = [k for k, _, _ in FIGURES]
     measured = [{k: 1.0 for k in keys}, {k: 1.2 for k in keys}, {k: 1.1 for k in keys}]
     sims = {"ttft_p50": 1.15, "ttft_p99": 1.25, "itl_p50": 1.0, "itl_p99": 0.995, "throughput": 2.0, "prefill_rate": 1.2}
-    r = row("m.json", "c", None, BURST, measured, [sims])
+    r = row("m.json", "c", None, BURST.describe(), measured, [sims])
     assert r["spread"]["ttft_p50"] == (1.0, 1.2)
     assert r["outside"] == ["ttft_p99", "itl_p99", "throughput"]  # 1.25 > 1.2, 0.995 < 1.0, 2.0 > 1.2
     assert r["misses"] == ["ttft_p99", "throughput"]  # 0.995 is within 10% of the median 1.1; 1.25 and 2.0 are not
@@ -131,16 +131,16 @@ def test_each_figure_is_checked_against_the_measured_spread():
 
 def test_ratios_between_the_conditions_of_a_file_are_compared():
     keys = [k for k, _, _ in FIGURES]
-    base = row("m.json", "q128", None, BURST, [{k: 2.0 for k in keys}], [{k: 2.0 for k in keys}])
-    other = row("m.json", "q2048", None, BURST, [{k: 1.0 for k in keys}], [{k: 1.1 for k in keys}])
-    alone = row("n.json", "x", None, BURST, [{k: 1.0 for k in keys}], [{k: 1.0 for k in keys}])
+    base = row("m.json", "q128", None, BURST.describe(), [{k: 2.0 for k in keys}], [{k: 2.0 for k in keys}])
+    other = row("m.json", "q2048", None, BURST.describe(), [{k: 1.0 for k in keys}], [{k: 1.1 for k in keys}])
+    alone = row("n.json", "x", None, BURST.describe(), [{k: 1.0 for k in keys}], [{k: 1.0 for k in keys}])
     (r,) = ratio_rows([base, other, alone])  # n.json has one condition: no ratio
     assert (r["condition"], r["over"]) == ("q2048", "q128")
     assert r["ratio"]["ttft_p99"] == pytest.approx((0.55, 0.5)) and r["rel_error"]["ttft_p99"] == pytest.approx(0.1)
     assert "| q2048 over q128 | 0.55 / 0.50 (0.50-0.50) +10% **miss** |" in ratio_table([r])  # one repeat: no spread
     # two repeats each: the measured ratio spreads 0.4-0.6 (repeat by repeat), so 0.55 is inside and 0.7 a miss
-    base = row("m.json", "q128", None, BURST, [{k: 2.0 for k in keys}, {k: 2.5 for k in keys}], [{k: 2.0 for k in keys}])
-    wide = row("m.json", "q2048", None, BURST, [{k: 1.2 for k in keys}, {k: 1.0 for k in keys}],
+    base = row("m.json", "q128", None, BURST.describe(), [{k: 2.0 for k in keys}, {k: 2.5 for k in keys}], [{k: 2.0 for k in keys}])
+    wide = row("m.json", "q2048", None, BURST.describe(), [{k: 1.2 for k in keys}, {k: 1.0 for k in keys}],
                [{**{k: 1.1 for k in keys}, "itl_p99": 1.4}])
     (r,) = ratio_rows([base, wide])
     assert r["spread"]["ttft_p99"] == pytest.approx((0.4, 0.6)) and r["outside"] == r["misses"] == ["itl_p99"]
@@ -313,3 +313,42 @@ def test_a_cancelled_stream_takes_its_prompt_length_from_the_trace_cached_prefix
     assert prompt_lengths(run) == [50, 400]
     old = [{k: v for k, v in r.items() if k != "positions"} for r in trace]  # a trace without positions
     assert prompt_lengths({**run, "trace": old}) == [50, 80]
+
+
+def draws_row(name: str, source: str, draws: list[list[float]]) -> dict:
+    """A row whose simulated draws (``[repeat][draw]``) have every figure at ``scale x (its index + 1)``."""
+    figs = [[{k: v * (i + 1) for i, (k, _, _) in enumerate(FIGURES)} for v in d] for d in draws]
+    r = row(source, name, None, BURST.describe(), [d[0] for d in figs], [f for d in figs for f in d[1:]])
+    r["draws"] = figs
+    return r
+
+
+def test_chance_takes_each_draw_as_the_measured_repeats_against_the_others():
+    # 3 repeats x 4 draws; draw 2 of every repeat is 1.5x the others: taken as measured it is 33% off the
+    # others' median and outside its own (zero) spread; any other draw against the rest is inside its spread
+    r = draws_row("c", "a.json", [[1.5 if k == 2 else 1.0 + 0.01 * rep for k in range(4)] for rep in range(3)])
+    c = chance([r])
+    assert c["draws"] == 4 and c["misses"] == [0, 0, len(FIGURES), 0]
+    assert c["none"] == 0.75 and c["per_figure"] == {k: 0.25 for k, _, _ in FIGURES}
+    assert c["ratio_misses"] == [0, 0, 0, 0]  # one condition: no ratio
+
+
+def test_chance_counts_the_ratios_between_a_files_conditions_apart():
+    # the second condition's draw 0 is 3x the first's, its other draws 2x: draw 0 taken as measured misses
+    # the second condition's figures and every ratio by a third; the other draws against the rest miss nothing
+    first = draws_row("q128", "p.json", [[1.0] * 8 for _ in range(3)])
+    second = draws_row("q2048", "p.json", [[3.0 if k == 0 else 2.0 for k in range(8)] for _ in range(3)])
+    c = chance([first, second])
+    assert c["misses"] == [len(FIGURES)] + [0] * 7
+    assert c["ratio_misses"] == [len(FIGURES)] + [0] * 7
+
+
+def test_compare_reports_the_chance_misses_with_two_draws_or_more():
+    noisy = Profile(**{**prof().__dict__, "step_noise": [0.5, 1.0, 2.0]})
+    doc = bench_doc(prof(), BURST, repeats=2)
+    assert summary(compare(noisy, [("m.json", doc)]))["chance"] is None  # one draw: nothing to stand in
+    rows = compare(noisy, [("m.json", doc)], draws=3)
+    assert all(len(r["draws"]) == 2 and all(len(d) == 3 for d in r["draws"]) for r in rows)
+    c = summary(rows)["chance"]
+    assert c["draws"] == 3 and len(c["misses"]) == 3 and 0 <= c["none"] <= 1
+    assert "an exact simulator would miss" in summary_lines(summary(rows))

@@ -353,7 +353,7 @@ def _ignored_by_compare(argv: list[str]) -> list[str]:
 def _compare(args, parser, argv, profile) -> int:
     import json
 
-    from quanta.sim import compare
+    from quanta.sim import compare, compare_report
     from quanta.sim.profile import Profile, ProfileError
 
     if args.sweep:
@@ -386,18 +386,18 @@ def _compare(args, parser, argv, profile) -> int:
         parser.error(f"--compare: {exc}")
     command = command_line(argv)
     doc = compare.document(args.profile, rows, command, also)
-    print(compare.markdown_table(rows))
-    print(compare.summary_lines(doc["summary"]))
+    print(compare_report.markdown_table(rows))
+    print(compare_report.summary_lines(doc["summary"]))
     if also:
-        print(f"\nWith {args.also_profile}:\n" + compare.markdown_table(also[1]))
-        print(compare.summary_lines(doc["also_summary"]))
+        print(f"\nWith {args.also_profile}:\n" + compare_report.markdown_table(also[1]))
+        print(compare_report.summary_lines(doc["also_summary"]))
     if out:
         from quanta.bench.output import write_json
 
         md = out.with_name(out.name + ".md")
         try:
             write_json(doc, out.with_name(out.name + ".json"))
-            md.write_text(compare.markdown(doc, profiles, args.title or "quanta simulate vs measured"), encoding="utf-8")
+            md.write_text(compare_report.markdown(doc, profiles, args.title or "quanta simulate vs measured"), encoding="utf-8")
         except OSError as exc:
             parser.error(f"--out: cannot write {exc.filename}: {exc.strerror or exc}")
         print(f"wrote {out.with_name(out.name + '.json')}, {md}", file=sys.stderr)

@@ -259,12 +259,15 @@ def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float, draws
             raise CompareError(f"{path}: condition {cond['name']!r}: the simulation ran past --max-duration "
                                f"{max_duration:g} s before every request finished; raise it")
         measured = cond.get("figures") or [repeat_figures(r["metrics"]) for r in cond["runs"]]
-        rows.append(row(path, cond["name"], cond.get("flags"), w, measured, [repeat_figures(r["metrics"]) for r in runs]))
+        simulated = [repeat_figures(r["metrics"]) for r in runs]
+        rows.append(row(path, cond["name"], cond.get("flags"), w.describe(), measured, simulated))
+        rows[-1]["draws"] = [[{k: f.get(k, math.nan) for k, _, _ in FIGURES} for f in simulated[i:i + draws]]
+                             for i in range(0, len(simulated), draws)]
     return rows
 
 
-def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: list[dict], simulated: list[dict]) -> dict:
-    """One comparison row from per-repeat figures (:func:`repeat_figures`) of both sides:
+def row(source: str, name: str, flags: list[str] | None, workload: str, measured: list[dict], simulated: list[dict]) -> dict:
+    """One comparison row from per-repeat figures (:func:`repeat_figures`) of both sides (``workload``: its description):
     ``measured`` / ``simulated`` hold ``(median, p25, p75)`` per figure, ``rel_error`` the error of the medians,
     ``spread`` the measured ``(min, max)``, ``outside`` the figures whose simulated median is outside it and
     ``misses`` those of them also more than :data:`TOLERANCE` from the measured median; ``repeats`` each
@@ -275,7 +278,7 @@ def row(source: str, name: str, flags: list[str] | None, w: Workload, measured: 
     err = {k: rel_error(sim[k][0], meas[k][0]) for k, _, _ in FIGURES}
     spread = {k: measured_spread(measured, k) for k, _, _ in FIGURES}
     outside = [k for k, _, _ in FIGURES if not math.isnan(err[k]) and not spread[k][0] <= sim[k][0] <= spread[k][1]]
-    return {"source": source, "condition": name, "flags": flags, "workload": w.describe(),
+    return {"source": source, "condition": name, "flags": flags, "workload": workload,
             "measured": meas, "simulated": sim, "rel_error": err, "spread": spread, "outside": outside,
             "misses": [k for k in outside if abs(err[k]) > TOLERANCE],
             "repeats": {k: [_number(f.get(k)) for f in measured] for k, _, _ in FIGURES}}
@@ -300,33 +303,34 @@ def summary(rows: list[dict]) -> dict:
     return {"all": med([r["rel_error"][k] for r in rows for k, _, _ in FIGURES]),
             **{k: med([r["rel_error"][k] for r in rows]) for k, _, _ in FIGURES},
             "misses": sum(len(r["misses"]) for r in rows),
-            "figures": sum(1 for r in rows for k, _, _ in FIGURES if not math.isnan(r["rel_error"][k]))}
+            "figures": sum(1 for r in rows for k, _, _ in FIGURES if not math.isnan(r["rel_error"][k])),
+            "chance": chance(rows)}
 
 
-def _cell(row: dict, key: str, scale: float) -> str:
-    m = row["measured"][key][0]
-    s = row["simulated"][key][0]
-    if math.isnan(m):
-        return f"{s * scale:.1f} / -"
-    lo, hi = row["spread"][key]
-    mark = " **miss**" if key in row["misses"] else " out" if key in row["outside"] else ""
-    return f"{s * scale:.1f} / {m * scale:.1f} ({lo * scale:.1f}-{hi * scale:.1f}) {row['rel_error'][key]:+.0%}{mark}"
+def chance(rows: list[dict]) -> dict | None:
+    """What an exact simulator would miss by chance with these repeats: each simulated draw ``j`` (one per
+    measured repeat, the rows' ``draws``) taken as the measured repeats and the other draws as the simulation,
+    the misses counted as for the real ones (:func:`row`; the ratios apart, :func:`ratio_rows`); None with
+    fewer than 2 draws. A figure's simulated median falls outside the min-max of n repeats of its own
+    distribution with probability 2^(1-n) (25% with 3 repeats, 6% with 5), and a widely spread figure is
+    then often more than :data:`TOLERANCE` off too. The draws vary less than a shared host's repeats (no
+    drift between them), so this is, if anything, below the real comparison's chance rate.
 
-
-def _steps(row: dict, which: str) -> str:
-    return "/".join("-" if math.isnan(row[which][k][0]) else f"{row[which][k][0]:g}" for k in STEPS)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """One line per condition: simulated / measured median (measured min-max) and the relative error of each
-    figure, ``out`` when the simulated median is outside the measured spread, ``**miss**`` when it is also
-    more than :data:`TOLERANCE` from the measured median."""
-    head = "| condition | " + " | ".join(f"{h}: sim / meas (min-max) err" for _, h, _ in FIGURES) + " | steps p/d/m sim vs meas |"
-    lines = [head, "|---|" + "---|" * (len(FIGURES) + 1)]
-    for r in rows:
-        cells = [_cell(r, k, s) for k, _, s in FIGURES]
-        lines.append(f"| {r['condition']} | " + " | ".join(cells) + f" | {_steps(r, 'simulated')} vs {_steps(r, 'measured')} |")
-    return "\n".join(lines)
+    Returns ``{"draws", "misses": [figures missed with each draw taken as measured], "mean", "none": the
+    share of draws with no figure missed, "per_figure": mean misses of each figure, "ratio_misses": [ratios
+    missed with each draw]}``."""
+    draws = min((len(d) for r in rows for d in r.get("draws") or [[]]), default=0)
+    if draws < 2:
+        return None
+    sets, ratio_sets = [], []
+    for j in range(draws):
+        pseudo = [row(r["source"], r["condition"], r["flags"], r["workload"], [d[j] for d in r["draws"]],
+                      [f for d in r["draws"] for k, f in enumerate(d) if k != j]) for r in rows]
+        sets.append([k for r in pseudo for k in r["misses"]])
+        ratio_sets.append(sum(len(r["misses"]) for r in ratio_rows(pseudo)))
+    return {"draws": draws, "misses": [len(s) for s in sets], "mean": statistics.mean(len(s) for s in sets),
+            "none": sum(not s for s in sets) / draws,
+            "per_figure": {k: sum(s.count(k) for s in sets) / draws for k, _, _ in FIGURES}, "ratio_misses": ratio_sets}
 
 
 def ratio_rows(rows: list[dict]) -> list[dict]:
@@ -357,47 +361,6 @@ def _ratio_spread(r: dict, first: dict, key: str) -> tuple[float, float]:
     return (min(vals), max(vals)) if vals else (math.nan, math.nan)
 
 
-def ratio_table(ratios: list[dict]) -> str:
-    """Markdown: simulated / measured ratio (the measured ratio's min-max over repeats) and its error, per
-    figure, for :func:`ratio_rows`, marked as figures are (:func:`markdown_table`)."""
-    head = "| conditions | " + " | ".join(f"{h}: sim / meas ratio (min-max) err" for _, h, _ in FIGURES) + " |"
-    lines = [head, "|---|" + "---|" * len(FIGURES)]
-    for r in ratios:
-        cells = ["-" if math.isnan(r["rel_error"][k]) else _ratio_cell(r, k) for k, _, _ in FIGURES]
-        lines.append(f"| {r['condition']} over {r['over']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _ratio_cell(r: dict, key: str) -> str:
-    lo, hi = r.get("spread", {}).get(key, (math.nan, math.nan))
-    spread = "" if math.isnan(lo) else f" ({lo:.2f}-{hi:.2f})"
-    mark = " **miss**" if key in r.get("misses", []) else " out" if key in r.get("outside", []) else ""
-    return f"{r['ratio'][key][0]:.2f} / {r['ratio'][key][1]:.2f}{spread} {r['rel_error'][key]:+.0%}{mark}"
-
-
-def summary_lines(summ: dict) -> str:
-    per = ", ".join(f"{h} {summ[k]:.0%}" for k, h, _ in FIGURES)
-    misses = (f" {summ['misses']} of {summ['figures']} figures are outside the measured min-max and more than "
-              f"{TOLERANCE:.0%} from the measured median." if "misses" in summ else "")
-    return f"Median absolute relative error: **{summ['all']:.0%}** over all figures; per figure: {per}.{misses}"
-
-
-def _profile_line(label: str, path: str, p: Profile) -> str:
-    dec = ", ".join(f"B={b:g} {t * 1e3:.1f} ms" for b, t in p.decode_points)
-    pre = ", ".join(f"{n:g}: {t * 1e3:.2f}" for n, t in p.prefill_points)
-    return (f"- {label} `{path}` ({p.meta.get('created', 'undated')}): overhead {p.overhead_s * 1e3:.1f} ms/call; decode "
-            f"step net of overhead {dec}; prefill ms/token by chunk {pre}; context {p.prefill_ctx * 1e9:.1f} ns/token/pos "
-            f"(prefill), {p.decode_ctx * 1e9:.1f} ns/pos (decode)" + _step_model_text(p))
-
-
-def _step_model_text(p: Profile) -> str:
-    m = p.step_model
-    if m is None:
-        return ""
-    return (f"; step model: interference {m.interference_s_per_row * 1e3:.2f} ms per decode row beside prompt rows, "
-            f"prefix hit {m.prefix_hit_s_per_token * 1e9:.1f} ns/token, threads {m.threads or 'unknown'}")
-
-
 def document(profile_path: str, rows: list[dict], command: str, also: tuple[str, list[dict]] | None = None) -> dict:
     """The comparison result (written as ``PREFIX.json``)."""
     from datetime import datetime
@@ -410,31 +373,3 @@ def document(profile_path: str, rows: list[dict], command: str, also: tuple[str,
     if also:
         doc["also_profile"], doc["also_rows"], doc["also_summary"] = also[0], also[1], summary(also[1])
     return doc
-
-
-def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:
-    """The report: how it was made, the table, the error summary (and the same with the second profile)."""
-    from quanta.bench.output import machine_text
-
-    sources = sorted({r["source"] for r in doc["rows"]})
-    out = [f"# {title}", "", f"- date: {doc['created']}",
-           f"- machine: {machine_text(doc['machine'])}, Python {doc['machine']['python']}",
-           f"- command: `{doc['command']}`", f"- code: quanta {doc['code']}",
-           "- measured: " + ", ".join(f"`{s}`" for s in sources) + " (quanta bench over HTTP; each row's workload is "
-           "that file's; TTFT from the client, the other figures from the server trace; medians over repeats, "
-           "each cell with the measured min-max)",
-           _profile_line("profile", doc["profile"], profiles[doc["profile"]])]
-    if "also_profile" in doc:
-        out.append(_profile_line("second profile", doc["also_profile"], profiles[doc["also_profile"]]))
-    out += ["", "Each cell: simulated / measured median (measured min-max over repeats) relative error; `out`: the "
-            "simulated median is outside the measured min-max, `**miss**`: and more than "
-            f"{TOLERANCE:.0%} from the measured median. Steps: prefill calls / decode "
-            "steps / mixed steps (median over repeats), simulated vs measured.", "", markdown_table(doc["rows"]), "",
-            summary_lines(doc["summary"])]
-    if doc.get("ratios"):
-        out += ["", "Between the conditions of one measured file (each over the file's first condition): the ratio of "
-                "each figure, simulated / measured, and the simulated ratio's relative error:", "", ratio_table(doc["ratios"])]
-    if "also_profile" in doc:
-        out += ["", f"With the second profile (`{doc['also_profile']}`):", "",
-                markdown_table(doc["also_rows"]), "", summary_lines(doc["also_summary"])]
-    return "\n".join(out) + "\n"
