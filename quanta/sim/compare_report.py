@@ -34,7 +34,6 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-
 def ratio_table(ratios: list[dict]) -> str:
     """Markdown: simulated / measured ratio (the measured ratio's min-max over repeats) and its error, per
     figure, for :func:`ratio_rows`, marked as figures are (:func:`markdown_table`)."""
