@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
-from quanta.bench.output import code_version, machine  # noqa: E402
+from quanta.bench.output import code_version, machine, write_json  # noqa: E402
 from quanta.bench.workloads import Workload  # noqa: E402
 from quanta.sim.compare import simulate_condition  # noqa: E402
 from quanta.sim.front import BURST_S, paired  # noqa: E402
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         when = datetime.now(UTC).isoformat(timespec="seconds")
         meta = f"Measured / simulated ({args.draws} draws per measured repeat). {when}, code {code_version()}.\n\n`{command}`\n\n"
         Path(args.out + ".md").write_text(meta + text + "\n")
-        Path(args.out + ".json").write_text(json.dumps({"rows": rows, "machine": machine(), "created": when,
-                                                        "command": command, "code": code_version()}, indent=1))
+        write_json({"rows": rows, "machine": machine(), "created": when, "command": command, "code": code_version()},
+                   Path(args.out + ".json"))  # a share with no burst to count is NaN: written as null
     return 0
 
 

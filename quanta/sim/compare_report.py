@@ -36,7 +36,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def ratio_table(ratios: list[dict]) -> str:
     """Markdown: simulated / measured ratio (the measured ratio's min-max over repeats) and its error, per
-    figure, for :func:`ratio_rows`, marked as figures are (:func:`markdown_table`)."""
+    figure, for :func:`~quanta.sim.compare.ratio_rows`, marked as figures are (:func:`markdown_table`)."""
     head = "| conditions | " + " | ".join(f"{h}: sim / meas ratio (min-max) err" for _, h, _ in FIGURES) + " |"
     lines = [head, "|---|" + "---|" * len(FIGURES)]
     for r in ratios:

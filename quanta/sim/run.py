@@ -143,9 +143,9 @@ class Simulation:
         (quanta.sim.front): the loop's, :meth:`FrontModel.loop_delay` after the send (its noise drawn with this
         run's noise seed) and not before one sent earlier; then the first free tokenizing thread's,
         :meth:`FrontModel.tokenize_s`, after which the request is handed to the engine."""
+        stages = self._front_stages
         while self._pending and self._pending[0][0] <= self.clock.t:
             r = heapq.heappop(self._pending)[2]
-            stages = self._front_stages
             r.submitted_at = stages.cross(r.sent_at, r.prompt_len) if stages else r.sent_at
             heapq.heappush(self._front, (r.submitted_at, next(self._order), r))
 
