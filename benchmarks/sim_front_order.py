@@ -44,8 +44,9 @@ from quanta.sim.profile import Profile  # noqa: E402
 MIN_BURST = 3
 
 
-def bursts(run: dict) -> list[list[tuple[float, int, float]]]:
-    """The run's bursts, each ``(sent, prompt tokens, handed over)`` per request in send order."""
+def bursts(run: dict, min_size: int = MIN_BURST) -> list[list[tuple[float, int, float]]]:
+    """The run's bursts of ``min_size`` requests or more, each ``(sent, prompt tokens, handed over)`` per
+    request in send order."""
     reqs = sorted((s["sent"], a[3], a[1]) for s, a in paired(run) or [])
     out, cur = [], reqs[:1]
     for r in reqs[1:]:
@@ -54,7 +55,7 @@ def bursts(run: dict) -> list[list[tuple[float, int, float]]]:
         else:
             out.append(cur)
             cur = [r]
-    return [b for b in out + [cur] if len(b) >= MIN_BURST]
+    return [b for b in out + [cur] if len(b) >= min_size]
 
 
 def tally(runs: list[dict], long_tokens: int, st: Counter | None = None) -> Counter:
