@@ -10,8 +10,9 @@ more of them; :func:`sim_front_order.bursts`) two ways:
   its residuals drawn ``--draws`` times per run) hands over reversed for the same sends;
 - **first-sent delay**: per group of files (an argument, its files joined by commas), the least-squares
   line of the first-sent request's delay (handed over minus sent) on its own prompt tokens, the tokens
-  of the requests sent after it in its burst, and their count. A front that hands each request over on its own way leaves the later ones' terms at 0; a
-  front that hands a burst over once it has taken all of it charges them to the first.
+  of the requests sent after it in its burst, and their count. A front that hands each request over on
+  its own way leaves the later ones' terms at 0; a front that hands a burst over once it has taken all
+  of it charges them to the first.
 
 Prints Markdown tables; ``--out PREFIX`` also writes PREFIX.md and PREFIX.json (rows, machine, date,
 command, code). Never run in CI; seconds per file.
