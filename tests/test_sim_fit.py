@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -17,8 +18,8 @@ from quanta.bench import output
 from quanta.bench.workloads import Workload
 from quanta.config import SchedulerConfig
 from quanta.sim import Profile
-from quanta.sim.fit import FitError, fit, steps_from_trace
-from quanta.sim.profile import ProfileError
+from quanta.sim.fit import WAKE_IDLE_S, FitError, fit, steps_from_trace
+from quanta.sim.profile import ProfileError, Wake
 from quanta.sim.run import simulate
 
 TRUE = Profile(prefill_points=[(8, 3e-3), (64, 1.5e-3), (256, 1e-3)], decode_points=[(1, 0.03), (4, 0.033), (8, 0.04)],
@@ -267,3 +268,54 @@ def test_a_simulated_result_is_not_fitted_as_a_measurement(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["profile-engine", "--from-bench", path, "--out", str(tmp_path / "x.json")])
     assert info.value.code == 2 and "simulated, not measured" in capsys.readouterr().err
+
+
+IDLE_WORKLOAD = Workload(kind="poisson", rate=0.5, num_requests=30, prompt_words=150, max_tokens=24)
+
+
+def idle_traces(profile: Profile) -> list[list[dict]]:
+    """Requests ~2 s apart: each reaches an idle engine, its first prompt chunk (64 tokens, as every other) after
+    an idle second or more, its later chunks and decode steps back to back."""
+    sched = SchedulerConfig("batched", 8, {"prefill_quantum": 64, "mixed_prefill_quantum": 64})
+    return [simulate(profile, sched, replace(IDLE_WORKLOAD, seed=s))["trace"] for s in (1, 2)]
+
+
+def test_a_step_after_an_idle_engine_is_fitted_as_the_wake_factor():
+    woken = fit(idle_traces(Profile(**{**TRUE.__dict__, "wake": Wake(1.0, 1.5)})))
+    assert woken.wake is not None and woken.wake.idle_s == WAKE_IDLE_S
+    assert woken.wake.factor == pytest.approx(1.5, rel=0.05)
+    assert woken.wake.steps >= 15  # requests that met an idle engine (some came while another ran)
+    assert statistics.median(woken.step_noise) == pytest.approx(1.0, abs=0.02)  # the factor is not noise too
+    plain = fit(idle_traces(TRUE))
+    assert plain.wake is not None and plain.wake.factor == pytest.approx(1.0, abs=0.02)
+
+
+def test_no_wake_factor_without_steps_after_an_idle_engine():
+    assert fit(calibration_traces()).wake is None  # 6 requests a second: the engine never idles a second
+
+
+def test_the_simulator_charges_the_wake_factor_to_the_first_step_after_an_idle_engine():
+    w = Workload(kind="burst", num_requests=6, prompt_words=100, max_tokens=8)
+    sched, sends = SchedulerConfig("batched", 8), [5.0 * i for i in range(6)]  # each long done before the next
+    plain = simulate(TRUE, sched, w, send_delays=sends)
+    woken = simulate(Profile(**{**TRUE.__dict__, "wake": Wake(1.0, 2.0)}), sched, w, send_delays=sends)
+    def after_idle(run: dict) -> list[int]:
+        trace = run["trace"]
+        return [i for i, r in enumerate(trace) if i == 0 or r["start"] - trace[i - 1]["end"] >= 1.0]
+
+    firsts = after_idle(plain)
+    assert len(firsts) == 6 and after_idle(woken) == firsts  # 5 s between requests that take well under 1 s
+    for i, (a, b) in enumerate(zip(plain["trace"], woken["trace"], strict=True)):
+        assert b["end"] - b["start"] == pytest.approx((2 if i in firsts else 1) * (a["end"] - a["start"])), i
+
+
+@pytest.mark.parametrize("wake, message", [({"idle_s": 1.0, "factor": 0.0}, "wake"), ({"idle_s": -1, "factor": 1.2}, "wake"),
+                                           ({"factor": 1.2}, "idle_s"), ([1.0, 1.2], "wake must be an object")])
+def test_a_bad_wake_block_is_refused(wake, message):
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_dict({**TRUE.to_dict(), "wake": wake})
+
+
+def test_the_wake_block_survives_a_round_trip():
+    p = Profile(**{**TRUE.__dict__, "wake": Wake(1.0, 1.25, 40)})
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).wake == Wake(1.0, 1.25, 40)

@@ -80,9 +80,9 @@ def _step_model_text(p: Profile) -> str:
     m = p.step_model
     if m is None:
         return ""
+    wake = f", a step after {p.wake.idle_s:g} s of idle engine {p.wake.factor:.2f}x" if p.wake else ""
     return (f"; step model: interference {m.interference_s_per_row * 1e3:.2f} ms per decode row beside prompt rows, "
-            f"prefix hit {m.prefix_hit_s_per_token * 1e9:.1f} ns/token, threads {m.threads or 'unknown'}")
-
+            f"prefix hit {m.prefix_hit_s_per_token * 1e9:.1f} ns/token, threads {m.threads or 'unknown'}{wake}")
 
 
 def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:

@@ -33,7 +33,8 @@ class CostModelExecutor(Executor):
     :meth:`Profile.step_cost` seconds of the virtual ``clock`` (prefix-hit tokens of the
     sequences it runs for the first time included), times a factor
     drawn from ``profile.noise_factors(cost, steady)`` (seeded by ``seed``) when the profile has step noise;
-    ``steady``: every chunk is a decode of a sequence past its first (its computed tokens beyond its prompt).
+    ``steady``: every chunk is a decode of a sequence past its first (its computed tokens beyond its prompt);
+    and times ``profile.wake.factor`` when it starts after the engine idled (:class:`~quanta.sim.profile.Wake`).
 
     It charges exactly the plan's chunks: a prompt admitted past its cached
     prefix starts there, and a preempted sequence's tokens come back as chunks
@@ -46,6 +47,7 @@ class CostModelExecutor(Executor):
         self.rng = random.Random(seed)
         self.computed_tokens = self.recomputed_tokens = 0
         self._reached: dict[int, int] = {}  # seq_id -> positions computed at least once
+        self._last_end: float | None = None  # when the previous step ended (None: no step yet)
 
     def cost(self, plan: StepPlan) -> float:
         """Predicted seconds of ``plan`` (sequences not yet advanced)."""
@@ -65,7 +67,11 @@ class CostModelExecutor(Executor):
         cost = self.cost(plan)
         steady = all(c.is_decode and c.seq.num_computed_tokens > c.seq.num_prompt_tokens for c in plan.chunks)
         factors = self.profile.noise_factors(cost, steady)
+        wake = self.profile.wake
+        if wake is not None and wake.applies(None if self._last_end is None else self.clock.t - self._last_end):
+            cost *= wake.factor
         self.clock.t += cost * (self.rng.choice(factors) if factors else 1.0)
+        self._last_end = self.clock.t
         for c in plan.chunks:
             start, end = c.seq.num_computed_tokens, c.seq.num_computed_tokens + c.num_new_tokens
             reached = self._reached.get(c.seq.seq_id, 0)

@@ -58,13 +58,19 @@ from datetime import UTC, datetime
 import numpy as np
 
 from quanta.analysis.server_trace import trace_entries
-from quanta.sim.profile import Profile
+from quanta.sim.profile import Profile, Wake
 from quanta.sim.step_model import SCALARS, StepModel, nnls
 
 #: back-to-back steps: the next step starts within this many seconds of the previous end
 BUSY_GAP_S = 0.005
 #: fewer steps with prompt rows or with decode rows than this: no fit
 MIN_STEPS = 3
+#: a step that starts this long (seconds) or more after the previous one ended, or a run's first, follows an
+#: idle engine (:class:`~quanta.sim.profile.Wake`); on the measured host such steps ran 1.13-1.25x their
+#: prediction and none started 5 ms - 1 s after another, but seven that did (100 ms - 1 s) took 0.97x
+WAKE_IDLE_S = 1.0
+#: fewer steps after an idle engine, or fewer others, than this: no wake factor
+MIN_WAKE_STEPS = 10
 #: at most this many knots on each curve
 MAX_KNOTS = 6
 #: bounds (predicted seconds) of the step-noise bins: a decode step's relative jitter is not a 4 s prefill's
@@ -89,6 +95,8 @@ class Step:
     hit: int = 0
     #: a decode row of the step is its sequence's first (the step after its prompt's last chunk)
     first_decode: bool = False
+    #: seconds from the previous step's end to this one's start in its run (None: the run's first step)
+    idle_before: float | None = None
 
     @property
     def kind(self) -> str:
@@ -104,7 +112,7 @@ def steps_from_trace(records: list[dict]) -> tuple[list[Step], list[float]]:
     """The steps of one run's trace, and the idle gaps between back-to-back steps (seconds)."""
     steps, gaps, prev_end, seen, decoded = [], [], None, set(), set()
     for r, row in trace_entries(records):
-        s = Step(r["end"] - r["start"])
+        s = Step(r["end"] - r["start"], idle_before=None if prev_end is None else r["start"] - prev_end)
         recorded = r.get("positions")
         for i, (sid, pos, n, is_decode, _) in enumerate(row):
             if is_decode:
@@ -206,6 +214,23 @@ def check(model: StepModel, traces: list[list[dict]]) -> dict:
     return residuals(model, trace_steps(traces)[0])
 
 
+def fit_wake(prof: Profile, steps: list[Step]) -> Wake | None:
+    """The :class:`~quanta.sim.profile.Wake` of ``steps`` priced by ``prof``: the median measured / predicted
+    time of the steps after an idle engine (:data:`WAKE_IDLE_S`) over that of the others; None with fewer
+    than :data:`MIN_WAKE_STEPS` of either."""
+    woke, busy = [], []
+    for s in steps:
+        if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0:
+            (woke if s.idle_before is None or s.idle_before >= WAKE_IDLE_S else busy).append(s.t / c)
+    if len(woke) < MIN_WAKE_STEPS or len(busy) < MIN_WAKE_STEPS:
+        return None
+    return Wake(WAKE_IDLE_S, float(np.median(woke) / np.median(busy)), len(woke))
+
+
+def _wake_factor(prof: Profile, s: Step) -> float:
+    return prof.wake.factor if prof.wake is not None and prof.wake.applies(s.idle_before) else 1.0
+
+
 def _quantiles(ratios: list[float]) -> list[float]:
     return [float(x) for x in np.quantile(ratios, (np.arange(100) + 0.5) / 100)]
 
@@ -244,7 +269,9 @@ def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None
     prof = Profile(prefill_points=list(zip(model.prefill_knots, model.prefill_s_per_row)),
                    decode_points=list(zip(model.decode_knots, model.decode_s)), overhead_s=model.overhead_s,
                    prefill_ctx=model.prefill_ctx_s, decode_ctx=model.decode_ctx_s, meta=dict(meta or {}), step_model=model)
-    priced = [(c, s.t / c, s.steady) for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
+    prof.wake = fit_wake(prof, steps)
+    priced = [(c, s.t / c / _wake_factor(prof, s), s.steady) for s in steps
+              if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
     if not priced:
         raise FitError("no step has a positive predicted cost to measure the step-time spread against")
     steady = [r for _, r, st in priced if st]

@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from quanta.sim.fit import FitError, check, fit
+from quanta.sim.fit import MIN_WAKE_STEPS, WAKE_IDLE_S, FitError, check, fit
 from quanta.sim.front import fit_front, front_check
 from quanta.sim.profile import ProfileError
 
@@ -97,6 +97,7 @@ def from_bench(args, parser) -> int:
     if others:
         _print_residuals(f"residuals on the {len(others)} runs of --check-bench (not fitted):", prof.step_model.fit["check"]["residuals"])
     print(_noise_line(prof))
+    print(_wake_line(prof.wake))
     print(_front_line(prof.front))
     return 0
 
@@ -110,6 +111,14 @@ def _noise_line(prof) -> str:
         f"{'others' if prof.steady_noise else 'steps'} up to {'any' if math.isinf(b) else f'{b:g} s'} {q(fs)}"
         for b, fs in prof.step_noise_bins or []]
     return "step noise (measured / predicted time, p50/p90/p99): " + "; ".join(parts)
+
+
+def _wake_line(wake) -> str:
+    if wake is None:
+        return (f"wake: none (fewer than {MIN_WAKE_STEPS} steps after {WAKE_IDLE_S:g} s or more of idle engine, "
+                "or fewer others)")
+    return (f"wake: a step after {wake.idle_s:g} s or more of idle engine (or a run's first) takes "
+            f"{wake.factor:.2f}x its prediction ({wake.steps} steps)")
 
 
 def _front_line(front) -> str:

@@ -30,6 +30,8 @@ Format (``"format": "quanta-cost-profile/1"``), times in seconds::
                                                  # all decoded before, else from the first by_cost bin whose
                                                  # up_to_s (null: no bound) is at least the step's predicted
                                                  # cost, or from factors without by_cost
+      "wake": {"idle_s": s, "factor": f, "steps": n},   # optional: a step that starts after the engine idled
+                                                 # idle_s or more (or the run's first) takes factor x its cost
       "kv": {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "bfloat16"},  # optional: the model's
                                                  # KV geometry and cache dtype (kv_geometry; quanta.sim.pool: --kv-cache-memory)
       "scheduler": {...},                        # knobs of the measured server (informative)
@@ -48,7 +50,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +69,32 @@ KV_KEYS = ("num_layers", "num_kv_heads", "head_dim")
 
 class ProfileError(ValueError):
     """A profile file that is not a valid cost profile."""
+
+
+@dataclass
+class Wake:
+    """The first step after the engine idled ``idle_s`` or more (or a run's first step) takes ``factor``
+    times its predicted cost: on a shared 2-core VM such a step ran 1.13-1.25x its prediction, the steps
+    between busy ones 1.0x (``quanta.sim.fit.fit_wake``)."""
+
+    idle_s: float
+    factor: float
+    #: fitted steps that started after such an idle
+    steps: int = 0
+
+    @classmethod
+    def from_dict(cls, d) -> Wake:
+        if not isinstance(d, dict):
+            raise ProfileError(f"wake must be an object, got {type(d).__name__}")
+        return cls(float(d["idle_s"]), float(d["factor"]), int(d.get("steps", 0)))
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.idle_s) and self.idle_s > 0 and math.isfinite(self.factor) and self.factor > 0):
+            raise ProfileError("wake: idle_s and factor must be finite and > 0")
+
+    def applies(self, idle_s: float | None) -> bool:
+        """Whether a step that starts ``idle_s`` seconds after the previous one ended (None: the first) wakes."""
+        return idle_s is None or idle_s >= self.idle_s
 
 
 @dataclass
@@ -95,6 +123,8 @@ class Profile:
     step_model: StepModel | None = None
     #: the server front's latency (quanta.sim.front); None: requests reach the engine as they are sent
     front: FrontModel | None = None
+    #: a step after an idle engine is slower (:class:`Wake`); None: it is not
+    wake: Wake | None = None
 
     # ------------------------------------------------------------------ JSON
     @classmethod
@@ -115,13 +145,14 @@ class Profile:
                 moe=pre.get("moe"),
                 meta={k: v for k, v in d.items()
                       if k not in ("format", "prefill", "decode", "overhead_s", "mixed_decode_factor", "step_noise",
-                                   "step_model", "front")},
+                                   "step_model", "front", "wake")},
                 step_noise=[float(f) for f in d["step_noise"]["factors"]] if d.get("step_noise") else None,
                 step_noise_source=str((d.get("step_noise") or {}).get("source", "")),
                 step_noise_bins=_noise_bins((d.get("step_noise") or {}).get("by_cost")),
                 steady_noise=_factors((d.get("step_noise") or {}).get("steady_decode")),
                 step_model=_step_model(d.get("step_model")),
                 front=_front(d.get("front")),
+                wake=Wake.from_dict(d["wake"]) if d.get("wake") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed cost profile: {exc!r}") from exc
@@ -158,6 +189,8 @@ class Profile:
                 raise ProfileError("step_noise.by_cost: up_to_s must be positive, strictly ascending, the last null")
             if any(not fs or any(not (f > 0 and math.isfinite(f)) for f in fs) for _, fs in self.step_noise_bins):
                 raise ProfileError("step_noise.by_cost: every bin needs a non-empty list of finite factors > 0")
+        if self.wake is not None:
+            self.wake.validate()
         kv_geometry(self)
 
     def to_dict(self) -> dict:
@@ -179,6 +212,8 @@ class Profile:
             d["step_model"] = self.step_model.to_dict()
         if self.front is not None:
             d["front"] = self.front.to_dict()
+        if self.wake is not None:
+            d["wake"] = asdict(self.wake)
         return d
 
     @classmethod
