@@ -66,8 +66,8 @@ BUSY_GAP_S = 0.005
 #: fewer steps with prompt rows or with decode rows than this: no fit
 MIN_STEPS = 3
 #: a step that starts this long (seconds) or more after the previous one ended, or a run's first, follows an
-#: idle engine (:class:`~quanta.sim.profile.Wake`); on the measured host such steps ran 1.13-1.25x their
-#: prediction and none started 5 ms - 1 s after another, but seven that did (100 ms - 1 s) took 0.97x
+#: idle engine (:class:`~quanta.sim.profile.Wake`); on the measured host such steps ran 1.10-1.22x their
+#: prediction, none started 5-100 ms after another, and 23 prompt calls that did 100 ms - 1 s took 0.88-1.00x
 WAKE_IDLE_S = 1.0
 #: fewer steps after an idle engine, or fewer others, than this: no wake factor
 MIN_WAKE_STEPS = 10

@@ -74,8 +74,8 @@ class ProfileError(ValueError):
 @dataclass
 class Wake:
     """The first step after the engine idled ``idle_s`` or more (or a run's first step) takes ``factor``
-    times its predicted cost: on a shared 2-core VM such a step ran 1.13-1.25x its prediction, the steps
-    between busy ones 1.0x (``quanta.sim.fit.fit_wake``)."""
+    times its predicted cost: on a shared 2-core VM such a step ran 1.10-1.22x its prediction (over the
+    others' median) (``quanta.sim.fit.fit_wake``)."""
 
     idle_s: float
     factor: float
