@@ -17,8 +17,10 @@
 # largest gap and moves with (gaps - 1) mod 100, i.e. with the decode step's speed; at 3 s (~1,400 gaps)
 # it is the decode steps' own tail.
 # A shared machine's speed drifts by 10-25% over tens of minutes, so the workloads run in ROUNDS alternating
-# rounds of one repeat each (fit, check, fit, check, ...), and each workload's rounds are joined
-# (benchmarks/merge_bench.py): fitted and checked runs sample the same stretch of time.
+# rounds of one repeat each, and each workload's rounds are joined (benchmarks/merge_bench.py): fitted and
+# checked runs sample the same stretch of time. Within a round the fitted run goes first in odd rounds and
+# the checked one in even rounds (fit, check, check, fit, ...): a machine that slows down through the
+# session would otherwise slow every checked run against its round's fitted one.
 # Usage: QUANTA=.venv/bin/quanta [ROUNDS=3] [LONG_ROUNDS=2] [PART=single|replicas|long|all] bash benchmarks/sim_holdout.sh [OUT_PREFIX]
 #        (single: about 20 minutes on a quiet 2-core machine; replicas: about 10 more; long: about 10 more)
 set -euo pipefail
@@ -47,6 +49,9 @@ ROUNDS=${ROUNDS:-3}
 LONG_ROUNDS=${LONG_ROUNDS:-2}
 PY=$(dirname "$Q")/python
 [ -x "$PY" ] || PY=python
+pair() {  # pair ROUND FIT_FN CHECK_FN: both functions, the fitted one first in odd rounds, the checked one in even
+  if (( $1 % 2 )); then "$2"; "$3"; else "$3"; "$2"; fi
+}
 join() {  # join NAME: RDIR/NAME_r1.json ... -> OUT_NAME.json
   local parts=()
   for r in $(seq 1 "$ROUNDS"); do parts+=("$RDIR/${1}_r$r.json"); done
@@ -55,11 +60,13 @@ join() {  # join NAME: RDIR/NAME_r1.json ... -> OUT_NAME.json
 single() {
   for r in $(seq 1 "$ROUNDS"); do
     for s in 4 2; do
-      window "$RDIR/fit_x${s}_r$r" 0 "$s" 1 "$SERVE" "--scheduler batched" "Mooncake window A, gaps x$s (fit)"
-      window "$RDIR/check_x${s}_r$r" 150 "$s" 1 "$SERVE" "--scheduler batched" "Mooncake window B, gaps x$s (check)"
+      fit() { window "$RDIR/fit_x${s}_r$r" 0 "$s" 1 "$SERVE" "--scheduler batched" "Mooncake window A, gaps x$s (fit)"; }
+      check() { window "$RDIR/check_x${s}_r$r" 150 "$s" 1 "$SERVE" "--scheduler batched" "Mooncake window B, gaps x$s (check)"; }
+      pair "$r" fit check
     done
-    probe "$RDIR/fit_probe_r$r" 512 1 "probe at mixed quantum 512 (fit)"
-    probe "$RDIR/check_probe_r$r" 128,2048 1 "probe at mixed quanta 128 and 2048 (check)"
+    fit() { probe "$RDIR/fit_probe_r$r" 512 1 "probe at mixed quantum 512 (fit)"; }
+    check() { probe "$RDIR/check_probe_r$r" 128,2048 1 "probe at mixed quanta 128 and 2048 (check)"; }
+    pair "$r" fit check
   done
   for n in fit_x4 fit_x2 fit_probe check_x4 check_x2 check_probe; do join "$n"; done
   $Q profile-engine --from-bench "${OUT}_fit_x4.json" --from-bench "${OUT}_fit_x2.json" --from-bench "${OUT}_fit_probe.json" \
@@ -72,8 +79,9 @@ single() {
 replicas() {
   local cl="$SERVE --replicas 2"
   for r in $(seq 1 "$ROUNDS"); do
-    window "$RDIR/rep_fit_r$r" 0 4 1 "$cl" "--routing round-robin" "2 replicas, Mooncake window A, gaps x4 (fit)"
-    window "$RDIR/rep_check_r$r" 150 4 1 "$cl" "--routing prefix" "2 replicas, Mooncake window B, gaps x4 (check)"
+    fit() { window "$RDIR/rep_fit_r$r" 0 4 1 "$cl" "--routing round-robin" "2 replicas, Mooncake window A, gaps x4 (fit)"; }
+    check() { window "$RDIR/rep_check_r$r" 150 4 1 "$cl" "--routing prefix" "2 replicas, Mooncake window B, gaps x4 (check)"; }
+    pair "$r" fit check
   done
   join rep_fit
   join rep_check
