@@ -214,14 +214,14 @@ def check(model: StepModel, traces: list[list[dict]]) -> dict:
     return residuals(model, trace_steps(traces)[0])
 
 
-def fit_wake(prof: Profile, steps: list[Step]) -> Wake | None:
-    """The :class:`~quanta.sim.profile.Wake` of ``steps`` priced by ``prof``: the median measured / predicted
-    time of the steps after an idle engine (:data:`WAKE_IDLE_S`) over that of the others; None with fewer
-    than :data:`MIN_WAKE_STEPS` of either."""
+def fit_wake(costed: list[tuple[Step, float]]) -> Wake | None:
+    """The :class:`~quanta.sim.profile.Wake` of steps, each with its predicted cost (> 0): the median measured /
+    predicted time of the steps after an idle engine (:data:`WAKE_IDLE_S`, :meth:`Wake.applies`) over that of
+    the others; None with fewer than :data:`MIN_WAKE_STEPS` of either."""
+    idle = Wake(WAKE_IDLE_S, 1.0)
     woke, busy = [], []
-    for s in steps:
-        if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0:
-            (woke if s.idle_before is None or s.idle_before >= WAKE_IDLE_S else busy).append(s.t / c)
+    for s, c in costed:
+        (woke if idle.applies(s.idle_before) else busy).append(s.t / c)
     if len(woke) < MIN_WAKE_STEPS or len(busy) < MIN_WAKE_STEPS:
         return None
     return Wake(WAKE_IDLE_S, float(np.median(woke) / np.median(busy)), len(woke))
@@ -269,9 +269,9 @@ def fit(traces: list[list[dict]], meta: dict | None = None, threads: dict | None
     prof = Profile(prefill_points=list(zip(model.prefill_knots, model.prefill_s_per_row)),
                    decode_points=list(zip(model.decode_knots, model.decode_s)), overhead_s=model.overhead_s,
                    prefill_ctx=model.prefill_ctx_s, decode_ctx=model.decode_ctx_s, meta=dict(meta or {}), step_model=model)
-    prof.wake = fit_wake(prof, steps)
-    priced = [(c, s.t / c / _wake_factor(prof, s), s.steady) for s in steps
-              if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
+    costed = [(s, c) for s in steps if (c := prof.step_cost(s.prefill, s.decode, s.hit)) > 0]
+    prof.wake = fit_wake(costed)
+    priced = [(c, s.t / c / _wake_factor(prof, s), s.steady) for s, c in costed]
     if not priced:
         raise FitError("no step has a positive predicted cost to measure the step-time spread against")
     steady = [r for _, r, st in priced if st]
