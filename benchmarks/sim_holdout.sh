@@ -7,7 +7,8 @@
 #   check: Mooncake window B (trace lines 150-213) at gaps x4 and x2; the probe at mixed quanta 128 and 2048
 #   replicas (PART=all or replicas): 2 replicas on a local Ray (quanta serve --replicas 2, one CPU each): the
 #          replica profile is fitted to each replica's own step trace of window A under round-robin routing,
-#          and checked on window B under prefix routing (gaps x4)
+#          a second one to window A under prefix routing (--also-profile), and both are checked on window B
+#          under prefix routing (gaps x4)
 #   long contexts (PART=all or long, after single): a second profile fitted to single's fitting runs and a
 #          probe with a 6,000-word prompt that then decodes 64 tokens (contexts to ~7.8k), checked on the
 #          recorded codex and opencode sessions (benchmarks/data/agent_sessions: 9.3k- and 7.8k-token prompts)
@@ -18,11 +19,11 @@
 # it is the decode steps' own tail.
 # A shared machine's speed drifts by 10-25% over tens of minutes, so the workloads run in ROUNDS alternating
 # rounds of one repeat each, and each workload's rounds are joined (benchmarks/merge_bench.py): fitted and
-# checked runs sample the same stretch of time. Within a round the fitted run goes first in odd rounds and
-# the checked one in even rounds (fit, check, check, fit, ...): a machine that slows down through the
+# checked runs sample the same stretch of time. A round runs its workloads in order in odd rounds and in
+# reverse order in even ones (fit, check, check, fit, ...): a machine that slows down through the
 # session would otherwise slow every checked run against its round's fitted one.
 # Usage: QUANTA=.venv/bin/quanta [ROUNDS=3] [LONG_ROUNDS=2] [PART=single|replicas|long|all] bash benchmarks/sim_holdout.sh [OUT_PREFIX]
-#        (single: about 20 minutes on a quiet 2-core machine; replicas: about 10 more; long: about 10 more)
+#        (single: about 20 minutes on a quiet 2-core machine; replicas: about 15 more; long: about 10 more)
 set -euo pipefail
 OUT=${1:-benchmarks/results/sim_holdout}
 Q=${QUANTA:-quanta}
@@ -49,8 +50,11 @@ ROUNDS=${ROUNDS:-3}
 LONG_ROUNDS=${LONG_ROUNDS:-2}
 PY=$(dirname "$Q")/python
 [ -x "$PY" ] || PY=python
-pair() {  # pair ROUND FIT_FN CHECK_FN: both functions, the fitted one first in odd rounds, the checked one in even
-  if (( $1 % 2 )); then "$2"; "$3"; else "$3"; "$2"; fi
+pair() {  # pair ROUND FN...: the functions in order in odd rounds, in reverse order in even ones
+  local r=$1; shift
+  local fns=("$@") i
+  if (( r % 2 )); then for i in "${fns[@]}"; do "$i"; done
+  else for ((i = ${#fns[@]} - 1; i >= 0; i--)); do "${fns[i]}"; done; fi
 }
 join() {  # join NAME: RDIR/NAME_r1.json ... -> OUT_NAME.json
   local parts=()
@@ -80,13 +84,17 @@ replicas() {
   local cl="$SERVE --replicas 2"
   for r in $(seq 1 "$ROUNDS"); do
     fit() { window "$RDIR/rep_fit_r$r" 0 4 1 "$cl" "--routing round-robin" "2 replicas, Mooncake window A, gaps x4 (fit)"; }
+    fit_prefix() { window "$RDIR/rep_fit_prefix_r$r" 0 4 1 "$cl" "--routing prefix" "2 replicas, Mooncake window A, gaps x4, prefix routing (fit)"; }
     check() { window "$RDIR/rep_check_r$r" 150 4 1 "$cl" "--routing prefix" "2 replicas, Mooncake window B, gaps x4 (check)"; }
-    pair "$r" fit check
+    pair "$r" fit fit_prefix check
   done
   join rep_fit
+  join rep_fit_prefix
   join rep_check
   $Q profile-engine --from-bench "${OUT}_rep_fit.json" --out "${OUT}_rep_profile.json"
-  $Q simulate --profile "${OUT}_rep_profile.json" --draws 10 --compare "${OUT}_rep_check.json" \
+  $Q profile-engine --from-bench "${OUT}_rep_fit_prefix.json" --out "${OUT}_rep_profile_prefix.json"
+  $Q simulate --profile "${OUT}_rep_profile.json" --also-profile "${OUT}_rep_profile_prefix.json" --draws 10 \
+    --compare "${OUT}_rep_check.json" \
     --title "quanta simulate vs 2 real replicas on a window the replica profile was not fitted to (10 simulated draws per measured repeat)" \
     --out "${OUT}_rep"
 }
