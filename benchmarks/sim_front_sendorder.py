@@ -63,8 +63,9 @@ def run_one(prefix: str, kind: str, work: Path, fold_tokens: int, draws: int, qu
 
 
 def summarize(run: str, doc: dict) -> dict:
-    """Per front (``stages``: the profile's, ``send``: the variant's): each checked row's TTFT p50 error and the misses."""
-    out = {"run": run}
+    """Each checked row's label (file and condition) and, per front (``stages``: the profile's, ``send``: the
+    variant's), its TTFT p50 error and the misses."""
+    out = {"run": run, "labels": [f"{Path(r['source']).stem.removeprefix(run + '_')} {r['condition']}" for r in doc["rows"]]}
     for front, key in (("stages", "rows"), ("send", "also_rows")):
         rows = doc[key]
         out[front] = {"ttft_p50_error": [r["rel_error"]["ttft_p50"] for r in rows],
@@ -72,7 +73,9 @@ def summarize(run: str, doc: dict) -> dict:
     return out
 
 
-def markdown(summaries: list[dict], rows: list[str]) -> str:
+def markdown(summaries: list[dict]) -> str:
+    """One line per run and one of totals (the checked rows are the first run's)."""
+    rows = summaries[0]["labels"]
     head = ("| run | " + " | ".join(f"two stages: {r} TTFT p50" for r in rows) + " | two stages: misses | "
             + " | ".join(f"send order: {r} TTFT p50" for r in rows) + " | send order: misses |")
     lines = [head, "|" + "---|" * (2 * len(rows) + 3)]
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     summaries = [run_one(p, args.kind, work, args.fold_tokens, args.draws, args.quanta) for p in args.prefixes]
-    table = markdown(summaries, FILES[args.kind][1])
+    table = markdown(summaries)
     print(table)
     if args.out:
         command = "python benchmarks/sim_front_sendorder.py " + shlex.join(sys.argv[1:] if argv is None else argv)

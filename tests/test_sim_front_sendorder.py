@@ -34,7 +34,8 @@ def test_the_variant_folds_the_per_token_term_into_the_loop_and_keeps_the_send_o
 
 
 def comparison_row(condition: str, ttft_err: float, misses: list[str]) -> dict:
-    return {"condition": condition, "rel_error": {"ttft_p50": ttft_err}, "misses": misses}
+    return {"source": f"results/run_check_{condition}.json", "condition": condition,
+            "rel_error": {"ttft_p50": ttft_err}, "misses": misses}
 
 
 def test_summary_counts_each_fronts_misses_and_averages_the_ttft_error_per_row():
@@ -42,12 +43,14 @@ def test_summary_counts_each_fronts_misses_and_averages_the_ttft_error_per_row()
              "also_rows": [comparison_row("x4", 0.1, []), comparison_row("x2", 0.3, ["ttft_p50", "itl_p99"])]}
     doc_b = {"rows": [comparison_row("x4", 0.0, []), comparison_row("x2", 0.1, [])],
              "also_rows": [comparison_row("x4", 0.3, ["ttft_p50"]), comparison_row("x2", 0.1, [])]}
-    s = [sim_front_sendorder.summarize("a", doc_a), sim_front_sendorder.summarize("b", doc_b)]
+    s = [sim_front_sendorder.summarize("run", doc_a), sim_front_sendorder.summarize("b", doc_b)]
+    assert s[0]["labels"] == ["check_x4 x4", "check_x2 x2"]
     assert s[0]["stages"] == {"ttft_p50_error": [-0.2, 0.0], "misses": ["x4: ttft_p50"]}
     assert s[0]["send"]["misses"] == ["x2: ttft_p50", "x2: itl_p99"]
-    table = sim_front_sendorder.markdown(s, ["x4", "x2"])
+    table = sim_front_sendorder.markdown(s)
+    assert table.startswith("| run | two stages: check_x4 x4 TTFT p50 | two stages: check_x2 x2 TTFT p50 |")
     assert table.splitlines()[-1] == "| all | mean -10.0% | mean +5.0% | 1 | mean +20.0% | mean +20.0% | 3 |"
-    assert "| a | -20% | +0% | 1: x4: ttft_p50 | +10% | +30% | 2: x2: ttft_p50, x2: itl_p99 |" in table
+    assert "| run | -20% | +0% | 1: x4: ttft_p50 | +10% | +30% | 2: x2: ttft_p50, x2: itl_p99 |" in table
 
 
 def test_missing_run_files_are_refused_before_any_fit(tmp_path, capsys):
