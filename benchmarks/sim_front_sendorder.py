@@ -28,11 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
 from quanta.bench.output import code_version, machine, machine_text, write_json  # noqa: E402
+from quanta.sim.compare import FIGURES  # noqa: E402
 
 #: the workloads a run prefix holds, by kind: (fitted files, checked files)
 FILES = {"single": (["fit_x4", "fit_x2", "fit_probe"], ["check_x4", "check_x2", "check_probe"]),
          "replicas": (["rep_fit"], ["rep_check"])}
-FIGURES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "throughput", "prefill_rate")
 
 
 def send_order(profile: dict, fold_tokens: int) -> dict:
@@ -56,7 +56,10 @@ def run_one(prefix: str, kind: str, work: Path, fold_tokens: int, draws: int, qu
     prof, var, out = work / f"{name}_profile.json", work / f"{name}_sendorder.json", work / name
     quanta(["profile-engine", *[a for f in fitted for a in ("--from-bench", f"{prefix}_{f}.json")], "--out", str(prof)],
            quanta_bin)
-    var.write_text(json.dumps(send_order(json.loads(prof.read_text()), fold_tokens)))
+    fitted_profile = json.loads(prof.read_text())
+    if not fitted_profile.get("front"):
+        raise SystemExit(f"{prefix}: its fitting runs gave no front model (no arrivals recorded): nothing to vary")
+    var.write_text(json.dumps(send_order(fitted_profile, fold_tokens)))
     quanta(["simulate", "--profile", str(prof), "--also-profile", str(var), "--draws", str(draws),
             *[a for f in checked for a in ("--compare", f"{prefix}_{f}.json")], "--out", str(out)], quanta_bin)
     return summarize(Path(prefix).name, json.loads(out.with_suffix(".json").read_text()))
@@ -69,7 +72,8 @@ def summarize(run: str, doc: dict) -> dict:
     for front, key in (("stages", "rows"), ("send", "also_rows")):
         rows = doc[key]
         out[front] = {"ttft_p50_error": [r["rel_error"]["ttft_p50"] for r in rows],
-                      "misses": [f"{r['condition']}: {f}" for r in rows for f in FIGURES if f in (r.get("misses") or [])]}
+                      "misses": [f"{r['condition']}: {f}" for r in rows for f, _, _ in FIGURES
+                                  if f in (r.get("misses") or [])]}
     return out
 
 
