@@ -68,18 +68,32 @@ def _half_closed_exchange(port: int, body: dict) -> bytes:
     return b"".join(chunks)
 
 
-def _running(base: str) -> float:
+def _gauge(base: str, name: str) -> float:
     for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
         for sample in family.samples:
-            if sample.name == "quanta:num_requests_running":
+            if sample.name == name:
                 return sample.value
-    raise AssertionError("quanta:num_requests_running missing from /metrics")
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def _running(base: str) -> float:
+    return _gauge(base, "quanta:num_requests_running")
+
+
+def _wait_idle(base: str, timeout: float = 60) -> None:
+    """Until no request runs or waits: the streams an earlier test disconnected are aborted by the
+    server after the client has gone, and until then they hold the queue."""
+    deadline = time.monotonic() + timeout
+    while _running(base) > 0 or _gauge(base, "quanta:num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, "the server kept requests whose clients had gone"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_half_closed_client_is_aborted_deliberately(queued, stream):
     """A FIN after the request reads as a client that gave up (it cannot be told from a
     full close): the connection closes at once and the request leaves its slot."""
+    _wait_idle(queued.base_url)
     started = time.monotonic()
     reply = _half_closed_exchange(queued.port, {"model": queued.model, "prompt": "Hello", "max_tokens": 400,
                                                 "ignore_eos": True, "stream": stream})
