@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import sys
 from collections import Counter
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +35,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quanta.bench.output import code_version, machine, write_json  # noqa: E402
 from quanta.sim.front import FrontModel  # noqa: E402
 from quanta.sim.profile import Profile  # noqa: E402
+from script_result import provenance, write_result  # noqa: E402
 from sim_front_order import bursts  # noqa: E402
 
 #: upper bounds (tokens, exclusive) of the size classes S and M; L is the rest
@@ -131,14 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             + "\n\nThe first-sent request's delay, least squares over the bursts of 2 or more:\n\n" + fit_table(fits))
     print(text)
     if args.out:
-        command = "python benchmarks/sim_front_bursts.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-        when = datetime.now(UTC).isoformat(timespec="seconds")
-        Path(args.out + ".md").write_text(f"{when}, code {code_version()}.\n\n`{command}`\n\n{text}\n")
+        meta = provenance("sim_front_bursts.py", argv)
         pairs = {f"{a}{b}": {"pairs": measured[(a, b)], "reversed": measured[("rev", a, b)],
                              **({"model_pairs": modelled[(a, b)], "model_reversed": modelled[("rev", a, b)]} if front else {})}
                  for a in CLASSES for b in CLASSES}
-        write_json({"pairs": pairs, "first_delay": fits, "machine": machine(), "created": when, "command": command,
-                    "code": code_version()}, Path(args.out + ".json"))
+        write_result(args.out, f"{meta['created']}, code {meta['code']}.\n\n`{meta['command']}`\n\n{text}\n",
+                     {"pairs": pairs, "first_delay": fits}, meta)
     return 0
 
 

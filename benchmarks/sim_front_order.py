@@ -26,19 +26,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shlex
 import sys
 from collections import Counter
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
-from quanta.bench.output import code_version, machine, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quanta.bench.workloads import Workload  # noqa: E402
 from quanta.sim.compare import simulate_condition  # noqa: E402
 from quanta.sim.front import BURST_S, paired  # noqa: E402
 from quanta.sim.profile import Profile  # noqa: E402
+from script_result import provenance, write_result  # noqa: E402
 
 #: bursts of fewer requests than this are left out
 MIN_BURST = 3
@@ -134,12 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if args.out:
-        command = "python benchmarks/sim_front_order.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-        when = datetime.now(UTC).isoformat(timespec="seconds")
-        meta = f"Measured / simulated ({args.draws} draws per measured repeat). {when}, code {code_version()}.\n\n`{command}`\n\n"
-        Path(args.out + ".md").write_text(meta + text + "\n")
-        write_json({"rows": rows, "machine": machine(), "created": when, "command": command, "code": code_version()},
-                   Path(args.out + ".json"))  # a share with no burst to count is NaN: written as null
+        meta = provenance("sim_front_order.py", argv)
+        write_result(args.out, f"Measured / simulated ({args.draws} draws per measured repeat). {meta['created']}, "
+                     f"code {meta['code']}.\n\n`{meta['command']}`\n\n{text}\n",
+                     {"rows": rows}, meta)  # a share with no burst to count is NaN: written as null
     return 0
 
 

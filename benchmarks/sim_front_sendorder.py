@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import subprocess
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
-from quanta.bench.output import code_version, machine, machine_text, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quanta.bench.output import machine, machine_text  # noqa: E402
 from quanta.sim.compare import FIGURES  # noqa: E402
+from script_result import provenance, write_result  # noqa: E402
 
 #: the workloads a run prefix holds, by kind: (fitted files, checked files)
 FILES = {"single": (["fit_x4", "fit_x2", "fit_probe"], ["check_x4", "check_x2", "check_probe"]),
@@ -119,14 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(summaries)
     print(table)
     if args.out:
-        command = "python benchmarks/sim_front_sendorder.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-        date = datetime.now(UTC).isoformat(timespec="seconds")
-        Path(args.out + ".md").write_text(
-            f"# The held-out runs with the two-stage front and a send-order front\n\n- date: {date}\n- command: `{command}`\n"
-            f"- code: {code_version()}\n- machine: {machine_text(machine())}\n\nTTFT p50: simulated / measured median - 1; "
-            f"misses: figures outside the measured min-max and more than 10% off.\n\n{table}\n")
-        write_json({"kind": "sim_front_sendorder", "created": date, "command": command, "code": code_version(),
-                    "machine": machine(), "runs": summaries}, Path(args.out + ".json"))
+        meta = provenance("sim_front_sendorder.py", argv)
+        write_result(args.out, f"# The held-out runs with the two-stage front and a send-order front\n\n"
+                     f"- date: {meta['created']}\n- command: `{meta['command']}`\n- code: {meta['code']}\n"
+                     f"- machine: {machine_text(machine())}\n\nTTFT p50: simulated / measured median - 1; "
+                     f"misses: figures outside the measured min-max and more than 10% off.\n\n{table}\n",
+                     {"kind": "sim_front_sendorder", "runs": summaries}, meta)
     return 0
 
 
