@@ -76,16 +76,12 @@ def _gauge(base: str, name: str) -> float:
     raise AssertionError(f"{name} missing from /metrics")
 
 
-def _running(base: str) -> float:
-    return _gauge(base, "quanta:num_requests_running")
-
-
-def _wait_idle(base: str, timeout: float = 60) -> None:
-    """Until no request runs or waits: the streams an earlier test disconnected are aborted by the
-    server after the client has gone, and until then they hold the queue."""
+def _wait_idle(base: str, timeout: float, why: str) -> None:
+    """Until no request runs or waits (``why``: the failure when ``timeout`` seconds pass first). A stream
+    whose client has gone is aborted by the server after it notices, and until then it holds its place."""
     deadline = time.monotonic() + timeout
-    while _running(base) > 0 or _gauge(base, "quanta:num_requests_waiting") > 0:
-        assert time.monotonic() < deadline, "the server kept requests whose clients had gone"
+    while _gauge(base, "quanta:num_requests_running") > 0 or _gauge(base, "quanta:num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, why
         time.sleep(0.1)
 
 
@@ -93,7 +89,7 @@ def _wait_idle(base: str, timeout: float = 60) -> None:
 def test_a_half_closed_client_is_aborted_deliberately(queued, stream):
     """A FIN after the request reads as a client that gave up (it cannot be told from a
     full close): the connection closes at once and the request leaves its slot."""
-    _wait_idle(queued.base_url)
+    _wait_idle(queued.base_url, 60, "the server kept requests whose clients had gone")
     started = time.monotonic()
     reply = _half_closed_exchange(queued.port, {"model": queued.model, "prompt": "Hello", "max_tokens": 400,
                                                 "ignore_eos": True, "stream": stream})
@@ -101,10 +97,7 @@ def test_a_half_closed_client_is_aborted_deliberately(queued, stream):
     head, _, rest = reply.partition(b"\r\n\r\n")
     assert reply == b"" or (head.startswith(b"HTTP/1.1 200") and b"data:" not in rest and b'"text"' not in rest), reply[:300]
     assert time.monotonic() - started < 30  # closed long before 400 tokens could be generated
-    deadline = time.monotonic() + 30
-    while _running(queued.base_url) > 0:
-        assert time.monotonic() < deadline, "the half-closed request kept its slot"
-        time.sleep(0.1)
+    _wait_idle(queued.base_url, 30, "the half-closed request kept its slot")
     done = httpx.post(queued.base_url + "/v1/completions", timeout=60,
                       json={"model": queued.model, "prompt": "Hello", "max_tokens": 2})
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
