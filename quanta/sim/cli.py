@@ -93,6 +93,9 @@ def add_commands(sub, register_once) -> None:
                           "simulated figure is the median over all of them (default 1)")
     sim.add_argument("--also-profile", metavar="PROFILE",
                      help="--compare: a second profile (e.g. one measured another way) to report the same comparison with")
+    sim.add_argument("--replay-front", action="store_true",
+                     help="--compare: each request reaches the engine when the measured front handed it over (the "
+                          "server trace's arrivals), not through the profile's front model: the error left is the engine model's")
     _workload_flags(sim)
     _replica_flags(sim)
     prof = sub.add_parser("profile-engine", help="measure the real engine's cost profile on this machine")
@@ -220,8 +223,9 @@ def _simulate(args, parser, argv) -> int:
         parser.error(f"--profile: {exc}")
     if args.compare:
         return _compare(args, parser, argv, profile)
-    if args.also_profile or args.draws != 1:
-        parser.error(f"{'--also-profile' if args.also_profile else '--draws'} needs --compare")
+    for flag, given in (("--also-profile", args.also_profile), ("--draws", args.draws != 1), ("--replay-front", args.replay_front)):
+        if given:
+            parser.error(f"{flag} needs --compare")
     w = workload_from_args(args, parser)
     if w.output_dist == "eos":
         parser.error("--output-dist eos: simulated tokens never end at EOS; give the measured lengths "
@@ -346,7 +350,8 @@ def _without_raw(doc: dict) -> dict:
 def _ignored_by_compare(argv: list[str]) -> list[str]:
     """Flags on the command line that ``--compare`` would ignore (each condition brings its own)."""
     used = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    keep = {"--help", "--profile", "--compare", "--also-profile", "--draws", "--out", "--title", "--max-duration", "--no-plots"}
+    keep = {"--help", "--profile", "--compare", "--also-profile", "--draws", "--replay-front", "--out", "--title",
+            "--max-duration", "--no-plots"}
     return sorted(used - keep)
 
 
@@ -375,17 +380,18 @@ def _compare(args, parser, argv, profile) -> int:
             parser.error(f"--compare: cannot read {path}: {exc}")
     profiles = {args.profile: profile}
     try:
-        rows = compare.compare(profile, docs, args.max_duration, args.draws)
+        rows = compare.compare(profile, docs, args.max_duration, args.draws, args.replay_front)
         also = None
         if args.also_profile:
             profiles[args.also_profile] = Profile.load(args.also_profile)
-            also = (args.also_profile, compare.compare(profiles[args.also_profile], docs, args.max_duration, args.draws))
+            also = (args.also_profile, compare.compare(profiles[args.also_profile], docs, args.max_duration, args.draws,
+                                                       args.replay_front))
     except ProfileError as exc:
         parser.error(f"--also-profile: {exc}")
     except compare.CompareError as exc:
         parser.error(f"--compare: {exc}")
     command = command_line(argv)
-    doc = compare.document(args.profile, rows, command, also)
+    doc = compare.document(args.profile, rows, command, also, args.replay_front)
     print(compare_report.markdown_table(rows))
     print(compare_report.summary_lines(doc["summary"]))
     if also:

@@ -18,7 +18,10 @@ condition, the measured median and spread (min-max over repeats) and the
 simulated median of each figure and the relative error
 ``(simulated - measured) / measured``, and which figures fall outside the
 measured spread (``outside``) and of those which are also more than
-:data:`TOLERANCE` from the measured median (``misses``).
+:data:`TOLERANCE` from the measured median (``misses``). With ``--replay-front``
+each request reaches the simulated engine when the measured front handed it
+over (the server trace's ``arrivals``), so a figure's error is the engine
+model's alone; beside a run without it, the difference is the front model's.
 
 Figures: client TTFT p50 and p99, server-trace ITL p50 and p99 (seconds),
 throughput (output tok/s, first scheduled send to last response end) and the
@@ -122,6 +125,27 @@ def send_delays(run: dict) -> list[float]:
             for s in sorted(run["samples"], key=lambda s: s["id"])]
 
 
+def handover_delays(run: dict) -> list[float | None]:
+    """Seconds from scheduled to handed to the engine per request of one measured repeat, in request-id order
+    (its requests paired with the server trace's arrivals, :func:`quanta.sim.front.paired`; None where a
+    request never reached the engine).
+
+    Raises:
+        CompareError: the repeat cannot be paired (no clock origin or arrivals: a server on another host,
+            one that recorded no trace, or counts that differ).
+    """
+    from quanta.sim.front import paired
+
+    pairs = paired(run)
+    if pairs is None:
+        raise CompareError("--replay-front: a measured repeat's requests cannot be paired with its server trace's "
+                           "arrivals (no clock origin, no trace, or counts that differ)")
+    delays: list[float | None] = [None] * len(run["samples"])
+    for s, a in pairs:
+        delays[s["id"]] = a[1] - s["scheduled"]
+    return delays
+
+
 def applied_config(applied: dict | None) -> SchedulerConfig:
     """The :class:`SchedulerConfig` a quanta server reported running (``/v1/config``, as ``quanta bench run``
     records it).
@@ -142,11 +166,13 @@ def applied_config(applied: dict | None) -> SchedulerConfig:
 
 
 def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_duration: float,
-                       draws: int = 1) -> list[dict]:
+                       draws: int = 1, replay_front: bool = False) -> list[dict]:
     """``draws`` simulated runs per measured repeat of ``cond`` (same seed offset and prompt lengths; a
     sessions workload with the lengths its file recorded, as the bench replayed them), each draw with its
     own step-noise seed (the first the workload's); the scheduler from the condition's serve flags
-    (``bench sweep``) or else the server's applied config (``bench run``)."""
+    (``bench sweep``) or else the server's applied config (``bench run``). ``replay_front``: each request
+    reaches the engine when the measured front handed it over (:func:`handover_delays`), not through the
+    profile's front model, so what is left of an error is the engine model's."""
     flags = cond.get("flags")
     sched = sched_config(flags, cond.get("applied")) if flags else applied_config(cond.get("applied"))
     pool = condition_pool(profile, sched.max_num_seqs, flags, cond.get("applied"))
@@ -158,6 +184,8 @@ def simulate_condition(profile: Profile, cond: dict, workload: Workload, max_dur
         if workload.kind != "sessions":  # a sessions file holds each request's lengths; its request ids are in send order
             kw |= dict(prompt_lengths=prompt_lengths(measured), send_delays=send_delays(measured),
                        output_lengths=output_lengths(measured, exact=workload.output_dist != "eos"))
+        if replay_front:
+            kw["handover_delays"] = handover_delays(measured)
         for k in range(draws):
             seed = None if k == 0 else f"{w.seed}/draw{k}"
             if cluster is None:
@@ -217,9 +245,11 @@ def rel_error(simulated: float, measured: float) -> float:
     return (simulated - measured) / measured
 
 
-def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float = 3600.0, draws: int = 1) -> list[dict]:
+def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float = 3600.0, draws: int = 1,
+            replay_front: bool = False) -> list[dict]:
     """Rows of simulated vs measured figures for every measured condition of ``docs``
-    (``(source path, bench result document)`` pairs); ``draws`` simulated runs per measured repeat.
+    (``(source path, bench result document)`` pairs); ``draws`` simulated runs per measured repeat;
+    ``replay_front``: the measured handovers replayed (:func:`simulate_condition`).
 
     Raises:
         CompareError: a document that is not a bench result or has no measured condition.
@@ -228,7 +258,7 @@ def compare(profile: Profile, docs: list[tuple[str, dict]], max_duration: float 
     for path, doc in docs:
         check_measured(path, doc)
         try:
-            rows += _doc_rows(profile, path, doc, max_duration, draws)
+            rows += _doc_rows(profile, path, doc, max_duration, draws, replay_front)
         except CompareError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
@@ -244,7 +274,7 @@ def check_measured(path: str, doc) -> None:
         raise CompareError(f"{path}: a {doc['kind']!r} document is simulated, not measured")
 
 
-def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float, draws: int) -> list[dict]:
+def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float, draws: int, replay_front: bool) -> list[dict]:
     try:
         w = Workload.from_dict(doc["workload"])
     except TypeError as exc:
@@ -254,7 +284,10 @@ def _doc_rows(profile: Profile, path: str, doc: dict, max_duration: float, draws
         raise CompareError(f"{path}: no measured condition to compare")
     rows = []
     for cond in measured_conds:
-        runs = simulate_condition(profile, cond, w, max_duration, draws)
+        try:
+            runs = simulate_condition(profile, cond, w, max_duration, draws, replay_front)
+        except CompareError as exc:
+            raise CompareError(f"{path}: condition {cond['name']!r}: {exc}") from exc
         if any(s.get("error") == "deadline" for r in runs for s in r["samples"]):
             raise CompareError(f"{path}: condition {cond['name']!r}: the simulation ran past --max-duration "
                                f"{max_duration:g} s before every request finished; raise it")
@@ -361,15 +394,16 @@ def _ratio_spread(r: dict, first: dict, key: str) -> tuple[float, float]:
     return (min(vals), max(vals)) if vals else (math.nan, math.nan)
 
 
-def document(profile_path: str, rows: list[dict], command: str, also: tuple[str, list[dict]] | None = None) -> dict:
-    """The comparison result (written as ``PREFIX.json``)."""
+def document(profile_path: str, rows: list[dict], command: str, also: tuple[str, list[dict]] | None = None,
+             replay_front: bool = False) -> dict:
+    """The comparison result (written as ``PREFIX.json``); ``replay_front``: the rows replayed the measured front."""
     from datetime import datetime
 
     from quanta.bench.output import code_version, machine
 
     doc = {"kind": "sim-compare", "created": datetime.now(UTC).isoformat(timespec="seconds"),
            "machine": machine(), "code": code_version(), "command": command, "profile": profile_path,
-           "rows": rows, "summary": summary(rows), "ratios": ratio_rows(rows)}
+           "replay_front": replay_front, "rows": rows, "summary": summary(rows), "ratios": ratio_rows(rows)}
     if also:
         doc["also_profile"], doc["also_rows"], doc["also_summary"] = also[0], also[1], summary(also[1])
     return doc

@@ -99,6 +99,9 @@ def markdown(doc: dict, profiles: dict[str, Profile], title: str) -> str:
            _profile_line("profile", doc["profile"], profiles[doc["profile"]])]
     if "also_profile" in doc:
         out.append(_profile_line("second profile", doc["also_profile"], profiles[doc["also_profile"]]))
+    if doc.get("replay_front"):
+        out.append("- front: replayed (each request reached the simulated engine when the measured front handed it over; "
+                   "the profile's front model priced only the tokens' way back)")
     out += ["", "Each cell: simulated / measured median (measured min-max over repeats) relative error; `out`: the "
             "simulated median is outside the measured min-max, `**miss**`: and more than "
             f"{TOLERANCE:.0%} from the measured median. Steps: prefill calls / decode "

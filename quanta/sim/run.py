@@ -31,7 +31,10 @@ that many seconds after its scheduled time (e.g. the bench client's
 measured ``sent - scheduled``: a burst's requests arrive spread over some
 milliseconds, not at one instant). It reaches the engine when sent, or with a
 front model (:mod:`quanta.sim.front`) later, when it has crossed the model's
-two stages: the loop's in send order, then the first free tokenizing thread's. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
+two stages: the loop's in send order, then the first free tokenizing thread's; or,
+with ``handover_delays``, that many seconds after its scheduled time (not before it
+is sent; entries None and requests past the end take the front model): a measured
+front replayed, as ``quanta simulate --compare --replay-front`` does. KV blocks: ``pool`` (:mod:`quanta.sim.pool`),
 the budget and prefix sharing ``quanta serve`` would have, so admission waits
 for blocks and a short pool preempts and recomputes as in the engine; without
 it, a pool that never runs short, with prefix sharing when ``prefix_cache``.
@@ -84,13 +87,15 @@ class Simulation:
                  max_duration: float = 3600.0, output_lengths: list[int] | None = None,
                  executor=None, clock=None, prefix_cache: bool = False,
                  prompt_lengths: list[int] | None = None, send_delays: list[float] | None = None,
-                 pool: PoolSpec | None = None, noise_seed: int | str | None = None) -> None:
+                 pool: PoolSpec | None = None, noise_seed: int | str | None = None,
+                 handover_delays: list[float | None] | None = None) -> None:
         self.profile, self.sched, self.w = profile, sched, w
         self.noise_seed = w.seed if noise_seed is None else noise_seed
         self.tpw, self.max_duration = tokens_per_word, max_duration
         self.output_lengths = output_lengths or []
         self.prompt_lengths = prompt_lengths or []
         self.send_delays = send_delays or []
+        self.handover_delays = handover_delays or []
         self.rng = random.Random(w.seed)
         self.clock = clock or VirtualClock()
         self.executor = executor or CostModelExecutor(profile, self.clock, seed=self.noise_seed)
@@ -142,11 +147,17 @@ class Simulation:
         """Requests sent by now enter the front in the order they were sent and cross its two stages
         (quanta.sim.front): the loop's, :meth:`FrontModel.loop_delay` after the send (its noise drawn with this
         run's noise seed) and not before one sent earlier; then the first free tokenizing thread's,
-        :meth:`FrontModel.tokenize_s`, after which the request is handed to the engine."""
+        :meth:`FrontModel.tokenize_s`, after which the request is handed to the engine. A request with a
+        replayed handover (``handover_delays``) skips the stages and is handed over then."""
         stages = self._front_stages
         while self._pending and self._pending[0][0] <= self.clock.t:
             r = heapq.heappop(self._pending)[2]
-            r.submitted_at = stages.cross(r.sent_at, r.prompt_len) if stages else r.sent_at
+            i = r.sample.id
+            replayed = self.handover_delays[i] if i < len(self.handover_delays) else None
+            if replayed is not None:
+                r.submitted_at = max(r.sent_at, r.sample.scheduled + replayed)
+            else:
+                r.submitted_at = stages.cross(r.sent_at, r.prompt_len) if stages else r.sent_at
             heapq.heappush(self._front, (r.submitted_at, next(self._order), r))
 
     def _handed_over(self) -> list[_Req]:
