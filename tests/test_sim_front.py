@@ -21,7 +21,7 @@ from quanta.engine.engine import Engine
 from quanta.engine.executor import Executor, StepResult
 from quanta.engine.sampling import SamplingParams
 from quanta.sim import Profile, ProfileError
-from quanta.sim.front import FrontModel, fit_front, paired, reordered_share
+from quanta.sim.front import FrontModel, burst_places, fit_front, paired, reordered_share
 from quanta.sim.run import simulate
 
 BASE = Profile(prefill_points=[(8, 3e-3), (256, 1e-3)], decode_points=[(1, 0.03), (8, 0.04)], overhead_s=0.005)
@@ -93,6 +93,38 @@ def test_the_fit_recovers_a_known_front_from_simulated_runs():
     assert m.fit["requests"] == 72 and m.fit["runs_left_out"] == 0 and m.fit["residual_p90_s"] < 1e-6
 
 
+BURSTS = Workload(kind="burst", num_requests=12, prompt_words=300, prompt_dist="uniform:0.9", max_tokens=4)
+LOOPED = FrontModel(request_s=0.006, prompt_token_s=2e-6, response_s=0.0015, loop_s=0.002)
+
+
+def test_a_burst_leaves_the_loop_one_request_at_a_time():
+    stages = LOOPED.stages()
+    handed = [stages.cross(1.0, n) for n in (300, 300, 300)]
+    assert handed == pytest.approx([1.0 + LOOPED.request_s + 6e-4 + k * LOOPED.loop_s for k in range(3)])
+    # a prompt 1,500 tokens longer falls back behind the next one; 300 tokens longer keeps its place
+    a, b = (lambda st: (st.cross(2.0, 1800), st.cross(2.0, 300)))(LOOPED.stages())
+    c, d = (lambda st: (st.cross(2.0, 600), st.cross(2.0, 300)))(LOOPED.stages())
+    assert b < a and c < d
+    no_loop = FrontModel(request_s=0.006, prompt_token_s=2e-6).stages()
+    e, f = no_loop.cross(2.0, 600), no_loop.cross(2.0, 300)
+    assert f < e  # without loop_s a burst leaves the loop at once and the shorter prompt passes
+
+
+def test_burst_places_count_the_requests_sent_ahead_within_the_burst():
+    assert burst_places([0.0, 0.001, 0.004, 0.0095, 0.5, 0.503, 0.2]) == [0, 1, 2, 0, 0, 1, 0]
+
+
+def test_the_fit_separates_the_loops_queue_from_the_per_token_term():
+    runs = [simulate(with_front(LOOPED), SCHED, Workload(**{**BURSTS.__dict__, "seed": s})) for s in range(3)]
+    m = fit_front(runs)
+    assert m.loop_s == pytest.approx(LOOPED.loop_s, rel=1e-3)
+    assert m.prompt_token_s == pytest.approx(LOOPED.prompt_token_s, rel=1e-3)
+    assert m.request_s == pytest.approx(LOOPED.request_s, rel=1e-3) and m.fit["residual_p90_s"] < 1e-6
+    assert Profile.from_dict(json.loads(json.dumps(with_front(m).to_dict()))).front.loop_s == m.loop_s
+    pooled = fit_front(runs, loop=False)  # the sizes alone cannot say how long a request queued in the loop
+    assert pooled.loop_s == 0 and pooled.fit["residual_median_s"] > 1e-3
+
+
 def test_runs_that_cannot_be_paired_are_left_out():
     run = simulate(with_front(FRONT), SCHED, WORK)
     assert paired(run) is not None
@@ -105,7 +137,7 @@ def test_runs_that_cannot_be_paired_are_left_out():
 def test_a_profile_keeps_its_front_and_refuses_a_bad_one():
     d = with_front(FRONT).to_dict()
     assert Profile.from_dict(json.loads(json.dumps(d))).front == FRONT
-    for bad in ({"request_s": -1.0}, {"prompt_token_s": 1.0}, "fast"):
+    for bad in ({"request_s": -1.0}, {"prompt_token_s": 1.0}, {"request_s": 0.01, "loop_s": -0.001}, "fast"):
         with pytest.raises(ProfileError, match="front"):
             Profile.from_dict({**d, "front": bad})
 

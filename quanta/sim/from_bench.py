@@ -125,7 +125,8 @@ def _front_line(front) -> str:
     if front is None:
         return "front: not fitted (no run recorded a client clock origin and the trace's arrivals on one host)"
     f = front.fit
-    line = (f"front: {front.request_s * 1e3:.2f} ms + {front.prompt_token_s * 1e6:.2f} us per prompt token to the engine, "
+    line = (f"front: {front.request_s * 1e3:.2f} ms + {front.prompt_token_s * 1e6:.2f} us per prompt token "
+            f"+ {front.loop_s * 1e3:.2f} ms per request ahead in its burst to the engine, "
             f"{front.response_s * 1e3:.2f} ms back a token ({f['requests']} requests, {f['chunks']} chunks; "
             f"|error| median {f['residual_median_s'] * 1e3:.2f} ms, p90 {f['residual_p90_s'] * 1e3:.2f} ms")
     if f.get("check", {}).get("requests"):
