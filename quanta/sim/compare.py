@@ -140,7 +140,7 @@ def handover_delays(run: dict) -> list[float | None]:
     if pairs is None:
         raise CompareError("--replay-front: a measured repeat's requests cannot be paired with its server trace's "
                            "arrivals (no clock origin, no trace, or counts that differ)")
-    delays: list[float | None] = [None] * len(run["samples"])
+    delays: list[float | None] = [None] * (1 + max((s["id"] for s in run["samples"]), default=-1))
     for s, a in pairs:
         delays[s["id"]] = a[1] - s["scheduled"]
     return delays
