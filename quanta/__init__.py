@@ -22,4 +22,13 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # decode 42.6-43.8 -> 35.7-38.5 ms a token. A value the user set (0 turns it off) wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+# oneDNN reads ONEDNN_MAX_CPU_ISA at its first primitive: capped at AVX512_CORE_BF16, a host with AMX
+# (Intel Sapphire Rapids and later: amx_bf16) runs bf16 linears on the AVX-512 bf16 kernels, not the AMX
+# tile kernels. Those sum a row in an order that depends on how many rows the call has (on a 2-core Xeon
+# VM with amx_bf16, a (576, 1536) weight: calls of 13-17 and 31 rows gave other bits than the same rows in
+# a 300-row call), which breaks what tests/test_batch_invariance.py holds every kernel to: a prompt row's
+# result does not depend on the rows beside it. Hosts below the cap (AVX2, AVX-512 without AMX) are not
+# affected. A value the user set wins.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
 __version__ = "0.1.0"
