@@ -17,7 +17,6 @@ benchmarks/results/sim_holdout_avx512{,b,c}``
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,11 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quanta.bench.output import machine, machine_text  # noqa: E402
 from quanta.sim.compare import FIGURES  # noqa: E402
 from quanta.sim.front import fit_front  # noqa: E402
-from script_result import provenance, write_result  # noqa: E402
-from sim_front_sendorder import FILES, quanta  # noqa: E402
+from script_result import header, provenance, write_result  # noqa: E402
+from sim_front_sendorder import FILES, held_out_parser, quanta, work_dir  # noqa: E402
 
 #: the fronts compared, in table order: (key, label)
 FRONTS = (("loop", "loop queue"), ("pooled", "no loop queue"))
@@ -103,33 +101,18 @@ def markdown(summaries: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("prefixes", nargs="+", metavar="PREFIX", help="a run prefix of benchmarks/sim_holdout.sh")
-    ap.add_argument("--kind", choices=sorted(FILES), default="single")
-    ap.add_argument("--draws", type=int, default=4)
-    ap.add_argument("--work", default="/tmp/sim_front_loop", help="where the profiles and comparisons go")
-    ap.add_argument("--quanta", default=str(REPO / ".venv/bin/quanta"))
-    ap.add_argument("--out", help="write OUT.md and OUT.json")
+    ap = held_out_parser(__doc__.split("\n")[0], 4, "/tmp/sim_front_loop")
     args = ap.parse_args(argv)
-    if args.draws < 1:
-        ap.error("--draws must be >= 1")
-    missing = [f"{p}_{f}.json" for p in args.prefixes for f in sum(FILES[args.kind], []) if not Path(f"{p}_{f}.json").is_file()]
-    if missing:
-        ap.error(f"missing: {', '.join(missing)}")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(ap, args)
     summaries = [run_one(p, args.kind, work, args.draws, args.quanta) for p in args.prefixes]
     table = markdown(summaries)
     print(table)
     if args.out:
         meta = provenance("sim_front_loop.py", argv)
-        write_result(args.out, f"# The held-out runs with and without the front's loop queue\n\n"
-                     f"- date: {meta['created']}\n- command: `{meta['command']}`\n- code: {meta['code']}\n"
-                     f"- machine: {machine_text(machine())}\n\nEach cell: TTFT p50 / p99, simulated / measured "
-                     f"median - 1; misses: figures outside the measured min-max and more than 10% off.\n\n{table}\n",
-                     {"kind": "sim_front_loop", "runs": summaries}, meta)
+        write_result(args.out, header("The held-out runs with and without the front's loop queue", meta)
+                     + f"\nEach cell: TTFT p50 / p99, simulated / measured median - 1; misses: figures outside the "
+                     f"measured min-max and more than 10% off.\n\n{table}\n", {"kind": "sim_front_loop", "runs": summaries}, meta)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,9 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's quanta, before an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quanta.bench.output import machine, machine_text  # noqa: E402
 from quanta.sim.compare import FIGURES  # noqa: E402
-from script_result import provenance, write_result  # noqa: E402
+from script_result import header, provenance, write_result  # noqa: E402
 
 #: the workloads a run prefix holds, by kind: (fitted files, checked files)
 FILES = {"single": (["fit_x4", "fit_x2", "fit_probe"], ["check_x4", "check_x2", "check_probe"]),
@@ -43,6 +42,32 @@ def send_order(profile: dict, fold_tokens: int) -> dict:
     f["request_s"] += f["prompt_token_s"] * fold_tokens
     f["prompt_token_s"] = 0.0
     return p
+
+
+def held_out_parser(description: str, draws: int, work: str) -> argparse.ArgumentParser:
+    """The command line the held-out re-fitting scripts share: run prefixes, ``--kind``, ``--draws``,
+    ``--work``, ``--quanta``, ``--out``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("prefixes", nargs="+", metavar="PREFIX", help="a run prefix of benchmarks/sim_holdout.sh")
+    ap.add_argument("--kind", choices=sorted(FILES), default="single")
+    ap.add_argument("--draws", type=int, default=draws)
+    ap.add_argument("--work", default=work, help="where the profiles and comparisons go")
+    ap.add_argument("--quanta", default=str(REPO / ".venv/bin/quanta"))
+    ap.add_argument("--out", help="write OUT.md and OUT.json")
+    return ap
+
+
+def work_dir(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """``--work``, made, once ``--draws`` is checked and every run file of ``args.prefixes`` is there (else
+    ``ap.error``: exit 2, before any fit)."""
+    if args.draws < 1:
+        ap.error("--draws must be >= 1")
+    missing = [f"{p}_{f}.json" for p in args.prefixes for f in sum(FILES[args.kind], []) if not Path(f"{p}_{f}.json").is_file()]
+    if missing:
+        ap.error(f"missing: {', '.join(missing)}")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def quanta(args: list[str], quanta_bin: str) -> None:
@@ -99,34 +124,21 @@ def markdown(summaries: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("prefixes", nargs="+", metavar="PREFIX", help="a run prefix of benchmarks/sim_holdout.sh")
-    ap.add_argument("--kind", choices=sorted(FILES), default="single")
+    ap = held_out_parser(__doc__.split("\n")[0], 5, "/tmp/sim_front_sendorder")
     ap.add_argument("--fold-tokens", type=int, default=200, help="prompt tokens the per-token term is folded in at")
-    ap.add_argument("--draws", type=int, default=5)
-    ap.add_argument("--work", default="/tmp/sim_front_sendorder", help="where the profiles and comparisons go")
-    ap.add_argument("--quanta", default=str(REPO / ".venv/bin/quanta"))
-    ap.add_argument("--out", help="write OUT.md and OUT.json")
     args = ap.parse_args(argv)
     if args.fold_tokens < 0 or args.draws < 1:
         ap.error("--fold-tokens must be >= 0 and --draws >= 1")
-    missing = [f"{p}_{f}.json" for p in args.prefixes for f in sum(FILES[args.kind], []) if not Path(f"{p}_{f}.json").is_file()]
-    if missing:
-        ap.error(f"missing: {', '.join(missing)}")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(ap, args)
     summaries = [run_one(p, args.kind, work, args.fold_tokens, args.draws, args.quanta) for p in args.prefixes]
     table = markdown(summaries)
     print(table)
     if args.out:
         meta = provenance("sim_front_sendorder.py", argv)
-        write_result(args.out, f"# The held-out runs with the two-stage front and a send-order front\n\n"
-                     f"- date: {meta['created']}\n- command: `{meta['command']}`\n- code: {meta['code']}\n"
-                     f"- machine: {machine_text(machine())}\n\nTTFT p50: simulated / measured median - 1; "
-                     f"misses: figures outside the measured min-max and more than 10% off.\n\n{table}\n",
-                     {"kind": "sim_front_sendorder", "runs": summaries}, meta)
+        write_result(args.out, header("The held-out runs with the two-stage front and a send-order front", meta)
+                     + f"\nTTFT p50: simulated / measured median - 1; misses: figures outside the measured min-max "
+                     f"and more than 10% off.\n\n{table}\n", {"kind": "sim_front_sendorder", "runs": summaries}, meta)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

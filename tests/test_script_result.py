@@ -20,3 +20,11 @@ def test_the_json_carries_the_command_date_code_and_machine_beside_the_document(
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["rows"] == [1, 2] and doc["command"] == meta["command"] and doc["created"] == meta["created"]
     assert doc["machine"]["logical_cores"] >= 1
+
+
+def test_the_markdown_header_names_the_date_command_code_and_machine():
+    meta = {"created": "2026-12-07T00:00:00+00:00", "command": "python benchmarks/x.py", "code": "abc1234"}
+    lines = script_result.header("A title", meta).splitlines()
+    assert lines[:5] == ["# A title", "", "- date: 2026-12-07T00:00:00+00:00", "- command: `python benchmarks/x.py`",
+                         "- code: abc1234"]
+    assert lines[5].startswith("- machine: ") and "logical cores" in lines[5] and len(lines) == 6
